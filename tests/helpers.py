@@ -1,0 +1,62 @@
+"""Shared test helpers: build a one-op Relax module, run it on llvm, compare per dtype."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+import tvm
+from tvm import relax
+
+import tvm_fuel
+
+# (atol, rtol) of an op's float output against the float64 reference on the same (rounded) inputs:
+# the floor accumulates in float32, so the output rounding of the dtype dominates.
+TOLERANCE = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def randn(rng: np.random.Generator, shape, dtype: str = "float32", scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(NP_DTYPE.get(dtype, dtype))
+
+
+def build(make: Callable[..., relax.Expr], params: Mapping[str, tuple], *, target="llvm") -> tvm.IRModule:
+    """A module whose ``main(**params)`` returns ``make(**vars)``; params map name -> (shape, dtype)."""
+    bb = relax.BlockBuilder()
+    variables = {name: relax.Var(name, relax.TensorType(shape, dtype)) for name, (shape, dtype) in params.items()}
+    with bb.function("main", list(variables.values())):
+        with bb.dataflow():
+            result = bb.emit_output(make(**variables))
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def _flatten(value) -> list[np.ndarray]:
+    if isinstance(value, tvm.runtime.Tensor):
+        return [value.numpy()]
+    return [array for item in value for array in _flatten(item)]
+
+
+class Runner:
+    """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
+
+    def __init__(self, mod: tvm.IRModule, target="llvm"):
+        self.vm = relax.VirtualMachine(tvm_fuel.compile(mod, target), tvm.cpu())
+
+    def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
+        return _flatten(self.vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]))
+
+
+def run(make: Callable[..., relax.Expr], inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Build ``make`` over static-shape inputs, compile for llvm and run it once."""
+    params = {name: (a.shape, str(a.dtype)) for name, a in inputs.items()}
+    return Runner(build(make, params))(*inputs.values())
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, *, scale: float = 1.0, what: str = ""):
+    """Per-dtype comparison; ``scale`` widens the tolerance for outputs that sum many terms."""
+    atol, rtol = TOLERANCE[dtype]
+    actual = np.asarray(actual).astype(np.float64)
+    assert not np.isnan(actual).any(), f"{what}: NaN in the output"
+    np.testing.assert_allclose(actual, expected, atol=atol * scale, rtol=rtol * scale, err_msg=what)

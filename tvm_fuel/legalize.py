@@ -1,0 +1,107 @@
+"""Legalization (``FLegalize``) of the fuel ops to the TE decomposition: the correctness floor.
+
+Each rule is a thin adapter: read the call's arguments and config, and emit ``bb.call_te`` on the
+matching function of ``tvm_fuel.decompose``. Paged attention first runs a small host-side check
+of the block table and context lengths on CPU targets, so a bad live block id or an oversized
+context raises a runtime error instead of reading out of bounds.
+
+Contents:
+    LEGALIZE -- op name -> legalization function ``(bb, call) -> relax.Expr``
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tvm
+from tvm import relax
+from tvm.script import tirx as T
+
+from . import decompose
+from .config import AttnConfig
+from .op import SPECS
+
+
+def _config(name: str, call: relax.Call) -> AttnConfig:
+    return AttnConfig.from_attrs(SPECS[name].label, call.attrs)
+
+
+def _flash_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = SPECS["flash_attn"].split_args(call)
+    fn = functools.partial(decompose.flash_attn, cfg=_config("flash_attn", call),
+                           return_lse=bool(call.attrs["return_lse"]))
+    return bb.call_te(fn, a["q"], a["k"], a["v"], a["alibi_slopes"], a["attn_mask"],
+                      primfunc_name_hint="fuel_flash_attn")
+
+
+def _backward(name: str):
+    suffix = name.rsplit("_", 1)[-1]
+    grads = ("dq", "dk", "dv") if suffix == "backward" else ("d" + suffix,)
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        a = SPECS[name].split_args(call)
+        fn = functools.partial(decompose.flash_attn_backward, cfg=_config(name, call), grads=grads)
+        return bb.call_te(fn, a["q"], a["k"], a["v"], a["do"], a["alibi_slopes"], a["attn_mask"], a["out"],
+                          a["lse"], primfunc_name_hint=f"fuel_{name}")
+
+    return legalize
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_check_func(cache_dtype: str, table_dtype: str, lens_dtype: str) -> tvm.tirx.PrimFunc:
+    """A host PrimFunc that validates the live part of the block table and returns context_lens."""
+
+    # fmt: off
+    @T.prim_func
+    def fuel_paged_attn_check(k_cache: T.handle, block_table: T.handle, context_lens: T.handle,
+                              checked_lens: T.handle):
+        num_blocks, block_size, hkv, d = T.int64(), T.int64(), T.int64(), T.int64()
+        batch, max_blocks = T.int64(), T.int64()
+        T.match_buffer(k_cache, (num_blocks, block_size, hkv, d), cache_dtype)
+        table = T.match_buffer(block_table, (batch, max_blocks), table_dtype)
+        lens = T.match_buffer(context_lens, (batch,), lens_dtype)
+        out = T.match_buffer(checked_lens, (batch,), lens_dtype)
+        for b in range(batch):
+            assert T.Cast("int64", lens[b]) >= T.int64(0) and T.Cast("int64", lens[b]) <= max_blocks * block_size, \
+                "fuel.paged_attn: context_lens[b] must be in [0, max_blocks * block_size] (the block table's capacity)"
+            for n in range(max_blocks):
+                if n * block_size < T.Cast("int64", lens[b]):
+                    assert T.Cast("int64", table[b, n]) >= T.int64(0) and T.Cast("int64", table[b, n]) < num_blocks, \
+                        "fuel.paged_attn: block_table[b, n] of a live block must be a block id in [0, num_blocks)"
+            out[b] = lens[b]
+    # fmt: on
+
+    return fuel_paged_attn_check
+
+
+def _on_gpu() -> bool:
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and "gpu" in [str(key) for key in target.keys]
+
+
+def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = SPECS["paged_attn"].split_args(call)
+    lens = a["context_lens"]
+    if not _on_gpu():  # device kernels cannot assert; there the decomposition only clamps
+        check = _paged_check_func(str(a["k_cache"].ty.dtype), str(a["block_table"].ty.dtype), str(lens.ty.dtype))
+        gvar = bb.add_func(check, "fuel_paged_attn_check")
+        lens = bb.emit(relax.call_tir(gvar, [a["k_cache"], a["block_table"], lens], out_ty=lens.ty))
+    fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
+    return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
+                      primfunc_name_hint="fuel_paged_attn")
+
+
+def _softmax_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    fn = functools.partial(decompose.softmax_backward, axis=int(call.attrs["axis"]))
+    return bb.call_te(fn, call.args[0], call.args[1], primfunc_name_hint="fuel_softmax_backward")
+
+
+LEGALIZE = {
+    "flash_attn": _flash_attn,
+    "flash_attn_backward": _backward("flash_attn_backward"),
+    "flash_attn_backward_q": _backward("flash_attn_backward_q"),
+    "flash_attn_backward_k": _backward("flash_attn_backward_k"),
+    "flash_attn_backward_v": _backward("flash_attn_backward_v"),
+    "paged_attn": _paged_attn,
+    "softmax_backward": _softmax_backward,
+}

@@ -1,0 +1,260 @@
+"""Relax constructors of the fuel ops (``tvm_fuel.op``).
+
+Each constructor returns a ``relax.Call`` to an operator registered as ``relax.fuel.<name>``, so it
+prints as ``R.fuel.<name>(...)``. Type inference lives in ``tvm_fuel.infer``, the decomposition to
+TE in ``tvm_fuel.legalize`` / ``tvm_fuel.decompose``.
+
+Shapes (used identically everywhere): q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; Hq % Hkv == 0 and
+query head h reads KV head h // (Hq / Hkv). Paged caches are [num_blocks, block_size, Hkv, D].
+Dtypes: q, k, v, do float32, float16 or bfloat16 (all alike); accumulation is float32.
+
+Optional tensor arguments are kept in the call's argument list only when given; a ``has_<name>``
+attribute records which are present, so a printed call parses back unambiguously.
+
+Contents:
+    flash_attn, flash_attn_backward, flash_attn_backward_q, flash_attn_backward_k,
+    flash_attn_backward_v, paged_attn, softmax_backward, OpSpec, SPECS
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tvm import relax
+from tvm.ir import Op
+
+from .config import AttnConfig
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """A fuel op's identity: its registered name, its argument names, and its extra attributes."""
+
+    name: str
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    attention: bool = True  # carries the AttnConfig attributes
+
+    @property
+    def op_name(self) -> str:
+        return f"relax.fuel.{self.name}"
+
+    @property
+    def label(self) -> str:
+        """How errors name the op."""
+        return f"fuel.{self.name}"
+
+    def split_args(self, call: relax.Call) -> dict[str, Any]:
+        """Map argument names to the call's arguments (None for an absent optional one)."""
+        present = [opt for opt in self.optional if bool(call.attrs[f"has_{opt}"])]
+        names = list(self.required) + present
+        if len(call.args) != len(names):
+            raise ValueError(f"{self.label}: expected the arguments {names}, got {len(call.args)} arguments")
+        found = dict(zip(names, call.args))
+        return {name: found.get(name) for name in self.required + self.optional}
+
+    def make_call(self, args: Mapping[str, Any], attrs: Mapping[str, Any]) -> relax.Call:
+        """Build the call from named arguments (optional ones may be None) and attributes."""
+        for name in self.required:
+            if args.get(name) is None:
+                raise ValueError(f"{self.label}: argument {name!r} is required")
+        call_args = [args[name] for name in self.required]
+        all_attrs = dict(attrs)
+        for name in self.optional:
+            all_attrs[f"has_{name}"] = args.get(name) is not None
+            if args.get(name) is not None:
+                call_args.append(args[name])
+        for i, arg in enumerate(call_args):
+            if not isinstance(arg, relax.Expr):
+                name = (list(self.required) + [o for o in self.optional if args.get(o) is not None])[i]
+                raise TypeError(f"{self.label}: argument {name!r} must be a Relax expression, got {type(arg).__name__}")
+        return relax.Call(Op.get(self.op_name), call_args, attrs=all_attrs)
+
+
+_BWD_ARGS = dict(required=("q", "k", "v", "do"), optional=("alibi_slopes", "attn_mask", "out", "lse"))
+
+SPECS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("flash_attn", ("q", "k", "v"), ("alibi_slopes", "attn_mask")),
+        OpSpec("flash_attn_backward", **_BWD_ARGS),
+        OpSpec("flash_attn_backward_q", **_BWD_ARGS),
+        OpSpec("flash_attn_backward_k", **_BWD_ARGS),
+        OpSpec("flash_attn_backward_v", **_BWD_ARGS),
+        OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"), ("alibi_slopes",)),
+        OpSpec("softmax_backward", ("probs", "dprobs"), attention=False),
+    )
+}
+
+
+def _attn_attrs(op: str, **options) -> dict[str, Any]:
+    return AttnConfig.create(f"fuel.{op}", **options).to_attrs()
+
+
+def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
+               window_size=(-1, -1), softcap=0.0, return_lse=False) -> relax.Call:
+    """Fused scaled-dot-product attention (FlashAttention-2 semantics).
+
+    Parameters
+    ----------
+    q : relax.Expr
+        shape: [B, Hq, Sq, D], dtype: float32, float16 or bfloat16.
+    k, v : relax.Expr
+        shape: [B, Hkv, Sk, D], dtype: as q. Hq must be a multiple of Hkv (GQA/MQA).
+    alibi_slopes : relax.Expr, optional
+        shape: [Hq], dtype: float32. Adds ``-slope_h * |i + Sk - Sq - j|`` to each logit.
+    attn_mask : relax.Expr, optional
+        bool (True = attend) or float (added to the logits), broadcastable to [B, Hq, Sq, Sk].
+    softmax_scale : float, optional
+        Logit scale; defaults to ``1 / sqrt(D)``.
+    causal : bool
+        Bottom-right aligned causal mask (``window_size[1] = 0``).
+    window_size : (int, int)
+        (left, right) sliding window around the bottom-right diagonal; -1 is unbounded.
+    softcap : float
+        When > 0, logits become ``softcap * tanh(logit / softcap)`` before bias and masking.
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each row.
+
+    Returns
+    -------
+    out : relax.Call
+        shape: [B, Hq, Sq, D], dtype: as q. A row with no visible key is 0. With ``return_lse``
+        the tuple ``(out, lse)``, lse shape: [B, Hq, Sq], dtype: float32, ``-inf`` for such rows.
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> q = relax.Var("q", relax.TensorType((1, 8, 17, 64), "float16"))
+    >>> kv = relax.TensorType((1, 2, 97, 64), "float16")
+    >>> call = op.flash_attn(q, relax.Var("k", kv), relax.Var("v", kv), causal=True, return_lse=True)
+    """
+    attrs = _attn_attrs("flash_attn", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap)
+    attrs["return_lse"] = bool(return_lse)
+    return SPECS["flash_attn"].make_call(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask),
+                                         attrs)
+
+
+def _backward_op(name: str, doc: str):
+    """A backward constructor; the four share one signature and differ only in what they return."""
+    spec = SPECS[name]
+
+    def constructor(q, k, v, do, alibi_slopes=None, attn_mask=None, *, out=None, lse=None, softmax_scale=None,
+                    causal=False, window_size=(-1, -1), softcap=0.0) -> relax.Call:
+        attrs = _attn_attrs(name, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            softcap=softcap)
+        return spec.make_call(
+            dict(q=q, k=k, v=v, do=do, alibi_slopes=alibi_slopes, attn_mask=attn_mask, out=out, lse=lse), attrs)
+
+    constructor.__name__ = constructor.__qualname__ = name
+    constructor.__doc__ = doc
+    return constructor
+
+
+flash_attn_backward = _backward_op("flash_attn_backward", """Gradients ``(dq, dk, dv)`` of ``flash_attn`` for the output gradient ``do``.
+
+    Parameters
+    ----------
+    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap :
+        As for ``flash_attn``.
+    do : relax.Expr
+        shape: [B, Hq, Sq, D], dtype: as q. The gradient of the loss w.r.t. ``out``.
+    out : relax.Expr, optional
+        shape: [B, Hq, Sq, D], dtype: as q. The forward's output; with it ``D = rowsum(do * out)``.
+    lse : relax.Expr, optional
+        shape: [B, Hq, Sq], dtype: float32. The forward's log-sum-exp; without it the softmax
+        state is recomputed.
+
+    Returns
+    -------
+    grads : relax.Call
+        The tuple ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``. For GQA, dk and dv sum
+        over the query heads of each group. Masks and ALiBi get no gradient.
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> t = relax.TensorType((2, 6, 17, 40), "float32")
+    >>> q, do = relax.Var("q", t), relax.Var("do", t)
+    >>> k = relax.Var("k", relax.TensorType((2, 2, 17, 40), "float32"))
+    >>> grads = op.flash_attn_backward(q, k, k, do, causal=True)
+    """)
+flash_attn_backward_q = _backward_op(
+    "flash_attn_backward_q", """``dq`` alone (shape and dtype of q); arguments as ``flash_attn_backward``.""")
+flash_attn_backward_k = _backward_op(
+    "flash_attn_backward_k", """``dk`` alone (shape and dtype of k); arguments as ``flash_attn_backward``.""")
+flash_attn_backward_v = _backward_op(
+    "flash_attn_backward_v", """``dv`` alone (shape and dtype of v); arguments as ``flash_attn_backward``.""")
+
+
+def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
+               causal=False, window_size=(-1, -1), softcap=0.0) -> relax.Call:
+    """Attention of new queries over a paged KV cache (decode: Sq = 1; multi-query: Sq > 1).
+
+    The Sq queries of sequence b are the last Sq tokens of its context of ``context_lens[b]``
+    tokens (their K/V already written to the cache), so query i sits at position
+    ``context_lens[b] - Sq + i``: causal and window masks are aligned to it.
+
+    Parameters
+    ----------
+    q : relax.Expr
+        shape: [B, Hq, Sq, D], dtype: float32, float16 or bfloat16.
+    k_cache, v_cache : relax.Expr
+        shape: [num_blocks, block_size, Hkv, D] (NHD pages), dtype: as q.
+    block_table : relax.Expr
+        shape: [B, max_blocks], dtype: int32 (uint32, int64 accepted). Token t of sequence b lives
+        in block ``block_table[b, t // block_size]`` at offset ``t % block_size``. Entries past the
+        sequence's live blocks are never read and may hold anything (-1 padding, say).
+    context_lens : relax.Expr
+        shape: [B], dtype: int32 (uint32, int64 accepted). 0 <= context_lens[b] <= max_blocks * block_size.
+    alibi_slopes, softmax_scale, causal, window_size, softcap :
+        As for ``flash_attn``.
+
+    Returns
+    -------
+    out : relax.Call
+        shape: [B, Hq, Sq, D], dtype: as q. Rows with no visible key (empty context) are 0.
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> q = relax.Var("q", relax.TensorType((4, 32, 1, 128), "float16"))
+    >>> cache = relax.TensorType((256, 16, 8, 128), "float16")
+    >>> table = relax.Var("block_table", relax.TensorType((4, 64), "int32"))
+    >>> lens = relax.Var("context_lens", relax.TensorType((4,), "int32"))
+    >>> out = op.paged_attn(q, relax.Var("k_cache", cache), relax.Var("v_cache", cache), table, lens)
+    """
+    attrs = _attn_attrs("paged_attn", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap)
+    return SPECS["paged_attn"].make_call(
+        dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, context_lens=context_lens,
+             alibi_slopes=alibi_slopes), attrs)
+
+
+def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:
+    """Gradient of softmax w.r.t. its logits: ``probs * (dprobs - sum(probs * dprobs, axis))``.
+
+    Parameters
+    ----------
+    probs : relax.Expr
+        The softmax output, any shape, dtype float32, float16 or bfloat16.
+    dprobs : relax.Expr
+        The gradient w.r.t. ``probs``; same shape and dtype.
+    axis : int
+        The softmax axis (default: the last).
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> t = relax.TensorType((2, 8, 17, 97), "float32")
+    >>> dlogits = op.softmax_backward(relax.Var("p", t), relax.Var("dp", t))
+    """
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"fuel.softmax_backward: axis must be an int, got {axis!r}")
+    return SPECS["softmax_backward"].make_call(dict(probs=probs, dprobs=dprobs), {"axis": axis})
