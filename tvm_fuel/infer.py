@@ -20,8 +20,12 @@ from .config import FLOAT_DTYPES, INDEX_DTYPES, AttnConfig
 from .op import SPECS, OpSpec
 
 
+def _dim(d) -> str:
+    return str(int(d)) if isinstance(d, tirx.IntImm) else str(d)
+
+
 def _fmt(dims) -> str:
-    return "[" + ", ".join(str(int(d)) if isinstance(d, tirx.IntImm) else str(d) for d in dims) + "]"
+    return "[" + ", ".join(_dim(d) for d in dims) + "]"
 
 
 class _Checker:
@@ -64,7 +68,8 @@ class _Checker:
 
     def expect_dim(self, what: str, name: str, got, ref_name: str, want):
         if self.differ(got, want):
-            raise ValueError(f"{self.op}: {what} of {name!r} ({got}) must equal that of {ref_name!r} ({want})")
+            raise ValueError(
+                f"{self.op}: {what} of {name!r} ({_dim(got)}) must equal that of {ref_name!r} ({_dim(want)})")
 
     def expect_shape(self, name: str, ty, want: Sequence, meaning: str):
         dims = self.dims(ty)

@@ -31,6 +31,8 @@ _ZERO = tirx.const(0.0, "float32")
 
 def as_int64(x):
     """Index arithmetic is done in int64 (Relax shapes are int64; lengths may arrive as int32)."""
+    if isinstance(x, te.TensorSlice):  # t[i] in TE is a slice until converted
+        x = x.asobject()
     return x if str(x.ty) == "int64" else x.astype("int64")
 
 

@@ -1,0 +1,135 @@
+"""Backward: the reference against finite differences, the floor against the reference, and the
+single-gradient variants against the tuple op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close, randn, run
+
+from tvm_fuel import op
+from tvm_fuel import reference as ref
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(3, 1)),
+    "softcap": dict(softcap=2.0, causal=True),
+}
+
+
+def _loss(q, k, v, do, extra, options):
+    return float((ref.flash_attn(q, k, v, *extra, **options) * do).sum())
+
+
+def _finite_difference(arrays, index, extra, options, eps=1e-6):
+    x = arrays[index]
+    grad = np.zeros_like(x)
+    for pos in np.ndindex(x.shape):
+        saved = x[pos]
+        x[pos] = saved + eps
+        plus = _loss(*arrays, extra, options)
+        x[pos] = saved - eps
+        minus = _loss(*arrays, extra, options)
+        x[pos] = saved
+        grad[pos] = (plus - minus) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("case", list(CASES) + ["alibi_mask"])
+@pytest.mark.parametrize("sq,sk", [(3, 5), (5, 3)])
+def test_reference_backward_matches_finite_differences(case, sq, sk):
+    """Tiny float64 shapes, GQA group 2; (5, 3) with causal has fully masked rows."""
+    rng = np.random.default_rng(sq * 10 + sk)
+    q, k, v = rng.standard_normal((1, 4, sq, 3)), rng.standard_normal((1, 2, sk, 3)), rng.standard_normal((1, 2, sk, 3))
+    do = rng.standard_normal((1, 4, sq, 3))
+    extra, options = (), CASES.get(case, dict(causal=True))
+    if case == "alibi_mask":
+        extra = (rng.random(4) * 0.5, rng.standard_normal((sq, sk)))
+    grads = ref.flash_attn_backward(q, k, v, do, *extra, **options)
+    arrays = [q, k, v, do]
+    for index, grad in enumerate(grads):
+        np.testing.assert_allclose(grad, _finite_difference(arrays, index, extra, options), atol=1e-7, rtol=1e-6)
+
+
+def _inputs(rng, B, Hq, Hkv, Sq, Sk, D, dtype):
+    return dict(q=randn(rng, (B, Hq, Sq, D), dtype), k=randn(rng, (B, Hkv, Sk, D), dtype),
+                v=randn(rng, (B, Hkv, Sk, D), dtype), do=randn(rng, (B, Hq, Sq, D), dtype))
+
+
+def _check_floor(inputs, dtype, extra=None, **options):
+    extra = extra or {}
+    got = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, **extra})
+    want = ref.flash_attn_backward(*inputs.values(), extra.get("alibi_slopes"), extra.get("attn_mask"), **options)
+    for name, g, w, src in zip(("dq", "dk", "dv"), got, want, ("q", "k", "v")):
+        assert g.dtype == inputs[src].dtype and g.shape == inputs[src].shape
+        assert_close(g, w, dtype, scale=2.0, what=name)
+    return got
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("sq,sk", [(17, 40), (40, 17), (1, 40)])
+def test_floor_matches_reference(case, sq, sk):
+    rng = np.random.default_rng(sq + sk)
+    _check_floor(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", **CASES[case])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 1)])
+def test_floor_low_precision(dtype, head_dim, group):
+    rng = np.random.default_rng(head_dim)
+    _check_floor(_inputs(rng, 1, group, 1, 17, 33, head_dim, dtype), dtype, causal=True)
+
+
+def test_floor_alibi_masks_softcap():
+    rng = np.random.default_rng(9)
+    inputs = _inputs(rng, 2, 6, 3, 17, 33, 40, "float32")
+    extra = dict(alibi_slopes=(rng.random(6) * 0.3).astype(np.float32),
+                 attn_mask=rng.random((2, 1, 17, 33)) < 0.8)
+    _check_floor(inputs, "float32", extra, softcap=4.0, window_size=(8, 2))
+    extra["attn_mask"] = rng.standard_normal((17, 33)).astype(np.float32)
+    _check_floor(inputs, "float32", extra, causal=True)
+
+
+def test_fully_masked_rows_get_zero_gradient():
+    rng = np.random.default_rng(4)
+    inputs = _inputs(rng, 1, 3, 1, 9, 4, 16, "float32")
+    dq, dk, dv = _check_floor(inputs, "float32", causal=True)
+    assert np.all(dq[:, :, :5] == 0)  # rows i < Sq - Sk see no key
+    # the masked rows' do must not reach dv: changing it leaves dv unchanged
+    inputs["do"][:, :, :5] = 1e3
+    _, _, dv2 = run(lambda **a: op.flash_attn_backward(**a, causal=True), inputs)
+    np.testing.assert_array_equal(dv, dv2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("given", ["out", "lse", "both"])
+def test_forward_state_is_reused(dtype, given):
+    """With out/lse from the forward, the gradients equal the recomputing ones."""
+    rng = np.random.default_rng(2)
+    inputs = _inputs(rng, 1, 4, 2, 17, 33, 64, dtype)
+    options = dict(causal=True, softcap=3.0)
+    fwd = {name: inputs[name] for name in ("q", "k", "v")}
+    out, lse = run(lambda **a: op.flash_attn(**a, **options, return_lse=True), fwd)
+    state = {"out": out, "lse": lse} if given == "both" else {given: {"out": out, "lse": lse}[given]}
+
+    def make(q, k, v, do, **s):
+        return op.flash_attn_backward(q, k, v, do, **s, **options)
+
+    got = run(make, {**inputs, **state})
+    want = ref.flash_attn_backward(*inputs.values(), **options)
+    for g, w in zip(got, want):
+        # out rounded to the dtype enters D = rowsum(do * out): one more rounding than the reference
+        assert_close(g, w, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("variant,index", [("q", 0), ("k", 1), ("v", 2)])
+def test_single_gradient_variants_match_tuple(variant, index):
+    rng = np.random.default_rng(index)
+    inputs = _inputs(rng, 2, 6, 2, 17, 33, 40, "float32")
+    options = dict(causal=True, window_size=(9, -1), softcap=6.0)
+    slopes = (rng.random(6) * 0.2).astype(np.float32)
+    whole = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, "alibi_slopes": slopes})
+    single = getattr(op, f"flash_attn_backward_{variant}")
+    (one,) = run(lambda **a: single(**a, **options), {**inputs, "alibi_slopes": slopes})
+    np.testing.assert_array_equal(one, whole[index])
