@@ -51,13 +51,6 @@ def _scale(cfg: AttnConfig, head_dim) -> tirx.PrimExpr:
     return tirx.const(1.0, F32) / te.sqrt(head_dim.astype(F32))
 
 
-def _mask_at(mask: te.Tensor, b, h, i, j):
-    """``mask`` read with numpy broadcasting against [B, Hq, Sq, Sk]."""
-    full = (b, h, i, j)[4 - len(mask.shape):]
-    idx = [0 if isinstance(n, tirx.IntImm) and int(n) == 1 else x for n, x in zip(mask.shape, full)]
-    return mask[tuple(idx)]
-
-
 def _logits(q, k, cfg: AttnConfig, layout: _Layout, alibi_slopes, attn_mask):
     """(capped, logits): ``softcap(scale * q.k)`` and the final logits with bias and -inf masking."""
     B, Hq, Sq, D = q.shape
@@ -78,7 +71,7 @@ def _logits(q, k, cfg: AttnConfig, layout: _Layout, alibi_slopes, attn_mask):
         if alibi_slopes is not None:
             s = s + sem.alibi_bias(alibi_slopes[h], i, j, delta=layout.delta(b))
         if attn_mask is not None:
-            m = _mask_at(attn_mask, b, h, i, j)
+            m = attn_mask[sem.mask_index(attn_mask.shape, b, h, i, j)]
             if str(attn_mask.dtype) == "bool":
                 visible = tirx.all(visible, m)
             else:

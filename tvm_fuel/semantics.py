@@ -15,11 +15,13 @@ positions of the context, so the diagonal is aligned bottom-right):
 5. softmax over kept keys; a row without a kept key gives 0 and ``lse = -inf``.
 
 Contents:
-    kv_head, keep, softcap, softcap_grad, alibi_bias, masked, NEG_INF,
-    safe_row_max, normalize, log_sum_exp, probability
+    kv_head, keep, softcap, softcap_grad, alibi_bias, masked, mask_index, NEG_INF,
+    safe_row_max, normalize, log_sum_exp, probability, fast_exp, fast_tanh
 """
 
 from __future__ import annotations
+
+import math
 
 from tvm import te, tirx
 
@@ -53,12 +55,15 @@ def keep(cfg: AttnConfig, i, j, *, kv_len, delta):
     return cond
 
 
-def softcap(cfg: AttnConfig, s):
-    """``c * tanh(s / c)`` when ``cfg.softcap > 0``, else ``s`` (float32)."""
+def softcap(cfg: AttnConfig, s, *, fast: bool = False):
+    """``c * tanh(s / c)`` when ``cfg.softcap > 0``, else ``s`` (float32).
+
+    ``fast`` uses ``fast_tanh`` (vectorizes; absolute error ~1e-7 * c) instead of libm's tanh.
+    """
     if cfg.softcap <= 0:
         return s
     c = tirx.const(cfg.softcap, "float32")
-    return c * te.tanh(s / c)
+    return c * (fast_tanh(s / c) if fast else te.tanh(s / c))
 
 
 def softcap_grad(cfg: AttnConfig, capped):
@@ -73,6 +78,12 @@ def alibi_bias(slope, i, j, *, delta):
     """``-slope * |i + delta - j|``, the symmetric (FlashAttention) ALiBi bias."""
     distance = as_int64(i) + as_int64(delta) - as_int64(j)
     return -slope.astype("float32") * tirx.abs(distance).astype("float32")
+
+
+def mask_index(mask_shape, b, h, i, j):
+    """Index of ``attn_mask`` (numpy-broadcast against [B, Hq, Sq, Sk]) for element (b, h, i, j)."""
+    full = (b, h, i, j)[4 - len(mask_shape):]
+    return tuple(0 if isinstance(n, (int, tirx.IntImm)) and int(n) == 1 else x for n, x in zip(mask_shape, full))
 
 
 def masked(visible, logit):
@@ -101,3 +112,31 @@ def log_sum_exp(shift, row_sum):
 def probability(logit, lse):
     """``exp(logit - lse)``, and 0 for rows whose ``lse`` is ``-inf`` (fully masked)."""
     return tirx.Select(lse == NEG_INF, _ZERO, te.exp(logit - lse))
+
+
+_EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def fast_exp(x):
+    """float32 ``exp`` that vectorizes (Cephes' expf: range reduction by ln 2, degree-6 polynomial).
+
+    LLVM lowers a vector ``llvm.exp`` to one libm call per lane; this stays in SIMD registers.
+    Relative error is within a few ulp; ``exp(x)`` is exactly 0 below -87 (so for -inf).
+    """
+    f32 = "float32"
+    clamped = tirx.max(tirx.min(x, tirx.const(88.0, f32)), tirx.const(-87.0, f32))
+    n = tirx.floor(clamped * tirx.const(math.log2(math.e), f32) + tirx.const(0.5, f32))
+    # two-step Cody-Waite reduction: ln 2 = 0.693359375 - 2.12194440e-4 (the first part exact)
+    r = clamped - n * tirx.const(0.693359375, f32) + n * tirx.const(2.12194440e-4, f32)
+    p = tirx.const(1.9875691500e-4, f32)
+    for c in _EXP_POLY:
+        p = p * r + tirx.const(c, f32)
+    poly = p * r * r + r + tirx.const(1.0, f32)
+    two_n = tirx.reinterpret(f32, tirx.shift_left(n.astype("int32") + 127, tirx.const(23, "int32")))
+    return tirx.Select(x < tirx.const(-87.0, f32), _ZERO, poly * two_n)
+
+
+def fast_tanh(x):
+    """``1 - 2 / (exp(2x) + 1)`` on ``fast_exp``: saturates to +-1 exactly, absolute error ~1e-7."""
+    one = tirx.const(1.0, "float32")
+    return one - tirx.const(2.0, "float32") / (fast_exp(x + x) + one)

@@ -1,0 +1,1 @@
+"""CPU (llvm) kernels of the performance path."""

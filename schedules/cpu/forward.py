@@ -1,0 +1,323 @@
+"""CPU forward attention kernels: dense flash attention (with lse) and paged attention.
+
+One task per (batch, KV head, tile of block_q rows), run in parallel across cores. Rows pack the
+query positions and the heads of a GQA group (row = position * group + head-in-group), so a key
+tile is loaded once per group and serves all its query heads. Each task walks only the key tiles
+its rows can see (causal/window bounds and the sequence length), with a FlashAttention-2 online
+softmax; masks are applied per element only on tiles that straddle a boundary. Scratch per task is
+O(block_q * D + block_k * D); no buffer grows with Sq * Sk.
+
+The paged kernel reads its key tiles through the block table (no gather) and stops at
+``context_lens[b]``, so its cost follows the live tokens, not the table's capacity.
+
+Contents:
+    ForwardSpec     -- the static facts of one kernel instance
+    dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
+    paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from ...config import AttnConfig
+from .micro import Micro
+from .tiles import CpuTiles
+
+F32 = "float32"
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """What one forward kernel is specialised on (everything else is a runtime dim)."""
+
+    dtype: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cfg: AttnConfig
+    has_alibi: bool = False
+    mask_dtype: str | None = None  # "bool" (keep) or a float dtype (additive)
+    mask_broadcast: tuple[bool, ...] = ()  # per mask dim (right-aligned to B, Hq, Sq, Sk): size 1
+    return_lse: bool = False
+    block_size: int = 0  # paged only
+    table_dtype: str = "int32"
+    lens_dtype: str = "int32"
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.scale_for(self.head_dim)
+
+    @property
+    def elementwise_logits(self) -> bool:
+        """Whether every score needs a transform (else only boundary tiles are masked)."""
+        return self.cfg.softcap > 0 or self.has_alibi or self.mask_dtype is not None
+
+
+def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
+    """[lo, hi) of the key tiles that rows at query positions first_pos..last_pos can see."""
+    lo = tirx.const(0, "int64")
+    hi = sem.as_int64(kv_len)
+    if cfg.window_left >= 0:
+        lo = tirx.max(lo, first_pos + delta - cfg.window_left)
+    if cfg.window_right >= 0:
+        hi = tirx.min(hi, last_pos + delta + cfg.window_right + 1)
+    tile_lo = tirx.floordiv(lo, block_k)
+    return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_k - 1, block_k))
+
+
+def tile_is_interior(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int):
+    """True when every row of the task sees every key of the tile (no masking needed)."""
+    cond = key_start + block_k <= sem.as_int64(kv_len)
+    if cfg.window_left >= 0:
+        cond = tirx.all(cond, key_start >= last_pos + delta - cfg.window_left)
+    if cfg.window_right >= 0:
+        cond = tirx.all(cond, key_start + block_k - 1 <= first_pos + delta + cfg.window_right)
+    return cond
+
+
+def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
+    """The PrimFunc without the (unused) buffer parameters called ``names``."""
+    keep = [p for p in func.params if p.name not in names]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+class _Body:
+    """The macros of a forward task, specialised to one spec and tile configuration."""
+
+    def __init__(self, spec: ForwardSpec, tiles: CpuTiles):
+        micro = Micro(tiles)
+        cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
+        BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
+        DP = tiles.padded_dim(D)
+        scale = spec.scale
+        mask_dtype = spec.mask_dtype
+
+        def mask_at(mask, b, h, i, j):
+            return mask[sem.mask_index(mask.shape, b, h, i, j)]
+
+        @T.macro
+        def load_queries(Qs, q, b, g, r0, rows):
+            for r in range(BQ):
+                if r0 + r < rows:
+                    for d in range(D):
+                        Qs[r, d] = q[b, g * group + (r0 + r) % group, (r0 + r) // group, d].astype(F32) * T.float32(scale)
+                else:
+                    for d in range(D):
+                        Qs[r, d] = T.float32(0)
+
+        @T.macro
+        def init_state(O, m, l):
+            for r in range(BQ):
+                m[r] = T.float32(float("-inf"))
+                l[r] = T.float32(0)
+                for d in range(DP):
+                    O[r, d] = T.float32(0)
+
+        def _visible(mask, b, h, i, j, kv_len, delta):
+            vis = sem.keep(cfg, i, j, kv_len=kv_len, delta=delta)
+            if mask_dtype == "bool":
+                vis = tirx.all(vis, mask_at(mask, b, h, i, j))
+            return vis
+
+        def _biased(s, alibi, mask, b, h, i, j, delta):
+            s = sem.softcap(cfg, s, fast=True)
+            if spec.has_alibi:
+                s = s + sem.alibi_bias(alibi[h], i, j, delta=delta)
+            if mask_dtype is not None and mask_dtype != "bool":
+                s = s + mask_at(mask, b, h, i, j).astype(F32)
+            return s
+
+        @T.macro
+        def logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta):
+            # softcap, ALiBi, masks and the window/length rule, element by element
+            for r in range(BQ):
+                if r0 + r < rows:
+                    for c in T.vectorized(BK):
+                        S[r, c] = sem.masked(
+                            _visible(mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, kv_len, delta),
+                            _biased(S[r, c], alibi, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, delta))
+
+        @T.macro
+        def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
+                        first_pos, last_pos):
+            micro.gemm(S, Qs, Kt, BQ, BK, D, tiles.key_vecs * L, tiles.key_vecs, False, False)
+            if spec.elementwise_logits:
+                logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
+            else:
+                if not tile_is_interior(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
+                                        kv_len=kv_len, delta=delta, block_k=BK):
+                    logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
+            micro.online_softmax(S, m, l, alpha, BQ, BK)
+            micro.scale_rows(O, alpha, BQ, DP)
+            micro.gemm(O, S, Vt, BQ, DP, BK, tiles.dim_vecs * L, tiles.dim_vecs, False, True)
+
+        @T.macro
+        def store(out, lse, O, m, l, b, g, r0, rows):
+            for r in range(BQ):
+                if r0 + r < rows:
+                    for d in range(D):
+                        out[b, g * group + (r0 + r) % group, (r0 + r) // group, d] = sem.normalize(O[r, d], l[r]).astype(dtype)
+                    if spec.return_lse:
+                        lse[b, g * group + (r0 + r) % group, (r0 + r) // group] = sem.log_sum_exp(sem.safe_row_max(m[r]), l[r])
+
+        self.load_queries, self.init_state, self.attend_tile, self.store = load_queries, init_state, attend_tile, store
+
+
+def _mask_shape(spec: ForwardSpec, B, Sq, Sk):
+    full = (B, spec.num_q_heads, Sq, Sk)[4 - len(spec.mask_broadcast):]
+    return tuple(1 if one else n for one, n in zip(spec.mask_broadcast, full))
+
+
+def dense_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (B, Sq, Sk symbolic)."""
+    body = _Body(spec, tiles)
+    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    cfg = spec.cfg
+    mask_dtype = spec.mask_dtype or "bool"
+    has_mask = len(spec.mask_broadcast) > 0
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
+                            out_h: T.handle, lse_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B, Sq, Sk = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
+        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        mask = T.match_buffer(mask_h, _mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
+        rows = Sq * group
+        n_row_tiles = (rows + BQ - 1) // BQ
+        # K and V are packed once into float32 key tiles shared by every task of the KV head:
+        # K transposed [D, block_k] (the q.k^T GEMM vectorizes over keys), V [block_k, DP]
+        k_tiles = T.alloc_buffer((B, Hkv, (Sk + BK - 1) // BK, D, BK), F32)
+        v_tiles = T.alloc_buffer((B, Hkv, (Sk + BK - 1) // BK, BK, DP), F32)
+        n_key_tiles = (Sk + BK - 1) // BK
+        for pack in T.parallel(B * Hkv * n_key_tiles):
+            pb: T.int64 = pack // (Hkv * n_key_tiles)
+            pg: T.int64 = pack // n_key_tiles % Hkv
+            pt: T.int64 = pack % n_key_tiles
+            for c in range(BK):
+                if pt * BK + c < Sk:
+                    for d in range(D):
+                        k_tiles[pb, pg, pt, d, c] = k[pb, pg, pt * BK + c, d].astype(F32)
+                        v_tiles[pb, pg, pt, c, d] = v[pb, pg, pt * BK + c, d].astype(F32)
+                else:
+                    for d in range(D):
+                        k_tiles[pb, pg, pt, d, c] = T.float32(0)
+                        v_tiles[pb, pg, pt, c, d] = T.float32(0)
+                for d in range(D, DP):
+                    v_tiles[pb, pg, pt, c, d] = T.float32(0)
+        for task in T.parallel(B * Hkv * n_row_tiles):
+            b: T.int64 = task // (Hkv * n_row_tiles)
+            g: T.int64 = task // n_row_tiles % Hkv
+            r0: T.int64 = task % n_row_tiles * BQ
+            first_pos: T.int64 = r0 // group
+            last_pos: T.int64 = (T.min(r0 + BQ, rows) - 1) // group
+            Qs = T.alloc_buffer((BQ, D), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            O = T.alloc_buffer((BQ, DP), F32)
+            m = T.alloc_buffer((BQ,), F32)
+            l = T.alloc_buffer((BQ,), F32)
+            alpha = T.alloc_buffer((BQ,), F32)
+            body.load_queries(Qs, q, b, g, r0, rows)
+            body.init_state(O, m, l)
+            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=Sk, delta=Sk - Sq, block_k=BK)
+            for kt in range(lo, hi):
+                Kt = T.decl_buffer((D, BK), F32, data=k_tiles.data, elem_offset=((b * Hkv + g) * n_key_tiles + kt) * (D * BK))
+                Vt = T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=((b * Hkv + g) * n_key_tiles + kt) * (BK * DP))
+                body.attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, Sk,
+                                 Sk - Sq, first_pos, last_pos)
+            body.store(out, lse, O, m, l, b, g, r0, rows)
+    # fmt: on
+
+    unused = set()
+    if not spec.has_alibi:
+        unused.add("alibi")
+    if not has_mask:
+        unused.add("mask")
+    if not spec.return_lse:
+        unused.add("lse")
+    return _finish(drop_params(fuel_flash_attn_cpu, unused))
+
+
+def paged_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+    """Paged attention of q [B, Hq, Sq, D] over caches [num_blocks, block_size, Hkv, D]."""
+    body = _Body(spec, tiles)
+    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
+    cfg = spec.cfg
+
+    # fmt: off
+    @T.prim_func
+    def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
+                            lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B, Sq, num_blocks, max_blocks = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
+        v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)
+        table = T.match_buffer(table_h, (B, max_blocks), spec.table_dtype)
+        lens = T.match_buffer(lens_h, (B,), spec.lens_dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        rows = Sq * group
+        n_row_tiles = (rows + BQ - 1) // BQ
+        for task in T.parallel(B * Hkv * n_row_tiles):
+            b: T.int64 = task // (Hkv * n_row_tiles)
+            g: T.int64 = task // n_row_tiles % Hkv
+            r0: T.int64 = task % n_row_tiles * BQ
+            kv_len: T.int64 = T.Cast("int64", lens[b])
+            first_pos: T.int64 = r0 // group
+            last_pos: T.int64 = (T.min(r0 + BQ, rows) - 1) // group
+            Qs = T.alloc_buffer((BQ, D), F32)
+            Kt = T.alloc_buffer((D, BK), F32)
+            Vt = T.alloc_buffer((BK, DP), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            O = T.alloc_buffer((BQ, DP), F32)
+            m = T.alloc_buffer((BQ,), F32)
+            l = T.alloc_buffer((BQ,), F32)
+            alpha = T.alloc_buffer((BQ,), F32)
+            body.load_queries(Qs, q, b, g, r0, rows)
+            body.init_state(O, m, l)
+            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=kv_len - Sq,
+                                    block_k=BK)
+            for kt in range(lo, hi):
+                for c in range(BK):
+                    if kt * BK + c < kv_len:
+                        # live token: its block id was validated before the kernel; clamp all the same
+                        block: T.int64 = T.max(T.min(T.Cast("int64", table[b, (kt * BK + c) // BS]), num_blocks - 1), T.int64(0))
+                        for d in range(D):
+                            Kt[d, c] = k_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
+                            Vt[c, d] = v_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
+                    else:
+                        for d in range(D):
+                            Kt[d, c] = T.float32(0)
+                            Vt[c, d] = T.float32(0)
+                    for d in range(D, DP):
+                        Vt[c, d] = T.float32(0)
+                body.attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, alibi, b, g, r0, rows, kt * BK, kv_len,
+                                 kv_len - Sq, first_pos, last_pos)
+            body.store(out, out, O, m, l, b, g, r0, rows)
+    # fmt: on
+
+    return _finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
+
+
+def _finish(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    # scheduled by hand: dlight/MetaSchedule skip it; opaque: FuseOps keeps neighbours out of it
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)

@@ -1,0 +1,93 @@
+"""TensorIR building blocks shared by the CPU kernels (TVMScript macros over one task's tiles).
+
+All buffers here are per-task float32 scratch: a score tile S [block_q, block_k], an accumulator
+[block_q, padded_dim], and row statistics [block_q]. Nothing here grows with the sequence.
+
+Contents:
+    Micro         -- the macros of one tile configuration:
+        gemm            C (+)= A @ B on register tiles (A optionally read transposed)
+        scale_rows      C[r, :] *= factor[r]
+        online_softmax  the FlashAttention-2 row update of (m, l) and S -> exp(S - m)
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from .tiles import CpuTiles
+
+
+class Micro:
+    """Macros specialised to one ``CpuTiles``; used inside the kernels' ``@T.prim_func`` bodies."""
+
+    def __init__(self, tiles: CpuTiles):
+        MR, L = tiles.micro_rows, tiles.lanes
+        NEG_INF = T.float32(float("-inf"))
+
+        @T.macro
+        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, width: T.int32, vecs: T.int32, a_transposed, accumulate):
+            # C[m, n] (+)= sum_k A[m, k] * Bm[k, n]; register tile MR x (vecs * L), n vectorized.
+            # Requires M % MR == 0 and N % width == 0 with width = vecs * L.
+            for m0, n0 in T.grid(M // MR, N // width):
+                acc = T.alloc_buffer((MR, width), "float32", scope="local")
+                for mi in T.unroll(MR):
+                    for nj in T.unroll(vecs):
+                        for v in T.vectorized(L):
+                            if accumulate:
+                                acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * width + nj * L + v]
+                            else:
+                                acc[mi, nj * L + v] = T.float32(0)
+                for k in range(K):
+                    for mi in T.unroll(MR):
+                        for nj in T.unroll(vecs):
+                            for v in T.vectorized(L):
+                                if a_transposed:
+                                    acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
+                                        A[k, m0 * MR + mi] * Bm[k, n0 * width + nj * L + v])
+                                else:
+                                    acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
+                                        A[m0 * MR + mi, k] * Bm[k, n0 * width + nj * L + v])
+                for mi in T.unroll(MR):
+                    for nj in T.unroll(vecs):
+                        for v in T.vectorized(L):
+                            C[m0 * MR + mi, n0 * width + nj * L + v] = acc[mi, nj * L + v]
+
+        @T.macro
+        def scale_rows(C, factor, M: T.int32, N: T.int32):
+            for r, c0 in T.grid(M, N // L):
+                for v in T.vectorized(L):
+                    C[r, c0 * L + v] = C[r, c0 * L + v] * factor[r]
+
+        @T.macro
+        def online_softmax(S, m, l, alpha, M: T.int32, N: T.int32):
+            # Per row: m' = max(m, max S); alpha = exp(m - m'); S = exp(S - m'); l = l * alpha + sum S.
+            # The shift of a row that has seen no key yet (m' = -inf) is 0, so nothing becomes NaN.
+            for r in range(M):
+                part_max = T.alloc_buffer((L,), "float32", scope="local")
+                part_sum = T.alloc_buffer((L,), "float32", scope="local")
+                row = T.alloc_buffer((2,), "float32", scope="local")
+                for v in T.vectorized(L):
+                    part_max[v] = m[r]
+                    part_sum[v] = T.float32(0)
+                for c0 in range(N // L):
+                    for v in T.vectorized(L):
+                        part_max[v] = T.max(part_max[v], S[r, c0 * L + v])
+                row[0] = NEG_INF
+                for v in range(L):
+                    row[0] = T.max(row[0], part_max[v])
+                shift: T.float32 = sem.safe_row_max(row[0])
+                alpha[r] = sem.fast_exp(m[r] - shift)
+                for c0 in range(N // L):
+                    for v in T.vectorized(L):
+                        S[r, c0 * L + v] = sem.fast_exp(S[r, c0 * L + v] - shift)
+                        part_sum[v] = part_sum[v] + S[r, c0 * L + v]
+                row[1] = T.float32(0)
+                for v in range(L):
+                    row[1] = row[1] + part_sum[v]
+                l[r] = l[r] * alpha[r] + row[1]
+                m[r] = row[0]
+
+        self.gemm = gemm
+        self.scale_rows = scale_rows
+        self.online_softmax = online_softmax

@@ -1,0 +1,72 @@
+"""Tile configuration of the CPU kernels, and what the llvm target offers.
+
+Contents:
+    CpuTiles      -- frozen tile sizes of one kernel instance
+    vector_lanes  -- float32 lanes of the target's widest vector unit (4, 8 or 16)
+    tiles_for     -- the hand-picked tiles for a target, head dim and row count
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import tvm
+
+
+@dataclass(frozen=True)
+class CpuTiles:
+    """Tile sizes; buffers per task are block_q x head_dim and block_k x head_dim, never Sq x Sk.
+
+    block_q     rows (query position x head of the GQA group) one task owns
+    block_k     keys per tile (the online softmax advances one tile at a time)
+    micro_rows  rows of a register tile in the micro GEMMs
+    key_vecs    vectors per register-tile row in the key-vectorized GEMMs (q.k^T, do.v^T)
+    dim_vecs    vectors per register-tile row in the dim-vectorized GEMMs (p.v, ds.k, ...)
+    lanes       float32 lanes of one vector register
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    micro_rows: int = 4
+    key_vecs: int = 2
+    dim_vecs: int = 2
+    lanes: int = 8
+
+    def __post_init__(self):
+        if self.block_q % self.micro_rows:
+            raise ValueError(f"CpuTiles: block_q {self.block_q} must be a multiple of micro_rows {self.micro_rows}")
+        if self.block_k % (self.key_vecs * self.lanes):
+            raise ValueError(f"CpuTiles: block_k {self.block_k} must be a multiple of key_vecs * lanes")
+        if self.block_k % self.micro_rows:
+            raise ValueError(f"CpuTiles: block_k {self.block_k} must be a multiple of micro_rows {self.micro_rows}")
+
+    def padded_dim(self, head_dim: int) -> int:
+        """The head dim rounded up so dim-vectorized GEMMs need no tail."""
+        width = self.dim_vecs * self.lanes
+        return -(-head_dim // width) * width
+
+
+def vector_lanes(target: tvm.target.Target) -> int:
+    """16 with AVX-512, 8 with AVX2 (or any 256-bit unit), 4 otherwise (SSE/NEON baseline)."""
+    if target.attrs.get("mcpu") is None:
+        return 4  # plain "llvm" is the generic baseline CPU
+    has = tvm.target.codegen.target_has_features
+    if has("avx512f", target):
+        return 16
+    if has("avx2", target) or has("avx", target):
+        return 8
+    return 4
+
+
+def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None) -> CpuTiles:
+    """Hand-picked tiles: 64 x 64 score tiles (they and a key tile fit a 32 KiB L1 in float32).
+
+    ``rows`` (query positions x group heads, when static) shrinks block_q for decode.
+    """
+    lanes = vector_lanes(target)
+    tiles = CpuTiles(lanes=lanes, key_vecs=max(1, 16 // lanes), dim_vecs=2 if head_dim > lanes else 1)
+    if -(-head_dim // lanes) % tiles.dim_vecs:  # e.g. head dim 40 with 8 lanes: 5 vectors
+        tiles = replace(tiles, dim_vecs=1)
+    if rows is not None and rows < tiles.block_q:
+        tiles = replace(tiles, block_q=-(-rows // tiles.micro_rows) * tiles.micro_rows)
+    return tiles
