@@ -1,5 +1,47 @@
-"""Hand-written TensorIR schedules of the fuel kernels, per target (installed as ``tvm_fuel.schedules``).
+"""Hand-written TensorIR kernels of the fuel ops, per target (installed as ``tvm_fuel.schedules``).
 
-The performance path (CPU and CUDA kernels that never materialize the [Sq, Sk] scores) lands
-here; until then every fuel op runs its TE decomposition (``tvm_fuel.decompose``).
+``tuned_legalize_map(target)`` maps each fuel op to a legalization that asks the target's rules
+for a kernel and falls back to the TE decomposition (the floor) when every rule declines.
+
+Contents:
+    base     -- KernelRule, the dlight-style contract
+    cpu      -- llvm kernels (forward, paged) and their rules
+    rules_for, tuned_legalize_map
 """
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+from tvm import relax
+
+from .base import KernelRule
+from .cpu.rules import RULES as CPU_RULES
+
+
+def rules_for(target: tvm.target.Target) -> list[KernelRule]:
+    """The kernel rules that may serve ``target``, in priority order."""
+    return [rule for rule in CPU_RULES if rule.is_target_available(target)]
+
+
+def tuned_legalize_map(target: tvm.target.Target) -> dict[str, Callable]:
+    """op name -> legalization through the performance path (floor where no rule applies)."""
+    from ..legalize import LEGALIZE, emit_kernel
+    from ..op import SPECS
+
+    rules = rules_for(target)
+
+    def legalize_with(name: str):
+        candidates = [rule for rule in rules if rule.op == name]
+
+        def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+            for rule in candidates:
+                func = rule.apply(call, target)
+                if func is not None:
+                    return emit_kernel(bb, name, call, func)
+            return LEGALIZE[name](bb, call)
+
+        return legalize
+
+    return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}

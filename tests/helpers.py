@@ -38,20 +38,24 @@ def _flatten(value) -> list[np.ndarray]:
     return [array for item in value for array in _flatten(item)]
 
 
+HOST = tvm_fuel.build.host_target()
+
+
 class Runner:
     """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
 
-    def __init__(self, mod: tvm.IRModule, target="llvm"):
-        self.vm = relax.VirtualMachine(tvm_fuel.compile(mod, target), tvm.cpu())
+    def __init__(self, mod: tvm.IRModule, target="llvm", *, kernels: str = "decomposed"):
+        self.vm = relax.VirtualMachine(tvm_fuel.compile(mod, target, kernels=kernels), tvm.cpu())
 
     def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
         return _flatten(self.vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]))
 
 
-def run(make: Callable[..., relax.Expr], inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Build ``make`` over static-shape inputs, compile for llvm and run it once."""
+def run(make: Callable[..., relax.Expr], inputs: Mapping[str, np.ndarray], *,
+        kernels: str = "decomposed") -> list[np.ndarray]:
+    """Build ``make`` over static-shape inputs, compile for this CPU and run it once."""
     params = {name: (a.shape, str(a.dtype)) for name, a in inputs.items()}
-    return Runner(build(make, params))(*inputs.values())
+    return Runner(build(make, params), HOST, kernels=kernels)(*inputs.values())
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, *, scale: float = 1.0, what: str = ""):

@@ -2,6 +2,8 @@
 
 Contents:
     compile        -- tvm.compile with the kernel path chosen explicitly
+    legalize       -- the fuel ops of a module lowered to PrimFuncs (kernels or decomposition)
+    host_target    -- llvm with this machine's CPU features
     as_target      -- str / dict / Target -> Target
     KERNEL_PATHS   -- the accepted ``kernels`` values
 """
@@ -54,7 +56,9 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}``, ...
     kernels : str
         ``"decomposed"``: every fuel op runs its TE decomposition (the correctness floor).
-        ``"tuned"``: the performance-path kernels (not available yet).
+        ``"tuned"``: the performance-path kernels where a rule serves the op on this target
+        (CPU: flash_attn, paged_attn), the decomposition elsewhere. Fuel kernels are marked
+        scheduled and opaque, so the pipeline neither re-schedules nor fuses into them.
     compile_options :
         Passed on to ``tvm.compile``.
 
@@ -64,18 +68,33 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
     >>> ex = tvm_fuel.compile(mod, "llvm")                      # doctest: +SKIP
     >>> vm = tvm.relax.VirtualMachine(ex, tvm.cpu())            # doctest: +SKIP
     """
+    target = as_target(target)
+    return tvm.compile(legalize(mod, target, kernels=kernels), target=target, **compile_options)
+
+
+def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed") -> tvm.IRModule:
+    """Lower every fuel op of ``mod`` to PrimFuncs (kernels or decomposition) for ``target``."""
     if kernels not in KERNEL_PATHS:
         raise ValueError(f"tvm_fuel.compile: kernels must be one of {KERNEL_PATHS}, got {kernels!r}")
-    if kernels == "tuned":
-        raise NotImplementedError(
-            "tvm_fuel.compile: kernels='tuned' needs the performance-path kernels, which are not part of this "
-            "release yet; use kernels='decomposed'")
     target = as_target(target)
+    legalize_map = None
+    if kernels == "tuned":
+        from .schedules import tuned_legalize_map
+
+        legalize_map = tuned_legalize_map(target)
     with target:
-        legalized = relax.transform.LegalizeOps()(mod)
+        legalized = relax.transform.LegalizeOps(customize_legalize_map=legalize_map)(mod)
     leftover = _remaining_fuel_calls(legalized)
     if leftover:
         raise ValueError(
             f"tvm_fuel.compile: could not legalize {sorted(set(leftover))}: an argument has an unknown shape; "
             "give it a shape with R.match_cast first")
-    return tvm.compile(legalized, target=target, **compile_options)
+    return legalized
+
+
+def host_target(num_cores: int | None = None) -> tvm.target.Target:
+    """llvm for this machine's CPU (its vector units), using ``num_cores`` threads (default: all)."""
+    import os
+
+    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
+                              "num-cores": num_cores or os.cpu_count() or 1})

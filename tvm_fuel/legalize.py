@@ -6,7 +6,8 @@ of the block table and context lengths on CPU targets, so a bad live block id or
 context raises a runtime error instead of reading out of bounds.
 
 Contents:
-    LEGALIZE -- op name -> legalization function ``(bb, call) -> relax.Expr``
+    LEGALIZE    -- op name -> legalization function ``(bb, call) -> relax.Expr`` (the floor)
+    emit_kernel -- call a performance-path kernel in place of the floor
 """
 
 from __future__ import annotations
@@ -79,16 +80,35 @@ def _on_gpu() -> bool:
     return target is not None and "gpu" in [str(key) for key in target.keys]
 
 
+def _checked_context_lens(bb: relax.BlockBuilder, args: dict) -> relax.Expr:
+    """context_lens, validated with the block table first on CPU targets (see module docstring)."""
+    lens = args["context_lens"]
+    if _on_gpu():  # device kernels cannot assert; there the kernels only clamp
+        return lens
+    check = _paged_check_func(str(args["k_cache"].ty.dtype), str(args["block_table"].ty.dtype), str(lens.ty.dtype))
+    gvar = bb.add_func(check, "fuel_paged_attn_check")
+    return bb.emit(relax.call_tir(gvar, [args["k_cache"], args["block_table"], lens], out_ty=lens.ty))
+
+
 def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     a = SPECS["paged_attn"].split_args(call)
-    lens = a["context_lens"]
-    if not _on_gpu():  # device kernels cannot assert; there the decomposition only clamps
-        check = _paged_check_func(str(a["k_cache"].ty.dtype), str(a["block_table"].ty.dtype), str(lens.ty.dtype))
-        gvar = bb.add_func(check, "fuel_paged_attn_check")
-        lens = bb.emit(relax.call_tir(gvar, [a["k_cache"], a["block_table"], lens], out_ty=lens.ty))
+    lens = _checked_context_lens(bb, a)
     fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
     return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
                       primfunc_name_hint="fuel_paged_attn")
+
+
+def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc) -> relax.Expr:
+    """Call a performance-path PrimFunc whose parameters are the op's present arguments, in
+    order, followed by its outputs."""
+    spec = SPECS[name]
+    args = spec.split_args(call)
+    if name == "paged_attn":
+        args["context_lens"] = _checked_context_lens(bb, args)
+    inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
+    out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
+    gvar = bb.add_func(func, f"fuel_{name}_kernel")
+    return relax.call_tir(gvar, inputs, out_ty=out_ty)
 
 
 def _softmax_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:

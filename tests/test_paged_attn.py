@@ -1,11 +1,11 @@
-"""paged_attn's compiled decomposition: against the numpy reference, against the compiled
-flash_attn on the gathered blocks, and its runtime checks of the block table."""
+"""paged_attn, the decomposition and the CPU kernel: against the numpy reference, against the
+compiled flash_attn on the gathered blocks, and the runtime checks of the block table."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import Runner, assert_close, build, randn, run
+from helpers import HOST, Runner, assert_close, build, randn, run
 from tvm import tirx
 
 from tvm_fuel import op
@@ -44,49 +44,49 @@ LENS = [0, 1, BLOCK, 3 * BLOCK, 37, 5 * BLOCK + 7]  # empty, one token, exact bl
 
 
 @pytest.mark.parametrize("sq,causal", [(1, False), (1, True), (5, True), (5, False)])
-def test_matches_reference(sq, causal):
+def test_matches_reference(sq, causal, kernels):
     rng = np.random.default_rng(sq)
     inputs = _paged_inputs(rng, LENS, Sq=sq)
-    (out,) = run(lambda **a: op.paged_attn(**a, causal=causal), inputs)
+    (out,) = run(lambda **a: op.paged_attn(**a, causal=causal), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), causal=causal), "float32")
     assert np.all(out[0] == 0)  # context length 0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_low_precision_gqa7_head_dim_128(dtype):
+def test_low_precision_gqa7_head_dim_128(dtype, kernels):
     rng = np.random.default_rng(1)
     inputs = _paged_inputs(rng, [17, 64, 97], Hq=7, Hkv=1, D=128, Sq=3, dtype=dtype, max_blocks=7)
-    (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs)
+    (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), causal=True), dtype)
 
 
 @pytest.mark.parametrize("options", [dict(softcap=3.0), dict(window_size=(20, -1), causal=True),
                                      dict(window_size=(4, 2)), dict(softmax_scale=0.3)])
-def test_options_and_alibi(options):
+def test_options_and_alibi(options, kernels):
     rng = np.random.default_rng(2)
     inputs = _paged_inputs(rng, [1, 40, 97], Hq=9, Hkv=3, Sq=4, D=64, max_blocks=7)
     inputs["alibi_slopes"] = (rng.random(9) * 0.2).astype(np.float32)
-    (out,) = run(lambda **a: op.paged_attn(**a, **options), inputs)
+    (out,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), **options), "float32")
 
 
 @pytest.mark.parametrize("table_dtype", ["uint32", "int64"])
-def test_index_dtypes(table_dtype):
+def test_index_dtypes(table_dtype, kernels):
     rng = np.random.default_rng(3)
     inputs = _paged_inputs(rng, [5, 33], table_dtype=table_dtype)
-    (out,) = run(lambda **a: op.paged_attn(**a), inputs)
+    (out,) = run(lambda **a: op.paged_attn(**a), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values()), "float32")
 
 
 @pytest.mark.parametrize("sq,causal", [(1, False), (4, True)])
-def test_matches_flash_attn_on_gathered_blocks(sq, causal):
+def test_matches_flash_attn_on_gathered_blocks(sq, causal, kernels):
     """Paged vs dense on gathered blocks, one compiled flash_attn with symbolic Sk for every sequence."""
     rng = np.random.default_rng(4)
     lens = [1, 2 * BLOCK, 50, 90]
     inputs = _paged_inputs(rng, lens, Hq=6, Hkv=3, Sq=sq, D=64)
     inputs["alibi_slopes"] = (rng.random(6) * 0.2).astype(np.float32)
     options = dict(causal=causal, softcap=8.0)
-    (paged,) = run(lambda **a: op.paged_attn(**a, **options), inputs)
+    (paged,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)
     sk = tirx.Var("sk", "int64")
     dense = Runner(build(lambda **a: op.flash_attn(**a, **options),
                          dict(q=((1, 6, sq, 64), "float32"), k=((1, 3, sk, 64), "float32"),
@@ -98,30 +98,30 @@ def test_matches_flash_attn_on_gathered_blocks(sq, causal):
         np.testing.assert_allclose(paged[b:b + 1], want, atol=1e-6, rtol=1e-6)
 
 
-def test_dead_table_entries_are_never_read():
+def test_dead_table_entries_are_never_read(kernels):
     """Garbage past the live blocks changes nothing (and cannot crash)."""
     rng = np.random.default_rng(5)
     inputs = _paged_inputs(rng, [3, 20, 0])
-    (clean,) = run(lambda **a: op.paged_attn(**a), inputs)
+    (clean,) = run(lambda **a: op.paged_attn(**a), inputs, kernels=kernels)
     table = inputs["block_table"].copy()
     table[0, 1:] = np.iinfo(np.int32).max
     table[1, 2:] = -123456
     table[2, :] = np.iinfo(np.int32).min
-    (dirty,) = run(lambda **a: op.paged_attn(**a), {**inputs, "block_table": table})
+    (dirty,) = run(lambda **a: op.paged_attn(**a), {**inputs, "block_table": table}, kernels=kernels)
     np.testing.assert_array_equal(clean, dirty)
 
 
 @pytest.fixture(scope="module")
-def symbolic_runner():
+def symbolic_runner(kernels):
     """paged_attn with symbolic batch, cache size and table width: one build for many inputs."""
     B, N, M = tirx.Var("B", "int64"), tirx.Var("num_blocks", "int64"), tirx.Var("max_blocks", "int64")
     params = dict(q=((B, 6, 1, 40), "float32"), k_cache=((N, BLOCK, 2, 40), "float32"),
                   v_cache=((N, BLOCK, 2, 40), "float32"), block_table=((B, M), "int32"),
                   context_lens=((B,), "int32"))
-    return Runner(build(lambda **a: op.paged_attn(**a), params))
+    return Runner(build(lambda **a: op.paged_attn(**a), params), HOST, kernels=kernels)
 
 
-def test_symbolic_batch(symbolic_runner):
+def test_symbolic_batch(symbolic_runner, kernels):
     rng = np.random.default_rng(6)
     for lens in ([7], [0, 33, 96]):
         inputs = _paged_inputs(rng, lens)
@@ -130,7 +130,7 @@ def test_symbolic_batch(symbolic_runner):
 
 
 @pytest.mark.parametrize("bad_id", [-1, 24, 10**6])
-def test_live_block_id_out_of_range_raises(symbolic_runner, bad_id):
+def test_live_block_id_out_of_range_raises(symbolic_runner, bad_id, kernels):
     inputs = _paged_inputs(np.random.default_rng(7), [20, 40])
     inputs["block_table"][1, 2] = bad_id  # block 2 holds tokens 32..39: live
     with pytest.raises(RuntimeError, match=r"fuel\.paged_attn: block_table\[b, n\] of a live block"):
@@ -138,7 +138,7 @@ def test_live_block_id_out_of_range_raises(symbolic_runner, bad_id):
 
 
 @pytest.mark.parametrize("bad_len", [6 * BLOCK + 1, -1])
-def test_context_length_beyond_capacity_raises(symbolic_runner, bad_len):
+def test_context_length_beyond_capacity_raises(symbolic_runner, bad_len, kernels):
     inputs = _paged_inputs(np.random.default_rng(8), [20, 40])
     inputs["context_lens"][0] = bad_len
     with pytest.raises(RuntimeError, match=r"fuel\.paged_attn: context_lens\[b\] must be in \[0, max_blocks"):

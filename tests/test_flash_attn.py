@@ -1,10 +1,10 @@
-"""flash_attn's compiled decomposition (llvm) against the numpy reference."""
+"""flash_attn, both the compiled decomposition and the CPU kernel, against the numpy reference."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import Runner, assert_close, build, randn, run
+from helpers import HOST, Runner, assert_close, build, randn, run
 from tvm import tirx
 
 from tvm_fuel import op
@@ -25,13 +25,13 @@ def _inputs(rng, B, Hq, Hkv, Sq, Sk, D, dtype):
                 v=randn(rng, (B, Hkv, Sk, D), dtype))
 
 
-def _check(inputs, dtype, *, alibi=None, mask=None, **options):
+def _check(inputs, dtype, kernels, *, alibi=None, mask=None, **options):
     extra = {}
     if alibi is not None:
         extra["alibi_slopes"] = alibi
     if mask is not None:
         extra["attn_mask"] = mask
-    out, lse = run(lambda **a: op.flash_attn(**a, **options, return_lse=True), {**inputs, **extra})
+    out, lse = run(lambda **a: op.flash_attn(**a, **options, return_lse=True), {**inputs, **extra}, kernels=kernels)
     want_out, want_lse = ref.flash_attn(*inputs.values(), alibi, mask, **options, return_lse=True)
     assert out.dtype == inputs["q"].dtype and lse.dtype == np.float32
     assert_close(out, want_out, dtype, what="out")
@@ -43,90 +43,90 @@ def _check(inputs, dtype, *, alibi=None, mask=None, **options):
 
 @pytest.mark.parametrize("window", list(WINDOWS))
 @pytest.mark.parametrize("sq,sk", [(17, 97), (97, 17), (1, 97), (17, 17)])
-def test_masks_and_lengths(window, sq, sk):
+def test_masks_and_lengths(window, sq, sk, kernels):
     rng = np.random.default_rng(sq * 131 + sk)
-    _check(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", **WINDOWS[window])
+    _check(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", kernels, **WINDOWS[window])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim,group", [(40, 1), (64, 3), (128, 7)])
-def test_dtypes_head_dims_groups(dtype, head_dim, group):
+def test_dtypes_head_dims_groups(dtype, head_dim, group, kernels):
     rng = np.random.default_rng(head_dim + group)
     hkv = 2 if group < 7 else 1
-    _check(_inputs(rng, 1, hkv * group, hkv, 17, 33, head_dim, dtype), dtype, causal=True)
+    _check(_inputs(rng, 1, hkv * group, hkv, 17, 33, head_dim, dtype), dtype, kernels, causal=True)
 
 
 @pytest.mark.parametrize("group", [1, 3, 7])
-def test_gqa_head_mapping(group):
+def test_gqa_head_mapping(group, kernels):
     """Query head h must read kv head h // group: zero all kv heads but one and check which rows see it."""
     rng = np.random.default_rng(group)
     inputs = _inputs(rng, 1, 3 * group, 3, 5, 9, 16, "float32")
     inputs["v"][:, [0, 2]] = 0
-    (out,) = run(lambda **a: op.flash_attn(**a), inputs)
+    (out,) = run(lambda **a: op.flash_attn(**a), inputs, kernels=kernels)
     nonzero_heads = np.flatnonzero(np.abs(out[0]).sum(axis=(1, 2)) > 0)
     np.testing.assert_array_equal(nonzero_heads, np.arange(group, 2 * group))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("window", ["full", "causal", "two_sided"])
-def test_softcap(dtype, window):
+def test_softcap(dtype, window, kernels):
     rng = np.random.default_rng(7)
     inputs = _inputs(rng, 2, 4, 2, 17, 40, 64, dtype)
     inputs["q"] = (inputs["q"].astype(np.float32) * 4).astype(inputs["q"].dtype)  # logits beyond the cap
-    _check(inputs, dtype, softcap=5.0, **WINDOWS[window])
+    _check(inputs, dtype, kernels, softcap=5.0, **WINDOWS[window])
 
 
 @pytest.mark.parametrize("window", ["full", "causal", "left"])
 @pytest.mark.parametrize("sq,sk", [(17, 40), (40, 17)])
-def test_alibi(window, sq, sk):
+def test_alibi(window, sq, sk, kernels):
     rng = np.random.default_rng(11)
     inputs = _inputs(rng, 2, 6, 3, sq, sk, 40, "float32")
     slopes = (rng.random(6) * 0.3).astype(np.float32)
-    _check(inputs, "float32", alibi=slopes, **WINDOWS[window])
+    _check(inputs, "float32", kernels, alibi=slopes, **WINDOWS[window])
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 6, 17, 33), (17, 33), (2, 1, 1, 33), (6, 1, 33)])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_masks(mask_shape, kind):
+def test_masks(mask_shape, kind, kernels):
     rng = np.random.default_rng(len(mask_shape))
     inputs = _inputs(rng, 2, 6, 3, 17, 33, 40, "float32")
     if kind == "bool":
         mask = rng.random(mask_shape) < 0.7
     else:
         mask = (rng.standard_normal(mask_shape) * 2).astype(np.float32)
-    _check(inputs, "float32", mask=mask, causal=True)
+    _check(inputs, "float32", kernels, mask=mask, causal=True)
 
 
-def test_mask_softcap_alibi_together_fp16():
+def test_mask_softcap_alibi_together_fp16(kernels):
     rng = np.random.default_rng(3)
     inputs = _inputs(rng, 1, 6, 2, 17, 97, 64, "float16")
     slopes = (rng.random(6) * 0.1).astype(np.float32)
     mask = (rng.standard_normal((1, 6, 17, 97))).astype(np.float16)
-    _check(inputs, "float16", alibi=slopes, mask=mask, softcap=10.0, window_size=(40, 5), softmax_scale=0.2)
+    _check(inputs, "float16", kernels, alibi=slopes, mask=mask, softcap=10.0, window_size=(40, 5), softmax_scale=0.2)
 
 
-def test_fully_masked_rows_are_zero_with_neg_inf_lse():
+def test_fully_masked_rows_are_zero_with_neg_inf_lse(kernels):
     """Sq > Sk causal, a bool mask that drops a whole row, and an additive -inf row: zeros, never NaN."""
     rng = np.random.default_rng(5)
     inputs = _inputs(rng, 1, 2, 2, 9, 4, 16, "float32")
     mask = np.ones((9, 4), bool)
     mask[7] = False
-    out, lse = _check(inputs, "float32", mask=mask, causal=True)
+    out, lse = _check(inputs, "float32", kernels, mask=mask, causal=True)
     assert np.all(out[:, :, :5] == 0) and np.all(np.isneginf(lse[:, :, :5]))  # rows i < Sq - Sk
     assert np.all(out[:, :, 7] == 0) and np.all(np.isneginf(lse[:, :, 7]))
 
     additive = np.zeros((9, 4), np.float32)
     additive[2] = -np.inf
-    out, lse = _check(inputs, "float32", mask=additive)
+    out, lse = _check(inputs, "float32", kernels, mask=additive)
     assert np.all(out[:, :, 2] == 0) and np.all(np.isneginf(lse[:, :, 2]))
 
 
-def test_symbolic_batch():
+def test_symbolic_batch(kernels):
     """One executable with a symbolic batch serves several batch sizes."""
     batch = tirx.Var("batch", "int64")
     params = dict(q=((batch, 6, 17, 64), "float32"), k=((batch, 2, 33, 64), "float32"),
                   v=((batch, 2, 33, 64), "float32"))
-    runner = Runner(build(lambda **a: op.flash_attn(**a, causal=True, return_lse=True), params))
+    runner = Runner(build(lambda **a: op.flash_attn(**a, causal=True, return_lse=True), params), HOST, kernels=kernels)
     rng = np.random.default_rng(0)
     for b in (1, 3):
         inputs = _inputs(rng, b, 6, 2, 17, 33, 64, "float32")
@@ -137,10 +137,10 @@ def test_symbolic_batch():
         assert_close(lse, want_lse, "float32")
 
 
-def test_symbolic_sequence_lengths():
+def test_symbolic_sequence_lengths(kernels):
     sq, sk = tirx.Var("sq", "int64"), tirx.Var("sk", "int64")
     params = dict(q=((1, 4, sq, 40), "float32"), k=((1, 2, sk, 40), "float32"), v=((1, 2, sk, 40), "float32"))
-    runner = Runner(build(lambda **a: op.flash_attn(**a, causal=True), params))
+    runner = Runner(build(lambda **a: op.flash_attn(**a, causal=True), params), HOST, kernels=kernels)
     rng = np.random.default_rng(1)
     for n_q, n_k in ((1, 97), (17, 5)):
         inputs = _inputs(rng, 1, 4, 2, n_q, n_k, 40, "float32")

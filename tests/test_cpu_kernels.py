@@ -1,0 +1,123 @@
+"""Structure of the CPU performance path: the kernels are really used, never hold a buffer
+that grows with Sq * Sk, and survive fusion. (Numerics: test_flash_attn.py, test_paged_attn.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from helpers import HOST, build
+from tvm import relax, s_tir, tirx
+
+import tvm_fuel
+from tvm_fuel import op
+
+SQ, SK = tirx.Var("sq", "int64"), tirx.Var("sk", "int64")
+
+
+def _flash_module(**options):
+    params = dict(q=((1, 8, SQ, 64), "float16"), k=((1, 2, SK, 64), "float16"), v=((1, 2, SK, 64), "float16"),
+                  slopes=((8,), "float32"), mask=((SQ, SK), "bool"))
+    return build(lambda q, k, v, slopes, mask: op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options),
+                 params)
+
+
+def _paged_module():
+    nb, mb = tirx.Var("num_blocks", "int64"), tirx.Var("max_blocks", "int64")
+    params = dict(q=((4, 8, SQ, 64), "float32"), k_cache=((nb, 16, 2, 64), "float32"),
+                  v_cache=((nb, 16, 2, 64), "float32"), block_table=((4, mb), "int32"), context_lens=((4,), "int32"))
+    return build(lambda **a: op.paged_attn(**a, causal=True), params)
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:
+    """Buffers allocated or declared inside ``func`` whose size depends on both variables ``a`` and ``b``."""
+    found = []
+
+    def check(buffer):
+        size = 1
+        for dim in buffer.shape:
+            size = size * dim
+        if {a, b} <= {var.name for var in tirx.analysis.undefined_vars(size)}:
+            found.append(buffer.name)
+
+    tvm_ffi.structural_walk(func.body, ((tirx.AllocBuffer, tirx.DeclBuffer), lambda n: check(n.buffer)), order="post")
+    def check_block(block):
+        for buffer in block.alloc_buffers:
+            check(buffer)
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, check_block), order="post")
+    return found
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=5.0, window_size=(64, -1))])
+def test_flash_attn_uses_the_kernel_without_score_buffers(options):
+    funcs = _prim_funcs(tvm_fuel.build.legalize(_flash_module(**options), HOST, kernels="tuned"))
+    assert list(funcs) == ["fuel_flash_attn_kernel"]
+    kernel = funcs["fuel_flash_attn_kernel"]
+    assert kernel.attrs["tirx.is_scheduled"]
+    assert _buffers_growing_with(kernel, "sq", "sk") == []
+
+
+def test_the_score_buffer_check_catches_the_floor():
+    """The same inspection flags the decomposition, which materializes [B, Hq, Sq, Sk] scores."""
+    funcs = _prim_funcs(tvm_fuel.build.legalize(_flash_module(), HOST, kernels="decomposed"))
+    assert _buffers_growing_with(funcs["fuel_flash_attn"], "sq", "sk")
+
+
+def test_paged_attn_uses_the_kernel_without_gathering():
+    funcs = _prim_funcs(tvm_fuel.build.legalize(_paged_module(), HOST, kernels="tuned"))
+    assert set(funcs) == {"fuel_paged_attn_kernel", "fuel_paged_attn_check"}
+    kernel = funcs["fuel_paged_attn_kernel"]
+    assert _buffers_growing_with(kernel, "sq", "max_blocks") == []
+    assert _buffers_growing_with(kernel, "max_blocks", "max_blocks") == []  # no gathered copy of the cache
+    assert "k_cache[block" in kernel.script()  # key tiles read straight from the pages
+
+
+def test_kernels_stay_unfused_with_neighbours():
+    params = dict(q=((1, 4, 17, 32), "float32"), k=((1, 4, 17, 32), "float32"), v=((1, 4, 17, 32), "float32"))
+
+    def make(q, k, v):
+        return relax.op.add(op.flash_attn(relax.op.multiply(q, q), k, v), v)
+
+    bb = relax.BlockBuilder()
+    variables = [relax.Var(n, relax.TensorType(s, d)) for n, (s, d) in params.items()]
+    with bb.function("main", variables):
+        with bb.dataflow():
+            q, k, v = variables
+            x = bb.emit(relax.op.multiply(q, q))
+            y = bb.emit(op.flash_attn(x, k, v))
+            out = bb.emit_output(relax.op.add(y, v))
+        bb.emit_func_output(out)
+    legalized = tvm_fuel.build.legalize(bb.get(), HOST, kernels="tuned")
+    with HOST:
+        fused = tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
+                                          relax.transform.FuseTIR()])(legalized)
+    funcs = _prim_funcs(fused)
+    assert "fuel_flash_attn_kernel" in funcs and funcs["fuel_flash_attn_kernel"].attrs["tirx.is_scheduled"]
+    assert not any("fuel_flash_attn" in name and name != "fuel_flash_attn_kernel" for name in funcs)
+
+
+def test_rules_decline_what_they_cannot_serve():
+    """Symbolic head dim -> the floor; a CUDA target -> the floor."""
+    d = tirx.Var("d", "int64")
+    mod = build(lambda **a: op.flash_attn(**a), dict(q=((1, 2, 5, d), "float32"), k=((1, 2, 5, d), "float32"),
+                                                     v=((1, 2, 5, d), "float32")))
+    assert "fuel_flash_attn" in _prim_funcs(tvm_fuel.build.legalize(mod, HOST, kernels="tuned"))
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    assert "fuel_flash_attn" in _prim_funcs(tvm_fuel.build.legalize(_flash_module(), cuda, kernels="tuned"))
+
+
+def test_generic_llvm_target_still_correct():
+    """Plain "llvm" (baseline x86-64, 4 lanes) builds the kernels with narrower vectors."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 33, 40)).astype("float32") for _ in range(3))
+    mod = build(lambda **a: op.flash_attn(**a, causal=True), dict(q=(q.shape, "float32"), k=(k.shape, "float32"),
+                                                                   v=(v.shape, "float32")))
+    vm = relax.VirtualMachine(tvm_fuel.compile(mod, "llvm", kernels="tuned"), tvm.cpu())
+    out = vm["main"](*map(tvm.runtime.tensor, (q, k, v))).numpy()
+    np.testing.assert_allclose(out, tvm_fuel.reference.flash_attn(q, k, v, causal=True), atol=2e-5, rtol=2e-5)
