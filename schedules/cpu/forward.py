@@ -30,6 +30,7 @@ from .micro import Micro
 from .tiles import CpuTiles
 
 F32 = "float32"
+STREAMING_ROWS = 8  # at most this many rows per task: read K/V rows in place rather than packing tiles
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,9 @@ class _Body:
                             _biased(S[r, c], alibi, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, delta))
 
         @T.macro
-        def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
-                        first_pos, last_pos):
-            micro.gemm(S, Qs, Kt, BQ, BK, D, tiles.key_vecs * L, tiles.key_vecs, False, False)
+        def normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
+                           last_pos):
+            # scores -> masked logits -> exp(logit - running max); O rescaled to the new max
             if spec.elementwise_logits:
                 logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
             else:
@@ -159,6 +160,14 @@ class _Body:
                     logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
             micro.online_softmax(S, m, l, alpha, BQ, BK)
             micro.scale_rows(O, alpha, BQ, DP)
+
+        @T.macro
+        def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
+                        first_pos, last_pos):
+            # a packed key tile: both products are register-tiled GEMMs
+            micro.gemm(S, Qs, Kt, BQ, BK, D, tiles.key_vecs * L, tiles.key_vecs, False, False)
+            normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
+                           last_pos)
             micro.gemm(O, S, Vt, BQ, DP, BK, tiles.dim_vecs * L, tiles.dim_vecs, False, True)
 
         @T.macro
@@ -170,7 +179,8 @@ class _Body:
                     if spec.return_lse:
                         lse[b, g * group + (r0 + r) % group, (r0 + r) // group] = sem.log_sum_exp(sem.safe_row_max(m[r]), l[r])
 
-        self.load_queries, self.init_state, self.attend_tile, self.store = load_queries, init_state, attend_tile, store
+        self.load_queries, self.init_state, self.store = load_queries, init_state, store
+        self.normalize_tile, self.attend_tile = normalize_tile, attend_tile
 
 
 def _mask_shape(spec: ForwardSpec, B, Sq, Sk):
@@ -261,6 +271,9 @@ def paged_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
     cfg = spec.cfg
+    page_of = _page_of(BS)
+    if BQ <= STREAMING_ROWS:
+        return _paged_streaming(spec, tiles)
 
     # fmt: off
     @T.prim_func
@@ -299,8 +312,7 @@ def paged_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
             for kt in range(lo, hi):
                 for c in range(BK):
                     if kt * BK + c < kv_len:
-                        # live token: its block id was validated before the kernel; clamp all the same
-                        block: T.int64 = T.max(T.min(T.Cast("int64", table[b, (kt * BK + c) // BS]), num_blocks - 1), T.int64(0))
+                        block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
                         for d in range(D):
                             Kt[d, c] = k_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
                             Vt[c, d] = v_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
@@ -313,6 +325,111 @@ def paged_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
                 body.attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, alibi, b, g, r0, rows, kt * BK, kv_len,
                                  kv_len - Sq, first_pos, last_pos)
             body.store(out, out, O, m, l, b, g, r0, rows)
+    # fmt: on
+
+    return _finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
+
+
+def _page_of(block_size: int):
+    def page_of(table, b, j, num_blocks):
+        # a live token's block id was validated before the kernel (CPU check); clamp all the same
+        return T.max(T.min(T.Cast("int64", table[b, j // block_size]), num_blocks - 1), T.int64(0))
+
+    return page_of
+
+
+def _paged_streaming(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+    """Decode-shaped paged attention (few rows per KV head): keys and values are read in place.
+
+    A task owns ``tiles.kv_heads`` adjacent KV heads of one sequence, so for each token it reads
+    one contiguous run of the page ([kv_heads, D]) for K and for V; per head it keeps its own
+    rows, score tile and accumulator (views into the task's buffers).
+    """
+    body = _Body(spec, tiles)
+    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, BK, DP, BS, HT = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size, tiles.kv_heads
+    cfg = spec.cfg
+    page_of = _page_of(BS)
+    LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
+
+    # fmt: off
+    @T.prim_func
+    def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
+                            lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B, Sq, num_blocks, max_blocks = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
+        v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)
+        table = T.match_buffer(table_h, (B, max_blocks), spec.table_dtype)
+        lens = T.match_buffer(lens_h, (B,), spec.lens_dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        rows = Sq * group
+        n_row_tiles = (rows + BQ - 1) // BQ
+        for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
+            b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
+            g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
+            r0: T.int64 = task % n_row_tiles * BQ
+            kv_len: T.int64 = T.Cast("int64", lens[b])
+            first_pos: T.int64 = r0 // group
+            last_pos: T.int64 = (T.min(r0 + BQ, rows) - 1) // group
+            Qs_all = T.alloc_buffer((HT, BQ, D), F32)
+            S_all = T.alloc_buffer((HT, BQ, BK), F32)
+            O_all = T.alloc_buffer((HT, BQ, DP), F32)
+            m_all = T.alloc_buffer((HT, BQ), F32)
+            l_all = T.alloc_buffer((HT, BQ), F32)
+            alpha_all = T.alloc_buffer((HT, BQ), F32)
+            for gi in range(HT):
+                Qs = T.decl_buffer((BQ, D), F32, data=Qs_all.data, elem_offset=gi * (BQ * D))
+                O = T.decl_buffer((BQ, DP), F32, data=O_all.data, elem_offset=gi * (BQ * DP))
+                m = T.decl_buffer((BQ,), F32, data=m_all.data, elem_offset=gi * BQ)
+                l = T.decl_buffer((BQ,), F32, data=l_all.data, elem_offset=gi * BQ)
+                body.load_queries(Qs, q, b, g0 + gi, r0, rows)
+                body.init_state(O, m, l)
+            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=kv_len - Sq,
+                                    block_k=BK)
+            for kt in range(lo, hi):
+                for c in range(BK):
+                    if kt * BK + c < kv_len:
+                        block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
+                        for gi in range(HT):
+                            acc = T.alloc_buffer((BQ, LD), F32, scope="local")
+                            for r in T.unroll(BQ):
+                                for v in T.vectorized(LD):
+                                    acc[r, v] = T.float32(0)
+                            for d0 in range(D // LD):
+                                for r in T.unroll(BQ):
+                                    for v in T.vectorized(LD):
+                                        acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                            for r in T.unroll(BQ):
+                                S_all[gi, r, c] = T.float32(0)
+                                for v in range(LD):
+                                    S_all[gi, r, c] = S_all[gi, r, c] + acc[r, v]
+                    else:
+                        for gi, r in T.grid(HT, BQ):
+                            S_all[gi, r, c] = T.float32(0)
+                for gi in range(HT):
+                    S = T.decl_buffer((BQ, BK), F32, data=S_all.data, elem_offset=gi * (BQ * BK))
+                    O = T.decl_buffer((BQ, DP), F32, data=O_all.data, elem_offset=gi * (BQ * DP))
+                    m = T.decl_buffer((BQ,), F32, data=m_all.data, elem_offset=gi * BQ)
+                    l = T.decl_buffer((BQ,), F32, data=l_all.data, elem_offset=gi * BQ)
+                    alpha = T.decl_buffer((BQ,), F32, data=alpha_all.data, elem_offset=gi * BQ)
+                    body.normalize_tile(S, O, m, l, alpha, alibi, alibi, b, g0 + gi, r0, rows, kt * BK, kv_len,
+                                        kv_len - Sq, first_pos, last_pos)
+                for c in range(BK):
+                    if kt * BK + c < kv_len:
+                        block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
+                        for gi in range(HT):
+                            for d0 in range(D // LD):
+                                for r in T.unroll(BQ):
+                                    for v in T.vectorized(LD):
+                                        O_all[gi, r, d0 * LD + v] = O_all[gi, r, d0 * LD + v] + S_all[gi, r, c] * v_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+            for gi in range(HT):
+                O = T.decl_buffer((BQ, DP), F32, data=O_all.data, elem_offset=gi * (BQ * DP))
+                m = T.decl_buffer((BQ,), F32, data=m_all.data, elem_offset=gi * BQ)
+                l = T.decl_buffer((BQ,), F32, data=l_all.data, elem_offset=gi * BQ)
+                body.store(out, out, O, m, l, b, g0 + gi, r0, rows)
     # fmt: on
 
     return _finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))

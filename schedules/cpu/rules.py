@@ -65,7 +65,8 @@ class PagedAttention(_CpuRule):
             has_alibi=args["alibi_slopes"] is not None, block_size=cache[1],
             table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype))
         rows = q[2] * spec.group if q[2] is not None else None
-        return paged_forward(spec, tiles_for(target, head_dim=spec.head_dim, rows=rows))
+        tiles = tiles_for(target, head_dim=spec.head_dim, rows=rows, num_kv_heads=spec.num_kv_heads, batch=q[0])
+        return paged_forward(spec, tiles)
 
 
 RULES = (FlashForward(), PagedAttention())

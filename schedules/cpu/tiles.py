@@ -23,6 +23,7 @@ class CpuTiles:
     key_vecs    vectors per register-tile row in the key-vectorized GEMMs (q.k^T, do.v^T)
     dim_vecs    vectors per register-tile row in the dim-vectorized GEMMs (p.v, ds.k, ...)
     lanes       float32 lanes of one vector register
+    kv_heads    KV heads one decode task streams together (their rows of a page are contiguous)
     """
 
     block_q: int = 64
@@ -31,6 +32,7 @@ class CpuTiles:
     key_vecs: int = 2
     dim_vecs: int = 2
     lanes: int = 8
+    kv_heads: int = 1
 
     def __post_init__(self):
         if self.block_q % self.micro_rows:
@@ -58,10 +60,14 @@ def vector_lanes(target: tvm.target.Target) -> int:
     return 4
 
 
-def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None) -> CpuTiles:
+def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num_kv_heads: int = 1,
+              batch: int | None = None) -> CpuTiles:
     """Hand-picked tiles: 64 x 64 score tiles (they and a key tile fit a 32 KiB L1 in float32).
 
-    ``rows`` (query positions x group heads, when static) shrinks block_q for decode.
+    ``rows`` (query positions x group heads, when static) shrinks block_q for decode, where a
+    task streams ``kv_heads`` heads at once: enough tasks remain for every core, and each page
+    row it reads is one contiguous run. All heads go to one task (whole page rows, the fastest
+    read) unless a static ``batch`` smaller than the core count needs head chunks to fill cores.
     """
     lanes = vector_lanes(target)
     tiles = CpuTiles(lanes=lanes, key_vecs=max(1, 16 // lanes), dim_vecs=2 if head_dim > lanes else 1)
@@ -69,4 +75,7 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None) -> 
         tiles = replace(tiles, dim_vecs=1)
     if rows is not None and rows < tiles.block_q:
         tiles = replace(tiles, block_q=-(-rows // tiles.micro_rows) * tiles.micro_rows)
-    return tiles
+    cores = int(target.attrs.get("num-cores", 0) or 1)
+    chunks = 1 if batch is None or batch >= cores else min(num_kv_heads, -(-cores // batch))
+    kv_heads = max(h for h in range(1, num_kv_heads // chunks + 1) if num_kv_heads % h == 0)
+    return replace(tiles, kv_heads=kv_heads)
