@@ -11,100 +11,35 @@ The paged kernel reads its key tiles through the block table (no gather) and sto
 ``context_lens[b]``, so its cost follows the live tokens, not the table's capacity.
 
 Contents:
-    ForwardSpec     -- the static facts of one kernel instance
+    KernelSpec     -- the static facts of one kernel instance
     dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
     paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ...config import AttnConfig
+from .common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, tile_is_interior,
+                     visible)
 from .micro import Micro
 from .tiles import CpuTiles
 
-F32 = "float32"
 STREAMING_ROWS = 8  # at most this many rows per task: read K/V rows in place rather than packing tiles
-
-
-@dataclass(frozen=True)
-class ForwardSpec:
-    """What one forward kernel is specialised on (everything else is a runtime dim)."""
-
-    dtype: str
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    cfg: AttnConfig
-    has_alibi: bool = False
-    mask_dtype: str | None = None  # "bool" (keep) or a float dtype (additive)
-    mask_broadcast: tuple[bool, ...] = ()  # per mask dim (right-aligned to B, Hq, Sq, Sk): size 1
-    return_lse: bool = False
-    block_size: int = 0  # paged only
-    table_dtype: str = "int32"
-    lens_dtype: str = "int32"
-
-    @property
-    def group(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def scale(self) -> float:
-        return self.cfg.scale_for(self.head_dim)
-
-    @property
-    def elementwise_logits(self) -> bool:
-        """Whether every score needs a transform (else only boundary tiles are masked)."""
-        return self.cfg.softcap > 0 or self.has_alibi or self.mask_dtype is not None
-
-
-def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
-    """[lo, hi) of the key tiles that rows at query positions first_pos..last_pos can see."""
-    lo = tirx.const(0, "int64")
-    hi = sem.as_int64(kv_len)
-    if cfg.window_left >= 0:
-        lo = tirx.max(lo, first_pos + delta - cfg.window_left)
-    if cfg.window_right >= 0:
-        hi = tirx.min(hi, last_pos + delta + cfg.window_right + 1)
-    tile_lo = tirx.floordiv(lo, block_k)
-    return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_k - 1, block_k))
-
-
-def tile_is_interior(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int):
-    """True when every row of the task sees every key of the tile (no masking needed)."""
-    cond = key_start + block_k <= sem.as_int64(kv_len)
-    if cfg.window_left >= 0:
-        cond = tirx.all(cond, key_start >= last_pos + delta - cfg.window_left)
-    if cfg.window_right >= 0:
-        cond = tirx.all(cond, key_start + block_k - 1 <= first_pos + delta + cfg.window_right)
-    return cond
-
-
-def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
-    """The PrimFunc without the (unused) buffer parameters called ``names``."""
-    keep = [p for p in func.params if p.name not in names]
-    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
 
 
 class _Body:
     """The macros of a forward task, specialised to one spec and tile configuration."""
 
-    def __init__(self, spec: ForwardSpec, tiles: CpuTiles):
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles):
         micro = Micro(tiles)
         cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
         BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
         DP = tiles.padded_dim(D)
         scale = spec.scale
         mask_dtype = spec.mask_dtype
-
-        def mask_at(mask, b, h, i, j):
-            return mask[sem.mask_index(mask.shape, b, h, i, j)]
 
         @T.macro
         def load_queries(Qs, q, b, g, r0, rows):
@@ -124,20 +59,6 @@ class _Body:
                 for d in range(DP):
                     O[r, d] = T.float32(0)
 
-        def _visible(mask, b, h, i, j, kv_len, delta):
-            vis = sem.keep(cfg, i, j, kv_len=kv_len, delta=delta)
-            if mask_dtype == "bool":
-                vis = tirx.all(vis, mask_at(mask, b, h, i, j))
-            return vis
-
-        def _biased(s, alibi, mask, b, h, i, j, delta):
-            s = sem.softcap(cfg, s, fast=True)
-            if spec.has_alibi:
-                s = s + sem.alibi_bias(alibi[h], i, j, delta=delta)
-            if mask_dtype is not None and mask_dtype != "bool":
-                s = s + mask_at(mask, b, h, i, j).astype(F32)
-            return s
-
         @T.macro
         def logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta):
             # softcap, ALiBi, masks and the window/length rule, element by element
@@ -145,8 +66,8 @@ class _Body:
                 if r0 + r < rows:
                     for c in T.vectorized(BK):
                         S[r, c] = sem.masked(
-                            _visible(mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, kv_len, delta),
-                            _biased(S[r, c], alibi, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, delta))
+                            visible(spec, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, kv_len, delta),
+                            biased(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, delta))
 
         @T.macro
         def normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
@@ -183,12 +104,7 @@ class _Body:
         self.normalize_tile, self.attend_tile = normalize_tile, attend_tile
 
 
-def _mask_shape(spec: ForwardSpec, B, Sq, Sk):
-    full = (B, spec.num_q_heads, Sq, Sk)[4 - len(spec.mask_broadcast):]
-    return tuple(1 if one else n for one, n in zip(spec.mask_broadcast, full))
-
-
-def dense_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+def dense_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (B, Sq, Sk symbolic)."""
     body = _Body(spec, tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
@@ -207,7 +123,7 @@ def dense_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
         k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
         v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
         alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        mask = T.match_buffer(mask_h, _mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
+        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
         out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
         lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
         rows = Sq * group
@@ -262,10 +178,10 @@ def dense_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
         unused.add("mask")
     if not spec.return_lse:
         unused.add("lse")
-    return _finish(drop_params(fuel_flash_attn_cpu, unused))
+    return finish(drop_params(fuel_flash_attn_cpu, unused))
 
 
-def paged_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     """Paged attention of q [B, Hq, Sq, D] over caches [num_blocks, block_size, Hkv, D]."""
     body = _Body(spec, tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
@@ -327,7 +243,7 @@ def paged_forward(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
             body.store(out, out, O, m, l, b, g, r0, rows)
     # fmt: on
 
-    return _finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
+    return finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
 
 
 def _page_of(block_size: int):
@@ -338,7 +254,7 @@ def _page_of(block_size: int):
     return page_of
 
 
-def _paged_streaming(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+def _paged_streaming(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     """Decode-shaped paged attention (few rows per KV head): keys and values are read in place.
 
     A task owns ``tiles.kv_heads`` adjacent KV heads of one sequence, so for each token it reads
@@ -432,9 +348,4 @@ def _paged_streaming(spec: ForwardSpec, tiles: CpuTiles) -> tirx.PrimFunc:
                 body.store(out, out, O, m, l, b, g0 + gi, r0, rows)
     # fmt: on
 
-    return _finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
-
-
-def _finish(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    # scheduled by hand: dlight/MetaSchedule skip it; opaque: FuseOps keeps neighbours out of it
-    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+    return finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))

@@ -12,7 +12,8 @@ from tvm import relax, tirx
 from ...config import AttnConfig
 from ...op import SPECS
 from ..base import KernelRule, static_dims
-from .forward import ForwardSpec, dense_forward, paged_forward
+from .common import KernelSpec
+from .forward import dense_forward, paged_forward
 from .tiles import tiles_for
 
 
@@ -32,7 +33,7 @@ class FlashForward(_CpuRule):
         q, k = static_dims(args["q"]), static_dims(args["k"])
         if q is None or k is None or None in (q[1], q[3], k[1]):
             return None  # heads and head dim must be static
-        spec = ForwardSpec(
+        spec = KernelSpec(
             dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=k[1], head_dim=q[3],
             cfg=AttnConfig.from_attrs(SPECS[self.op].label, call.attrs),
             has_alibi=args["alibi_slopes"] is not None, return_lse=bool(call.attrs["return_lse"]))
@@ -41,7 +42,7 @@ class FlashForward(_CpuRule):
             dims = static_dims(mask)
             if dims is None:
                 return None
-            spec = ForwardSpec(**{**spec.__dict__, "mask_dtype": str(mask.ty.dtype),
+            spec = KernelSpec(**{**spec.__dict__, "mask_dtype": str(mask.ty.dtype),
                                   "mask_broadcast": tuple(d == 1 for d in dims)})
         rows = q[2] * spec.group if q[2] is not None else None
         return dense_forward(spec, tiles_for(target, head_dim=spec.head_dim, rows=rows))
@@ -59,7 +60,7 @@ class PagedAttention(_CpuRule):
         q, cache = static_dims(args["q"]), static_dims(args["k_cache"])
         if q is None or cache is None or None in (q[1], q[3], cache[1], cache[2]):
             return None
-        spec = ForwardSpec(
+        spec = KernelSpec(
             dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=cache[2], head_dim=q[3],
             cfg=AttnConfig.from_attrs(SPECS[self.op].label, call.attrs),
             has_alibi=args["alibi_slopes"] is not None, block_size=cache[1],

@@ -1,0 +1,127 @@
+"""Pieces shared by the CPU kernels: the kernel spec, tile ranges, per-element logits, finishing.
+
+Contents:
+    KernelSpec        -- the static facts of one kernel instance
+    key_tile_range    -- the key tiles a range of query positions can see
+    query_tile_range  -- the query tiles that can see a range of keys (backward)
+    tile_is_interior  -- whether a (rows, key tile) pair needs no masking
+    visible, biased   -- the element-wise mask and logit transform (via tvm_fuel.semantics)
+    mask_shape, drop_params, finish
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from ...config import AttnConfig
+
+F32 = "float32"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What one kernel is specialised on (everything else -- B, Sq, Sk, cache size -- is a runtime dim)."""
+
+    dtype: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cfg: AttnConfig
+    has_alibi: bool = False
+    mask_dtype: str | None = None  # "bool" (keep) or a float dtype (additive)
+    mask_broadcast: tuple[bool, ...] = ()  # per mask dim (right-aligned to B, Hq, Sq, Sk): size 1
+    return_lse: bool = False
+    block_size: int = 0  # paged only
+    table_dtype: str = "int32"
+    lens_dtype: str = "int32"
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.scale_for(self.head_dim)
+
+    @property
+    def elementwise_logits(self) -> bool:
+        """Whether every score needs a transform (else only boundary tiles are masked)."""
+        return self.cfg.softcap > 0 or self.has_alibi or self.mask_dtype is not None
+
+
+def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
+    """[lo, hi) of the key tiles that rows at query positions first_pos..last_pos can see."""
+    lo = tirx.const(0, "int64")
+    hi = sem.as_int64(kv_len)
+    if cfg.window_left >= 0:
+        lo = tirx.max(lo, first_pos + delta - cfg.window_left)
+    if cfg.window_right >= 0:
+        hi = tirx.min(hi, last_pos + delta + cfg.window_right + 1)
+    tile_lo = tirx.floordiv(lo, block_k)
+    return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_k - 1, block_k))
+
+
+def tile_is_interior(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int):
+    """True when every row of the task sees every key of the tile (no masking needed)."""
+    cond = key_start + block_k <= sem.as_int64(kv_len)
+    if cfg.window_left >= 0:
+        cond = tirx.all(cond, key_start >= last_pos + delta - cfg.window_left)
+    if cfg.window_right >= 0:
+        cond = tirx.all(cond, key_start + block_k - 1 <= first_pos + delta + cfg.window_right)
+    return cond
+
+
+def query_tile_range(cfg: AttnConfig, *, key_first, key_last, num_queries, delta, block_q: int):
+    """[lo, hi) of the query tiles (of block_q positions) whose rows can see keys key_first..key_last."""
+    lo = tirx.const(0, "int64")
+    hi = sem.as_int64(num_queries)
+    if cfg.window_right >= 0:  # j <= i + delta + right  <=>  i >= j - delta - right
+        lo = tirx.max(lo, key_first - delta - cfg.window_right)
+    if cfg.window_left >= 0:  # j >= i + delta - left  <=>  i <= j - delta + left
+        hi = tirx.min(hi, key_last - delta + cfg.window_left + 1)
+    tile_lo = tirx.floordiv(lo, block_q)
+    return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_q - 1, block_q))
+
+
+def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
+    """The PrimFunc without the (unused) buffer parameters called ``names``."""
+    keep = [p for p in func.params if p.name not in names]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+
+
+def mask_at(mask, b, h, i, j):
+    return mask[sem.mask_index(mask.shape, b, h, i, j)]
+
+
+def visible(spec: KernelSpec, mask, b, h, i, j, kv_len, delta):
+    """Whether key j is kept for query (b, h, i): length, window and boolean mask."""
+    keep = sem.keep(spec.cfg, i, j, kv_len=kv_len, delta=delta)
+    if spec.mask_dtype == "bool":
+        keep = tirx.all(keep, mask_at(mask, b, h, i, j))
+    return keep
+
+
+def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
+    """The logit from the capped score: + ALiBi + additive mask."""
+    if spec.has_alibi:
+        capped = capped + sem.alibi_bias(alibi[h], i, j, delta=delta)
+    if spec.mask_dtype is not None and spec.mask_dtype != "bool":
+        capped = capped + mask_at(mask, b, h, i, j).astype(F32)
+    return capped
+
+
+def mask_shape(spec: KernelSpec, B, Sq, Sk):
+    full = (B, spec.num_q_heads, Sq, Sk)[4 - len(spec.mask_broadcast):]
+    return tuple(1 if one else n for one, n in zip(spec.mask_broadcast, full))
+
+
+
+def finish(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    # scheduled by hand: dlight/MetaSchedule skip it; opaque: FuseOps keeps neighbours out of it
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
