@@ -39,9 +39,29 @@ def tuned_legalize_map(target: tvm.target.Target) -> dict[str, Callable]:
             for rule in candidates:
                 func = rule.apply(call, target)
                 if func is not None:
-                    return emit_kernel(bb, name, call, func)
+                    args = _with_forward_state(bb, name, call, legalize_with) if rule.needs_forward_state else None
+                    return emit_kernel(bb, name, call, func, args)
             return LEGALIZE[name](bb, call)
 
         return legalize
 
     return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}
+
+
+def _with_forward_state(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_with) -> dict:
+    """The backward call's arguments, with out and lse from a forward pass where it lacks them."""
+    from .. import op
+    from ..op import SPECS
+
+    args = SPECS[name].split_args(call)
+    if args["out"] is not None and args["lse"] is not None:
+        return args
+    options = {key: call.attrs[key] for key in ("softmax_scale", "causal", "softcap")}
+    forward = bb.normalize(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"], args["attn_mask"],
+                                         window_size=list(call.attrs["window_size"]), return_lse=True, **options))
+    state = bb.emit(legalize_with("flash_attn")(bb, forward))
+    if args["out"] is None:
+        args["out"] = bb.emit(relax.TupleGetItem(state, 0))
+    if args["lse"] is None:
+        args["lse"] = bb.emit(relax.TupleGetItem(state, 1))
+    return args

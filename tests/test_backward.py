@@ -1,5 +1,5 @@
-"""Backward: the reference against finite differences, the floor against the reference, and the
-single-gradient variants against the tuple op."""
+"""Backward: the reference against finite differences; the decomposition and the CPU kernel
+against the reference; the single-gradient variants against the tuple op."""
 
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def _inputs(rng, B, Hq, Hkv, Sq, Sk, D, dtype):
                 v=randn(rng, (B, Hkv, Sk, D), dtype), do=randn(rng, (B, Hq, Sq, D), dtype))
 
 
-def _check_floor(inputs, dtype, extra=None, **options):
+def _check(inputs, dtype, kernels, extra=None, **options):
     extra = extra or {}
-    got = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, **extra})
+    got = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, **extra}, kernels=kernels)
     want = ref.flash_attn_backward(*inputs.values(), extra.get("alibi_slopes"), extra.get("attn_mask"), **options)
     for name, g, w, src in zip(("dq", "dk", "dv"), got, want, ("q", "k", "v")):
         assert g.dtype == inputs[src].dtype and g.shape == inputs[src].shape
@@ -69,54 +69,54 @@ def _check_floor(inputs, dtype, extra=None, **options):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("sq,sk", [(17, 40), (40, 17), (1, 40)])
-def test_floor_matches_reference(case, sq, sk):
+def test_matches_reference(case, sq, sk, kernels):
     rng = np.random.default_rng(sq + sk)
-    _check_floor(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", **CASES[case])
+    _check(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", kernels, **CASES[case])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 1)])
-def test_floor_low_precision(dtype, head_dim, group):
+def test_low_precision(dtype, head_dim, group, kernels):
     rng = np.random.default_rng(head_dim)
-    _check_floor(_inputs(rng, 1, group, 1, 17, 33, head_dim, dtype), dtype, causal=True)
+    _check(_inputs(rng, 1, group, 1, 17, 33, head_dim, dtype), dtype, kernels, causal=True)
 
 
-def test_floor_alibi_masks_softcap():
+def test_alibi_masks_softcap(kernels):
     rng = np.random.default_rng(9)
     inputs = _inputs(rng, 2, 6, 3, 17, 33, 40, "float32")
     extra = dict(alibi_slopes=(rng.random(6) * 0.3).astype(np.float32),
                  attn_mask=rng.random((2, 1, 17, 33)) < 0.8)
-    _check_floor(inputs, "float32", extra, softcap=4.0, window_size=(8, 2))
+    _check(inputs, "float32", kernels, extra, softcap=4.0, window_size=(8, 2))
     extra["attn_mask"] = rng.standard_normal((17, 33)).astype(np.float32)
-    _check_floor(inputs, "float32", extra, causal=True)
+    _check(inputs, "float32", kernels, extra, causal=True)
 
 
-def test_fully_masked_rows_get_zero_gradient():
+def test_fully_masked_rows_get_zero_gradient(kernels):
     rng = np.random.default_rng(4)
     inputs = _inputs(rng, 1, 3, 1, 9, 4, 16, "float32")
-    dq, dk, dv = _check_floor(inputs, "float32", causal=True)
+    dq, dk, dv = _check(inputs, "float32", kernels, causal=True)
     assert np.all(dq[:, :, :5] == 0)  # rows i < Sq - Sk see no key
     # the masked rows' do must not reach dv: changing it leaves dv unchanged
     inputs["do"][:, :, :5] = 1e3
-    _, _, dv2 = run(lambda **a: op.flash_attn_backward(**a, causal=True), inputs)
+    _, _, dv2 = run(lambda **a: op.flash_attn_backward(**a, causal=True), inputs, kernels=kernels)
     np.testing.assert_array_equal(dv, dv2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("given", ["out", "lse", "both"])
-def test_forward_state_is_reused(dtype, given):
+def test_forward_state_is_reused(dtype, given, kernels):
     """With out/lse from the forward, the gradients equal the recomputing ones."""
     rng = np.random.default_rng(2)
     inputs = _inputs(rng, 1, 4, 2, 17, 33, 64, dtype)
     options = dict(causal=True, softcap=3.0)
     fwd = {name: inputs[name] for name in ("q", "k", "v")}
-    out, lse = run(lambda **a: op.flash_attn(**a, **options, return_lse=True), fwd)
+    out, lse = run(lambda **a: op.flash_attn(**a, **options, return_lse=True), fwd, kernels=kernels)
     state = {"out": out, "lse": lse} if given == "both" else {given: {"out": out, "lse": lse}[given]}
 
     def make(q, k, v, do, **s):
         return op.flash_attn_backward(q, k, v, do, **s, **options)
 
-    got = run(make, {**inputs, **state})
+    got = run(make, {**inputs, **state}, kernels=kernels)
     want = ref.flash_attn_backward(*inputs.values(), **options)
     for g, w in zip(got, want):
         # out rounded to the dtype enters D = rowsum(do * out): one more rounding than the reference
@@ -124,12 +124,12 @@ def test_forward_state_is_reused(dtype, given):
 
 
 @pytest.mark.parametrize("variant,index", [("q", 0), ("k", 1), ("v", 2)])
-def test_single_gradient_variants_match_tuple(variant, index):
+def test_single_gradient_variants_match_tuple(variant, index, kernels):
     rng = np.random.default_rng(index)
     inputs = _inputs(rng, 2, 6, 2, 17, 33, 40, "float32")
     options = dict(causal=True, window_size=(9, -1), softcap=6.0)
     slopes = (rng.random(6) * 0.2).astype(np.float32)
-    whole = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, "alibi_slopes": slopes})
+    whole = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, "alibi_slopes": slopes}, kernels=kernels)
     single = getattr(op, f"flash_attn_backward_{variant}")
-    (one,) = run(lambda **a: single(**a, **options), {**inputs, "alibi_slopes": slopes})
+    (one,) = run(lambda **a: single(**a, **options), {**inputs, "alibi_slopes": slopes}, kernels=kernels)
     np.testing.assert_array_equal(one, whole[index])

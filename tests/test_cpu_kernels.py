@@ -63,6 +63,23 @@ def test_flash_attn_uses_the_kernel_without_score_buffers(options):
     assert _buffers_growing_with(kernel, "sq", "sk") == []
 
 
+@pytest.mark.parametrize("given", [(), ("out", "lse")])
+def test_flash_attn_backward_uses_the_kernel_without_score_buffers(given):
+    """Without out/lse the forward kernel runs first; either way no [Sq, Sk] buffer exists."""
+    params = dict(q=((2, 6, SQ, 40), "float32"), k=((2, 2, SK, 40), "float32"), v=((2, 2, SK, 40), "float32"),
+                  do=((2, 6, SQ, 40), "float32"), out=((2, 6, SQ, 40), "float32"), lse=((2, 6, SQ), "float32"))
+
+    def make(q, k, v, do, out, lse):
+        state = {"out": out, "lse": lse} if given else {}
+        return op.flash_attn_backward(q, k, v, do, causal=True, softcap=2.0, **state)
+
+    funcs = _prim_funcs(tvm_fuel.build.legalize(build(make, params), HOST, kernels="tuned"))
+    expected = {"fuel_flash_attn_backward_kernel"} | (set() if given else {"fuel_flash_attn_kernel"})
+    assert set(funcs) == expected
+    for func in funcs.values():
+        assert _buffers_growing_with(func, "sq", "sk") == []
+
+
 def test_the_score_buffer_check_catches_the_floor():
     """The same inspection flags the decomposition, which materializes [B, Hq, Sq, Sk] scores."""
     funcs = _prim_funcs(tvm_fuel.build.legalize(_flash_module(), HOST, kernels="decomposed"))

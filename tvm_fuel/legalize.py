@@ -98,11 +98,12 @@ def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                       primfunc_name_hint="fuel_paged_attn")
 
 
-def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc) -> relax.Expr:
+def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,
+                args: dict | None = None) -> relax.Expr:
     """Call a performance-path PrimFunc whose parameters are the op's present arguments, in
-    order, followed by its outputs."""
+    order, followed by its outputs. ``args`` overrides the call's arguments by name."""
     spec = SPECS[name]
-    args = spec.split_args(call)
+    args = dict(args) if args is not None else spec.split_args(call)
     if name == "paged_attn":
         args["context_lens"] = _checked_context_lens(bb, args)
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]

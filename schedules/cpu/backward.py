@@ -1,0 +1,202 @@
+"""CPU flash attention backward: dq, dk, dv in one pass over the key tiles (FlashAttention-2).
+
+Three parallel stages in one PrimFunc:
+
+1. ``D = rowsum(do * out)`` per query row, and the dq partial sums zeroed.
+2. One task per (batch, KV head, split of the key tiles). For each key tile the task keeps
+   dk and dv in an on-chip accumulator while it loops over every query head of the GQA group and
+   every query tile that can see the tile; P is recomputed from the forward's lse, and
+   ``dS = P * (dP - D)`` (times the softcap derivative and the scale). Five register-tiled GEMMs:
+   S = q k^T, dP = do v^T, dv += P^T do, dk += dS^T q, dq += dS k.
+3. dq: the splits' partial sums added (each split owns its partial buffer: no races, and the
+   result does not depend on thread timing).
+
+Scratch per task is O((block_q + block_k) * D); the dq partials are [splits, B, Hq, Sq, D].
+
+Contents:
+    flash_backward -- PrimFunc(q, k, v, do, [alibi_slopes], [attn_mask], out, lse, [dq], [dk], [dv])
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from .common import F32, KernelSpec, biased, drop_params, finish, mask_shape, query_tile_range, visible
+from .micro import Micro
+from .tiles import CpuTiles
+
+
+def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...], splits: int) -> tirx.PrimFunc:
+    """The backward kernel producing ``grads`` (a subset of dq, dk, dv, in that order)."""
+    micro = Micro(tiles)
+    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, BK, L, DP = tiles.block_q, tiles.block_k, tiles.lanes, tiles.padded_dim(spec.head_dim)
+    KW, KV = tiles.key_vecs * L, tiles.key_vecs
+    DW, DV = tiles.dim_vecs * L, tiles.dim_vecs
+    cfg, scale = spec.cfg, spec.scale
+    want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
+    want_ds = want_dq or want_dk
+    has_mask = len(spec.mask_broadcast) > 0
+    mask_dtype = spec.mask_dtype or "bool"
+    capped_needed = cfg.softcap > 0 and want_ds
+
+    @T.macro
+    def load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, h, i0, Sq):
+        for r in range(BQ):
+            if i0 + r < Sq:
+                for d in range(D):
+                    Qs[r, d] = q[b, h, i0 + r, d].astype(F32)
+                    dOs[r, d] = do[b, h, i0 + r, d].astype(F32)
+                lse_r[r] = lse[b, h, i0 + r]
+                D_r[r] = row_dot[b, h, i0 + r]
+            else:
+                for d in range(D):
+                    Qs[r, d] = T.float32(0)
+                    dOs[r, d] = T.float32(0)
+                lse_r[r] = T.float32(float("-inf"))
+                D_r[r] = T.float32(0)
+            for d in range(D, DP):
+                Qs[r, d] = T.float32(0)
+                dOs[r, d] = T.float32(0)
+
+    @T.macro
+    def probabilities(S, Cap, lse_r, alibi, mask, b, h, i0, key_start, Sq, Sk):
+        # S holds q.k^T; it becomes P = exp(logit - lse), 0 where the key is dropped
+        for r in range(BQ):
+            if i0 + r < Sq:
+                for c in T.vectorized(BK):
+                    if capped_needed:
+                        Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
+                    S[r, c] = T.Select(
+                        visible(spec, mask, b, h, i0 + r, key_start + c, Sk, Sk - Sq),
+                        sem.probability(
+                            biased(spec, sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), alibi, mask,
+                                   b, h, i0 + r, key_start + c, Sk - Sq), lse_r[r]),
+                        T.float32(0))
+            else:
+                for c in T.vectorized(BK):
+                    S[r, c] = T.float32(0)
+
+    @T.macro
+    def score_grads(dP, S, Cap, D_r):
+        # dP holds do.v^T; it becomes dS = P * (dP - D) * dsoftcap * scale
+        for r in range(BQ):
+            for c in T.vectorized(BK):
+                if capped_needed:
+                    dP[r, c] = S[r, c] * (dP[r, c] - D_r[r]) * sem.softcap_grad(cfg, Cap[r, c]) * T.float32(scale)
+                else:
+                    dP[r, c] = S[r, c] * (dP[r, c] - D_r[r]) * T.float32(scale)
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_backward_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, alibi_h: T.handle,
+                                     mask_h: T.handle, out_h: T.handle, lse_h: T.handle, dq_h: T.handle,
+                                     dk_h: T.handle, dv_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B, Sq, Sk = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
+        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
+        do = T.match_buffer(do_h, (B, Hq, Sq, D), dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
+        dq = T.match_buffer(dq_h, (B, Hq, Sq, D), dtype)
+        dk = T.match_buffer(dk_h, (B, Hkv, Sk, D), dtype)
+        dv = T.match_buffer(dv_h, (B, Hkv, Sk, D), dtype)
+        row_dot = T.alloc_buffer((B, Hq, Sq), F32)
+        dq_part = T.alloc_buffer((splits, B, Hq, (Sq + BQ - 1) // BQ * BQ, DP) if want_dq else (1,), F32)
+        n_key_tiles = (Sk + BK - 1) // BK
+        per_split = (n_key_tiles + splits - 1) // splits
+        padded_sq = (Sq + BQ - 1) // BQ * BQ
+        # 1. D = rowsum(do * out); zero the dq partials
+        for bh in T.parallel(B * Hq):
+            for i in range(Sq):
+                acc = T.alloc_buffer((1,), F32, scope="local")
+                acc[0] = T.float32(0)
+                for d in range(D):
+                    acc[0] = acc[0] + do[bh // Hq, bh % Hq, i, d].astype(F32) * out[bh // Hq, bh % Hq, i, d].astype(F32)
+                row_dot[bh // Hq, bh % Hq, i] = acc[0]
+            if want_dq:
+                for c, i in T.grid(splits, padded_sq):
+                    for d in T.vectorized(DP):
+                        dq_part[c, bh // Hq, bh % Hq, i, d] = T.float32(0)
+        # 2. per (batch, KV head, split): dk, dv of each key tile; dq partials
+        for task in T.parallel(B * Hkv * splits):
+            b: T.int64 = task // (Hkv * splits)
+            g: T.int64 = task // splits % Hkv
+            split: T.int64 = task % splits
+            Kn = T.alloc_buffer((BK, DP), F32)
+            Kt = T.alloc_buffer((D, BK), F32)
+            Vt = T.alloc_buffer((D, BK), F32)
+            dK_acc = T.alloc_buffer((BK, DP), F32)
+            dV_acc = T.alloc_buffer((BK, DP), F32)
+            Qs = T.alloc_buffer((BQ, DP), F32)
+            dOs = T.alloc_buffer((BQ, DP), F32)
+            lse_r = T.alloc_buffer((BQ,), F32)
+            D_r = T.alloc_buffer((BQ,), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            dP = T.alloc_buffer((BQ, BK), F32)
+            Cap = T.alloc_buffer((BQ, BK), F32)
+            for kt in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
+                for c in range(BK):
+                    if kt * BK + c < Sk:
+                        for d in range(D):
+                            Kn[c, d] = k[b, g, kt * BK + c, d].astype(F32)
+                            Kt[d, c] = k[b, g, kt * BK + c, d].astype(F32)
+                            Vt[d, c] = v[b, g, kt * BK + c, d].astype(F32)
+                    else:
+                        for d in range(D):
+                            Kn[c, d] = T.float32(0)
+                            Kt[d, c] = T.float32(0)
+                            Vt[d, c] = T.float32(0)
+                    for d in range(D, DP):
+                        Kn[c, d] = T.float32(0)
+                    for d in T.vectorized(DP):
+                        dK_acc[c, d] = T.float32(0)
+                        dV_acc[c, d] = T.float32(0)
+                for hr in range(group):
+                    qlo, qhi = query_tile_range(cfg, key_first=kt * BK, key_last=T.min(kt * BK + BK, Sk) - 1,
+                                                num_queries=Sq, delta=Sk - Sq, block_q=BQ)
+                    for qt in range(qlo, qhi):
+                        load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g * group + hr, qt * BQ, Sq)
+                        micro.gemm(S, Qs, Kt, BQ, BK, D, KW, KV, False, False)
+                        probabilities(S, Cap, lse_r, alibi, mask, b, g * group + hr, qt * BQ, kt * BK, Sq, Sk)
+                        if want_dv:
+                            micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DW, DV, True, True)
+                        if want_ds:
+                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KW, KV, False, False)
+                            score_grads(dP, S, Cap, D_r)
+                            if want_dk:
+                                micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DW, DV, True, True)
+                            if want_dq:
+                                dQv = T.decl_buffer((BQ, DP), F32, data=dq_part.data, elem_offset=(
+                                    ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
+                                micro.gemm(dQv, dP, Kn, BQ, DP, BK, DW, DV, False, True)
+                for c in range(BK):
+                    if kt * BK + c < Sk:
+                        for d in range(D):
+                            if want_dk:
+                                dk[b, g, kt * BK + c, d] = dK_acc[c, d].astype(dtype)
+                            if want_dv:
+                                dv[b, g, kt * BK + c, d] = dV_acc[c, d].astype(dtype)
+        # 3. dq = sum of the splits' partials
+        if want_dq:
+            for bh in T.parallel(B * Hq):
+                for i, d in T.grid(Sq, D):
+                    total = T.alloc_buffer((1,), F32, scope="local")
+                    total[0] = T.float32(0)
+                    for c in range(splits):
+                        total[0] = total[0] + dq_part[c, bh // Hq, bh % Hq, i, d]
+                    dq[bh // Hq, bh % Hq, i, d] = total[0].astype(dtype)
+    # fmt: on
+
+    unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}
+    if not spec.has_alibi:
+        unused.add("alibi")
+    if not has_mask:
+        unused.add("mask")
+    return finish(drop_params(fuel_flash_attn_backward_cpu, unused))
