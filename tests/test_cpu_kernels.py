@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from helpers import HOST, build
+from helpers import HOST, build, run
 from tvm import relax, s_tir, tirx
 
 import tvm_fuel
@@ -138,3 +138,28 @@ def test_generic_llvm_target_still_correct():
     vm = relax.VirtualMachine(tvm_fuel.compile(mod, "llvm", kernels="tuned"), tvm.cpu())
     out = vm["main"](*map(tvm.runtime.tensor, (q, k, v))).numpy()
     np.testing.assert_allclose(out, tvm_fuel.reference.flash_attn(q, k, v, causal=True), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("which", ["flash_attn", "flash_attn_backward", "paged_attn"])
+def test_tuned_matches_the_decomposition(which):
+    """The layer below directly: the CPU kernel against the compiled floor on one awkward case."""
+    rng = np.random.default_rng(11)
+    if which == "paged_attn":
+        table = np.full((3, 7), -1, np.int32)
+        table[0, :2], table[1, :7], table[2, :1] = [4, 9], rng.permutation(12)[:7], [4]
+        inputs = dict(q=rng.standard_normal((3, 7, 3, 40)).astype(np.float32),
+                      k_cache=rng.standard_normal((12, 16, 1, 40)).astype(np.float32),
+                      v_cache=rng.standard_normal((12, 16, 1, 40)).astype(np.float32),
+                      block_table=table, context_lens=np.array([17, 97, 1], np.int32))
+        make = lambda **a: op.paged_attn(**a, causal=True, softcap=4.0)  # noqa: E731
+    else:
+        inputs = dict(q=rng.standard_normal((2, 6, 97, 40)).astype(np.float32),
+                      k=rng.standard_normal((2, 2, 17, 40)).astype(np.float32),
+                      v=rng.standard_normal((2, 2, 17, 40)).astype(np.float32))
+        if which == "flash_attn_backward":
+            inputs["do"] = rng.standard_normal((2, 6, 97, 40)).astype(np.float32)
+        make = lambda **a: getattr(op, which)(**a, causal=True, window_size=(9, -1), softcap=4.0)  # noqa: E731
+    tuned = run(make, inputs, kernels="tuned")
+    floor = run(make, inputs, kernels="decomposed")
+    for t, f in zip(tuned, floor):
+        np.testing.assert_allclose(t, f, atol=1e-5, rtol=1e-5)

@@ -75,9 +75,11 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                             biased(spec, sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), alibi, mask,
                                    b, h, i0 + r, key_start + c, Sk - Sq), lse_r[r]),
                         T.float32(0))
-            else:
+            else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                 for c in T.vectorized(BK):
                     S[r, c] = T.float32(0)
+                    if capped_needed:
+                        Cap[r, c] = T.float32(0)
 
     @T.macro
     def score_grads(dP, S, Cap, D_r):

@@ -1,0 +1,406 @@
+"""``python -m tvm_fuel bench``: the floor, the tuned kernels and PyTorch, side by side in one run.
+
+Every figure is measured in the same process, against this machine's own peaks measured in the
+same run (float32 GEMM GFLOP/s, streaming read GB/s). FLOPs follow FlashAttention: forward
+``4 * B * Hq * Sq * Sk * D``, halved when causal; backward 2.5x the forward. Paged decode is
+also reported in GB/s of K/V read. Results go to ``bench.json`` and ``bench.png``.
+
+Contents:
+    FlashCase, PagedCase -- benchmark shapes
+    machine_peaks        -- GEMM GFLOP/s and read GB/s of this machine
+    run_bench            -- run the default suite, write JSON and PNG, return the report
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.script import tirx as T
+
+from . import op
+from .build import compile as fuel_compile
+from .build import host_target
+
+# The floor materializes about six [B, Hq, Sq, Sk] float32 buffers; beyond this many scores it is
+# skipped (its backward alone takes over a minute at 8 x 2048 x 2048 on 2 cores).
+FLOOR_MAX_SCORES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FlashCase:
+    B: int
+    H: int
+    S: int
+    D: int
+    causal: bool
+    backward: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"flash_{'bwd' if self.backward else 'fwd'} B{self.B} H{self.H} S{self.S} D{self.D}"
+                f"{' causal' if self.causal else ''}")
+
+    @property
+    def flops(self) -> float:
+        fwd = 4 * self.B * self.H * self.S * self.S * self.D / (2 if self.causal else 1)
+        return fwd * (2.5 if self.backward else 1.0)
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    block_size: int
+    context: int
+    capacity: int
+
+    @property
+    def name(self) -> str:
+        return (f"paged_decode B{self.B} Hq{self.Hq} Hkv{self.Hkv} D{self.D} bs{self.block_size} "
+                f"ctx{self.context}/{self.capacity}")
+
+    @property
+    def bytes_read(self) -> float:
+        return 2.0 * self.B * self.context * self.Hkv * self.D * 4
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.B * self.Hq * self.context * self.D
+
+
+def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int = 10) -> tuple[float, int]:
+    """Median seconds of ``fn`` after one warm-up run, and the number of timed runs."""
+    fn()
+    times: list[float] = []
+    while len(times) < max_runs and (sum(times) < min_seconds or len(times) < 3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), len(times)
+
+
+def _read_kernel(n: int, parts: int, lanes: int = 16):
+    chunk = n // parts
+
+    @T.prim_func
+    def read_sum(a: T.Buffer((n,), "float32"), out: T.Buffer((parts,), "float32")):
+        for p in T.parallel(parts):
+            acc = T.alloc_buffer((lanes,), "float32", scope="local")
+            for v in T.vectorized(lanes):
+                acc[v] = T.float32(0)
+            for i in range(chunk // lanes):
+                for v in T.vectorized(lanes):
+                    acc[v] = acc[v] + a[p * chunk + i * lanes + v]
+            out[p] = T.float32(0)
+            for v in range(lanes):
+                out[p] = out[p] + acc[v]
+
+    return read_sum
+
+
+def machine_peaks(target: tvm.target.Target) -> dict:
+    """float32 GEMM GFLOP/s (best of numpy and torch) and all-core streaming read GB/s."""
+    n = 2048
+    a, b = np.random.rand(n, n).astype(np.float32), np.random.rand(n, n).astype(np.float32)
+    gemm = {"numpy": 2 * n**3 / measure(lambda: a @ b)[0] / 1e9}
+    torch = _torch()
+    if torch is not None:
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        gemm["torch"] = 2 * n**3 / measure(lambda: ta @ tb)[0] / 1e9
+    size = 64 * 1024 * 1024  # 256 MiB: far beyond the caches
+    parts = 8 * int(target.attrs.get("num-cores", 1) or 1)
+    lib = tvm.compile(_read_kernel(size, parts), target=target)
+    data = tvm.runtime.tensor(np.ones(size, np.float32))
+    out = tvm.runtime.tensor(np.zeros(parts, np.float32))
+    read = size * 4 / measure(lambda: lib(data, out))[0] / 1e9
+    return {"gemm_gflops": max(gemm.values()), "gemm_gflops_by": gemm, "read_gbps": read}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    return torch
+
+
+def _vm(mod, target, kernels):
+    return relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), tvm.cpu())
+
+
+def _flash_module(case: FlashCase) -> tvm.IRModule:
+    shape = (case.B, case.H, case.S, case.D)
+    names = ["q", "k", "v"] + (["do", "out"] if case.backward else [])
+    params = [relax.Var(n, relax.TensorType(shape, "float32")) for n in names]
+    if case.backward:
+        params.append(relax.Var("lse", relax.TensorType(shape[:3], "float32")))
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        if case.backward:
+            q, k, v, do, out, lse = params
+            result = bb.emit(op.flash_attn_backward(q, k, v, do, out=out, lse=lse, causal=case.causal))
+        else:
+            result = bb.emit(op.flash_attn(*params, causal=case.causal))
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
+    rng = np.random.default_rng(0)
+    shape = (case.B, case.H, case.S, case.D)
+    q, k, v, do = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+    results: dict = {}
+    mod = _flash_module(case)
+    args = [q, k, v]
+    if case.backward:  # the forward's state, as a training step has it
+        vm_fwd = _vm(_lse_module(case), target, "tuned")
+        out, lse = (t.numpy() for t in vm_fwd["main"](*map(tvm.runtime.tensor, (q, k, v))))
+        args = [q, k, v, do, out, lse]
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    for kernels in ("tuned", "decomposed"):
+        if kernels == "decomposed" and not with_floor:
+            results["floor"] = {"skipped": f"would materialize {case.B * case.H * case.S * case.S:,} scores "
+                                f"(> {FLOOR_MAX_SCORES:,}); run with --floor-all"}
+            continue
+        vm = _vm(mod, target, kernels)
+        seconds, runs = measure(lambda: vm["main"](*tensors), max_runs=10 if kernels == "tuned" else 3)
+        results["tuned" if kernels == "tuned" else "floor"] = {"ms": seconds * 1e3, "runs": runs}
+    torch = _torch()
+    if torch is None:
+        results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
+    else:
+        tq, tk, tv = (torch.from_numpy(a).requires_grad_(case.backward) for a in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if case.backward:
+            out_t = sdpa(tq, tk, tv, is_causal=case.causal)  # Sq == Sk: top-left == bottom-right
+            grad = torch.from_numpy(do)
+            seconds, runs = measure(lambda: torch.autograd.grad(out_t, (tq, tk, tv), grad, retain_graph=True))
+        else:
+            with torch.no_grad():
+                seconds, runs = measure(lambda: sdpa(tq, tk, tv, is_causal=case.causal))
+        results["torch"] = {"ms": seconds * 1e3, "runs": runs}
+    for entry in results.values():
+        if "ms" in entry:
+            entry["gflops"] = case.flops / entry["ms"] / 1e6
+    return results
+
+
+def _lse_module(case: FlashCase) -> tvm.IRModule:
+    shape = (case.B, case.H, case.S, case.D)
+    params = [relax.Var(n, relax.TensorType(shape, "float32")) for n in ("q", "k", "v")]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        bb.emit_func_output(bb.emit(op.flash_attn(*params, causal=case.causal, return_lse=True)))
+    return bb.get()
+
+
+def _paged_timings(case: PagedCase, target) -> dict:
+    rng = np.random.default_rng(0)
+    max_blocks = case.capacity // case.block_size
+    num_blocks = case.B * max_blocks
+    k_cache, v_cache = (rng.standard_normal((num_blocks, case.block_size, case.Hkv, case.D)).astype(np.float32)
+                        for _ in range(2))
+    table = rng.permutation(num_blocks).reshape(case.B, max_blocks).astype(np.int32)
+    lens = np.full(case.B, case.context, np.int32)
+    q = rng.standard_normal((case.B, case.Hq, 1, case.D)).astype(np.float32)
+    arrays = [q, k_cache, v_cache, table, lens]
+    params = [relax.Var(n, relax.TensorType(a.shape, str(a.dtype)))
+              for n, a in zip(("q", "k_cache", "v_cache", "block_table", "context_lens"), arrays)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        bb.emit_func_output(bb.emit(op.paged_attn(*params)))
+    mod = bb.get()
+    tensors = [tvm.runtime.tensor(a) for a in arrays]
+    results: dict = {}
+    for kernels, key in (("tuned", "tuned"), ("decomposed", "floor")):
+        vm = _vm(mod, target, kernels)
+        seconds, runs = measure(lambda: vm["main"](*tensors))
+        results[key] = {"ms": seconds * 1e3, "runs": runs}
+    torch = _torch()
+    if torch is None:
+        results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
+    else:
+        tq, tk, tv, tt = (torch.from_numpy(a) for a in (q, k_cache, v_cache, table))
+        live = -(-case.context // case.block_size)
+
+        def gather_sdpa():  # vLLM-style: gather the live blocks, then dense SDPA
+            k = tk[tt[:, :live]].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
+            v = tv[tt[:, :live]].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
+
+        with torch.no_grad():
+            seconds, runs = measure(gather_sdpa)
+        results["torch"] = {"ms": seconds * 1e3, "runs": runs}
+    for entry in results.values():
+        if "ms" in entry:
+            entry["gbps"] = case.bytes_read / entry["ms"] / 1e6
+            entry["gflops"] = case.flops / entry["ms"] / 1e6
+    return results
+
+
+def long_context_probe(S: int = 16384, H: int = 8, D: int = 64) -> dict:
+    """Tuned forward + backward at B=1, in this process; peak resident memory from the OS."""
+    target = host_target()
+    case = FlashCase(1, H, S, D, causal=True)
+    rng = np.random.default_rng(0)
+    q, k, v, do = (tvm.runtime.tensor(rng.standard_normal((1, H, S, D)).astype(np.float32)) for _ in range(4))
+    fwd = _vm(_lse_module(case), target, "tuned")
+    bwd = _vm(_flash_module(FlashCase(1, H, S, D, True, backward=True)), target, "tuned")
+    baseline = _peak_rss_mib()
+    start = time.perf_counter()
+    out, lse = fwd["main"](q, k, v)
+    bwd["main"](q, k, v, do, out, lse)
+    seconds = time.perf_counter() - start
+    peak = _peak_rss_mib()
+    floor_gib = 6 * H * S * S * 4 / 2**30
+    return {"S": S, "H": H, "D": D, "causal": True, "fwd_bwd_s": seconds, "peak_rss_mib": peak,
+            "rss_before_run_mib": baseline, "floor_estimate_gib": floor_gib}
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM; unlike ru_maxrss it does not carry over exec)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def default_suite() -> tuple[list, list]:
+    flash = [FlashCase(1, 8, s, d, c, bwd) for bwd in (False, True) for (s, d) in ((1024, 64), (2048, 128))
+             for c in (False, True)]
+    paged = [PagedCase(8, 32, 8, 128, 16, 4096, 4096), PagedCase(8, 32, 8, 128, 16, 1024, 4096)]
+    return flash, paged
+
+
+def _chart(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        rows = [r for r in report["sweep"] if r["causal"] == causal]
+        for impl, style in (("tuned", "o-"), ("torch", "s--"), ("floor", "^:")):
+            points = [(r["S"], r["results"][impl]["gflops"]) for r in rows if "gflops" in r["results"].get(impl, {})]
+            if points:
+                ax.plot(*zip(*points), style, label={"tuned": "tvm_fuel tuned", "torch": "PyTorch SDPA",
+                                                     "floor": "tvm_fuel floor"}[impl])
+        ax.axhline(report["machine"]["gemm_gflops"], color="gray", lw=0.8, ls="-.", label="fp32 GEMM peak")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (B=1, H=8, D=64)")
+        ax.set_title(f"flash forward, {'causal' if causal else 'non-causal'}, float32")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GFLOP/s")
+    axes[1].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False, long_context: bool = True,
+              sweep: bool = True) -> dict:
+    """Run the suite; write ``bench.json`` and ``bench.png`` into ``out_dir``; return the report."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = host_target()
+    torch = _torch()
+    report: dict = {
+        "machine": {"cpu": tvm.target.codegen.llvm_get_system_cpu(), "cores": os.cpu_count(),
+                    "platform": platform.platform(), "tvm": tvm.__version__,
+                    "torch": torch.__version__ if torch is not None else None, "target": str(target)},
+        "cases": [], "sweep": [],
+    }
+    report["machine"].update(machine_peaks(target))
+    peaks = report["machine"]
+    print(f"machine: {peaks['cpu']}, {peaks['cores']} cores; fp32 GEMM {peaks['gemm_gflops']:.1f} GFLOP/s, "
+          f"read {peaks['read_gbps']:.1f} GB/s")
+    flash, paged = default_suite()
+    for case in flash:
+        results = _flash_timings(case, target, with_floor=floor_all or case.B * case.H * case.S**2 <= FLOOR_MAX_SCORES)
+        report["cases"].append(_summarize(case, results, peaks))
+    for case in paged:
+        report["cases"].append(_summarize(case, _paged_timings(case, target), peaks))
+    full, quarter = (c for c in report["cases"] if c["kind"] == "paged")
+    report["paged_occupancy_speedup"] = full["results"]["tuned"]["ms"] / quarter["results"]["tuned"]["ms"]
+    if sweep:
+        for s in (256, 512, 1024, 2048):
+            for causal in (False, True):
+                case = FlashCase(1, 8, s, 64, causal)
+                results = _flash_timings(case, target, with_floor=s <= 1024)
+                report["sweep"].append({"S": s, "causal": causal, "results": results})
+    if long_context:
+        child = subprocess.run([sys.executable, "-m", "tvm_fuel.bench", "--long-context-probe"], capture_output=True,
+                               text=True, check=False)
+        report["long_context"] = (json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0
+                                  else {"error": child.stderr[-2000:]})
+    _print(report)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
+    try:
+        _chart(report, out_dir / "bench.png")
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install -e '.[bench]')")
+    print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    return report
+
+
+def _summarize(case, results: dict, peaks: dict) -> dict:
+    entry = {"name": case.name, "kind": "paged" if isinstance(case, PagedCase) else "flash", "shape": asdict(case),
+             "flops": case.flops, "results": results}
+    tuned, torch, floor = results["tuned"], results.get("torch", {}), results.get("floor", {})
+    if "ms" in torch:
+        entry["tuned_over_torch"] = tuned["ms"] / torch["ms"]
+    if "ms" in floor:
+        entry["floor_over_tuned"] = floor["ms"] / tuned["ms"]
+    if isinstance(case, PagedCase):
+        entry["read_fraction"] = tuned["gbps"] / peaks["read_gbps"]
+    else:
+        entry["gemm_fraction"] = tuned["gflops"] / peaks["gemm_gflops"]
+    return entry
+
+
+def _print(report: dict) -> None:
+    def cell(result: dict, unit: str) -> str:
+        return f"{result['ms']:9.2f} ms {result[unit]:7.1f}" if "ms" in result else f"{'skipped':>20}"
+
+    print(f"\n{'case':<48} {'tuned':>20} {'torch':>20} {'floor':>20} {'tuned/torch':>11} {'floor/tuned':>11} "
+          f"{'of peak':>8}")
+    for c in report["cases"]:
+        unit = "gbps" if c["kind"] == "paged" else "gflops"
+        r = c["results"]
+        frac = c.get("read_fraction", c.get("gemm_fraction"))
+        print(f"{c['name']:<48} {cell(r['tuned'], unit)} {cell(r.get('torch', {}), unit)} "
+              f"{cell(r.get('floor', {}), unit)} {c.get('tuned_over_torch', float('nan')):11.2f} "
+              f"{c.get('floor_over_tuned', float('nan')):11.1f} {frac:8.0%}")
+    print("(flash: GFLOP/s; paged: GB/s of K/V read; tuned/torch < 1 means tuned is faster)")
+    if "paged_occupancy_speedup" in report:
+        print(f"paged decode, full vs quarter occupancy (same table capacity): "
+              f"{report['paged_occupancy_speedup']:.2f}x")
+    lc = report.get("long_context")
+    if lc and "peak_rss_mib" in lc:
+        print(f"long context fwd+bwd S={lc['S']} H={lc['H']} D={lc['D']} causal: {lc['fwd_bwd_s']:.2f} s, "
+              f"peak RSS {lc['peak_rss_mib']:.0f} MiB (floor would need ~{lc['floor_estimate_gib']:.0f} GiB)")
+    elif lc:
+        print(f"long context probe failed: {lc.get('error', '')[-300:]}")
+
+
+if __name__ == "__main__":
+    if "--long-context-probe" in sys.argv:
+        print(json.dumps(long_context_probe()))
