@@ -182,91 +182,79 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
 
 
 def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
-    """Paged attention of q [B, Hq, Sq, D] over caches [num_blocks, block_size, Hkv, D]."""
+    """Paged attention of q [B, Hq, Sq, D] over caches [num_blocks, block_size, Hkv, D].
+
+    Decode-shaped work (at most STREAMING_ROWS rows per KV head) streams keys and values in place:
+    a task owns ``tiles.kv_heads`` adjacent KV heads of one sequence, so for each token it reads
+    one contiguous run of the page ([kv_heads, D]) for K and for V, and keeps per head its own
+    rows, score tile and accumulator (views into the task's buffers). More rows (multi-query)
+    pack each key tile through the block table and run the register-tiled GEMMs.
+    """
     body = _Body(spec, tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
     cfg = spec.cfg
-    page_of = _page_of(BS)
-    if BQ <= STREAMING_ROWS:
-        return _paged_streaming(spec, tiles)
+    streaming = BQ <= STREAMING_ROWS
+    HT = tiles.kv_heads if streaming else 1  # KV heads per task
+    LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
 
-    # fmt: off
-    @T.prim_func
-    def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
-                            lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        B, Sq, num_blocks, max_blocks = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
-        k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
-        v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)
-        table = T.match_buffer(table_h, (B, max_blocks), spec.table_dtype)
-        lens = T.match_buffer(lens_h, (B,), spec.lens_dtype)
-        alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
-        rows = Sq * group
-        n_row_tiles = (rows + BQ - 1) // BQ
-        for task in T.parallel(B * Hkv * n_row_tiles):
-            b: T.int64 = task // (Hkv * n_row_tiles)
-            g: T.int64 = task // n_row_tiles % Hkv
-            r0: T.int64 = task % n_row_tiles * BQ
-            kv_len: T.int64 = T.Cast("int64", lens[b])
-            first_pos: T.int64 = r0 // group
-            last_pos: T.int64 = (T.min(r0 + BQ, rows) - 1) // group
-            Qs = T.alloc_buffer((BQ, D), F32)
-            Kt = T.alloc_buffer((D, BK), F32)
-            Vt = T.alloc_buffer((BK, DP), F32)
-            S = T.alloc_buffer((BQ, BK), F32)
-            O = T.alloc_buffer((BQ, DP), F32)
-            m = T.alloc_buffer((BQ,), F32)
-            l = T.alloc_buffer((BQ,), F32)
-            alpha = T.alloc_buffer((BQ,), F32)
-            body.load_queries(Qs, q, b, g, r0, rows)
-            body.init_state(O, m, l)
-            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=kv_len - Sq,
-                                    block_k=BK)
-            for kt in range(lo, hi):
-                for c in range(BK):
-                    if kt * BK + c < kv_len:
-                        block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
-                        for d in range(D):
-                            Kt[d, c] = k_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
-                            Vt[c, d] = v_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
-                    else:
-                        for d in range(D):
-                            Kt[d, c] = T.float32(0)
-                            Vt[c, d] = T.float32(0)
-                    for d in range(D, DP):
-                        Vt[c, d] = T.float32(0)
-                body.attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, alibi, b, g, r0, rows, kt * BK, kv_len,
-                                 kv_len - Sq, first_pos, last_pos)
-            body.store(out, out, O, m, l, b, g, r0, rows)
-    # fmt: on
-
-    return finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
-
-
-def _page_of(block_size: int):
     def page_of(table, b, j, num_blocks):
         # a live token's block id was validated before the kernel (CPU check); clamp all the same
-        return T.max(T.min(T.Cast("int64", table[b, j // block_size]), num_blocks - 1), T.int64(0))
+        return T.max(T.min(T.Cast("int64", table[b, j // BS]), num_blocks - 1), T.int64(0))
 
-    return page_of
+    @T.macro
+    def stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0, r0, rows,
+                    kt, kv_len, Sq, num_blocks, first_pos, last_pos):
+        for c in range(BK):
+            if kt * BK + c < kv_len:
+                block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
+                for gi in range(HT):
+                    acc = T.alloc_buffer((BQ, LD), F32, scope="local")
+                    for r in T.unroll(BQ):
+                        for v in T.vectorized(LD):
+                            acc[r, v] = T.float32(0)
+                    for d0 in range(D // LD):
+                        for r in T.unroll(BQ):
+                            for v in T.vectorized(LD):
+                                acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                    for r in T.unroll(BQ):
+                        S_all[gi, r, c] = T.float32(0)
+                        for v in range(LD):
+                            S_all[gi, r, c] = S_all[gi, r, c] + acc[r, v]
+            else:
+                for gi, r in T.grid(HT, BQ):
+                    S_all[gi, r, c] = T.float32(0)
+        for gi in range(HT):
+            body.normalize_tile(_head(S_all, gi), _head(O_all, gi), _head(m_all, gi), _head(l_all, gi),
+                                _head(alpha_all, gi), alibi, alibi, b, g0 + gi, r0, rows, kt * BK, kv_len,
+                                kv_len - Sq, first_pos, last_pos)
+        for c in range(BK):
+            if kt * BK + c < kv_len:
+                block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
+                for gi in range(HT):
+                    for d0 in range(D // LD):
+                        for r in T.unroll(BQ):
+                            for v in T.vectorized(LD):
+                                O_all[gi, r, d0 * LD + v] = O_all[gi, r, d0 * LD + v] + S_all[gi, r, c] * v_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
 
-
-def _paged_streaming(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
-    """Decode-shaped paged attention (few rows per KV head): keys and values are read in place.
-
-    A task owns ``tiles.kv_heads`` adjacent KV heads of one sequence, so for each token it reads
-    one contiguous run of the page ([kv_heads, D]) for K and for V; per head it keeps its own
-    rows, score tile and accumulator (views into the task's buffers).
-    """
-    body = _Body(spec, tiles)
-    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, BK, DP, BS, HT = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size, tiles.kv_heads
-    cfg = spec.cfg
-    page_of = _page_of(BS)
-    LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
+    @T.macro
+    def packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi, b, g,
+                    r0, rows, kt, kv_len, Sq, num_blocks, first_pos, last_pos):
+        for c in range(BK):
+            if kt * BK + c < kv_len:
+                block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
+                for d in range(D):
+                    Kt[d, c] = k_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
+                    Vt[c, d] = v_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
+            else:
+                for d in range(D):
+                    Kt[d, c] = T.float32(0)
+                    Vt[c, d] = T.float32(0)
+            for d in range(D, DP):
+                Vt[c, d] = T.float32(0)
+        body.attend_tile(_head(Qs_all, 0), Kt, Vt, _head(S_all, 0), _head(O_all, 0), _head(m_all, 0),
+                         _head(l_all, 0), _head(alpha_all, 0), alibi, alibi, b, g, r0, rows, kt * BK, kv_len,
+                         kv_len - Sq, first_pos, last_pos)
 
     # fmt: off
     @T.prim_func
@@ -296,56 +284,31 @@ def _paged_streaming(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
             m_all = T.alloc_buffer((HT, BQ), F32)
             l_all = T.alloc_buffer((HT, BQ), F32)
             alpha_all = T.alloc_buffer((HT, BQ), F32)
+            Kt = T.alloc_buffer((D, BK) if not streaming else (1,), F32)
+            Vt = T.alloc_buffer((BK, DP) if not streaming else (1,), F32)
             for gi in range(HT):
-                Qs = T.decl_buffer((BQ, D), F32, data=Qs_all.data, elem_offset=gi * (BQ * D))
-                O = T.decl_buffer((BQ, DP), F32, data=O_all.data, elem_offset=gi * (BQ * DP))
-                m = T.decl_buffer((BQ,), F32, data=m_all.data, elem_offset=gi * BQ)
-                l = T.decl_buffer((BQ,), F32, data=l_all.data, elem_offset=gi * BQ)
-                body.load_queries(Qs, q, b, g0 + gi, r0, rows)
-                body.init_state(O, m, l)
+                body.load_queries(_head(Qs_all, gi), q, b, g0 + gi, r0, rows)
+                body.init_state(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi))
             lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=kv_len - Sq,
                                     block_k=BK)
             for kt in range(lo, hi):
-                for c in range(BK):
-                    if kt * BK + c < kv_len:
-                        block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
-                        for gi in range(HT):
-                            acc = T.alloc_buffer((BQ, LD), F32, scope="local")
-                            for r in T.unroll(BQ):
-                                for v in T.vectorized(LD):
-                                    acc[r, v] = T.float32(0)
-                            for d0 in range(D // LD):
-                                for r in T.unroll(BQ):
-                                    for v in T.vectorized(LD):
-                                        acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
-                            for r in T.unroll(BQ):
-                                S_all[gi, r, c] = T.float32(0)
-                                for v in range(LD):
-                                    S_all[gi, r, c] = S_all[gi, r, c] + acc[r, v]
-                    else:
-                        for gi, r in T.grid(HT, BQ):
-                            S_all[gi, r, c] = T.float32(0)
-                for gi in range(HT):
-                    S = T.decl_buffer((BQ, BK), F32, data=S_all.data, elem_offset=gi * (BQ * BK))
-                    O = T.decl_buffer((BQ, DP), F32, data=O_all.data, elem_offset=gi * (BQ * DP))
-                    m = T.decl_buffer((BQ,), F32, data=m_all.data, elem_offset=gi * BQ)
-                    l = T.decl_buffer((BQ,), F32, data=l_all.data, elem_offset=gi * BQ)
-                    alpha = T.decl_buffer((BQ,), F32, data=alpha_all.data, elem_offset=gi * BQ)
-                    body.normalize_tile(S, O, m, l, alpha, alibi, alibi, b, g0 + gi, r0, rows, kt * BK, kv_len,
-                                        kv_len - Sq, first_pos, last_pos)
-                for c in range(BK):
-                    if kt * BK + c < kv_len:
-                        block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
-                        for gi in range(HT):
-                            for d0 in range(D // LD):
-                                for r in T.unroll(BQ):
-                                    for v in T.vectorized(LD):
-                                        O_all[gi, r, d0 * LD + v] = O_all[gi, r, d0 * LD + v] + S_all[gi, r, c] * v_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                if streaming:
+                    stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0,
+                                r0, rows, kt, kv_len, Sq, num_blocks, first_pos, last_pos)
+                else:
+                    packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi,
+                                b, g0, r0, rows, kt, kv_len, Sq, num_blocks, first_pos, last_pos)
             for gi in range(HT):
-                O = T.decl_buffer((BQ, DP), F32, data=O_all.data, elem_offset=gi * (BQ * DP))
-                m = T.decl_buffer((BQ,), F32, data=m_all.data, elem_offset=gi * BQ)
-                l = T.decl_buffer((BQ,), F32, data=l_all.data, elem_offset=gi * BQ)
-                body.store(out, out, O, m, l, b, g0 + gi, r0, rows)
+                body.store(out, out, _head(O_all, gi), _head(m_all, gi), _head(l_all, gi), b, g0 + gi, r0, rows)
     # fmt: on
 
     return finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
+
+
+def _head(buffer, index):
+    """View of ``buffer[index]`` (a [heads, ...] task buffer) as its own buffer."""
+    shape = list(buffer.shape[1:])
+    size = 1
+    for n in shape:
+        size *= int(n)
+    return T.decl_buffer(shape, F32, data=buffer.data, elem_offset=index * size)
