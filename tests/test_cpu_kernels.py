@@ -163,3 +163,12 @@ def test_tuned_matches_the_decomposition(which):
     floor = run(make, inputs, kernels="decomposed")
     for t, f in zip(tuned, floor):
         np.testing.assert_allclose(t, f, atol=1e-5, rtol=1e-5)
+
+
+def test_avx512_targets_get_16_lane_kernels():
+    """Built (not run: this CPU may lack AVX-512) for an AVX-512 target, the kernels use zmm registers."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+    legalized = tvm_fuel.build.legalize(_flash_module(causal=True), target, kernels="tuned")
+    kernel = _prim_funcs(legalized)["fuel_flash_attn_kernel"]
+    assembly = tvm.compile(kernel, target=target).mod.inspect_source("asm")
+    assert "zmm" in assembly and "vfmadd" in assembly
