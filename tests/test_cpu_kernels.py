@@ -35,14 +35,15 @@ def _prim_funcs(mod):
 
 
 def _buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:
-    """Buffers allocated or declared inside ``func`` whose size depends on both variables ``a`` and ``b``."""
+    """Buffers allocated or declared inside ``func`` whose size depends on both variables ``a`` and ``b``
+    (names compared case-insensitively: the kernels call their dims Sq, Sk, the floor keeps sq, sk)."""
     found = []
 
     def check(buffer):
         size = 1
         for dim in buffer.shape:
             size = size * dim
-        if {a, b} <= {var.name for var in tirx.analysis.undefined_vars(size)}:
+        if {a.lower(), b.lower()} <= {var.name.lower() for var in tirx.analysis.undefined_vars(size)}:
             found.append(buffer.name)
 
     tvm_ffi.structural_walk(func.body, ((tirx.AllocBuffer, tirx.DeclBuffer), lambda n: check(n.buffer)), order="post")
@@ -81,9 +82,12 @@ def test_flash_attn_backward_uses_the_kernel_without_score_buffers(given):
 
 
 def test_the_score_buffer_check_catches_the_floor():
-    """The same inspection flags the decomposition, which materializes [B, Hq, Sq, Sk] scores."""
+    """The same inspection flags the decomposition, which materializes [B, Hq, Sq, Sk] scores, and
+    sees the kernel's own buffers that grow with one length (the packed key tiles)."""
     funcs = _prim_funcs(tvm_fuel.build.legalize(_flash_module(), HOST, kernels="decomposed"))
     assert _buffers_growing_with(funcs["fuel_flash_attn"], "sq", "sk")
+    kernel = _prim_funcs(tvm_fuel.build.legalize(_flash_module(), HOST, kernels="tuned"))["fuel_flash_attn_kernel"]
+    assert {"k_tiles", "v_tiles"} <= set(_buffers_growing_with(kernel, "sk", "sk"))
 
 
 def test_paged_attn_uses_the_kernel_without_gathering():

@@ -198,6 +198,21 @@ def test_softmax_backward_rejects():
         _infer(op.softmax_backward(p, _var("dp", (2, 3, 5)), axis=3))
 
 
+def test_symbolic_mask_dims_and_heads_must_be_provable():
+    """A mask dim that might be 1 or full at run time, and heads whose group is not provable, are
+    rejected: the kernels would index them out of bounds."""
+    n = tirx.Var("n", "int64")
+    with pytest.raises(ValueError, match=r"fuel\.flash_attn: argument 'attn_mask' of shape \[n, 97\] does not "
+                                         r"broadcast .* \(each dim must be 1 or equal the full dim\)"):
+        _infer(op.flash_attn(*_qkv(), attn_mask=_var("m", (n, 97), "bool")))
+    hq, hkv = tirx.Var("hq", "int64"), tirx.Var("hkv", "int64")
+    q, k, v = _var("q", (2, hq, 17, 64)), _var("k", (2, hkv, 97, 64)), _var("v", (2, hkv, 97, 64))
+    with pytest.raises(ValueError, match=r"fuel\.flash_attn: Hq \(hq\) must be provably a multiple of Hkv \(hkv\)"):
+        _infer(op.flash_attn(q, k, v))
+    k1, v1 = _var("k", (2, 1, 97, 64)), _var("v", (2, 1, 97, 64))
+    tvm.ir.assert_structural_equal(_infer(op.flash_attn(q, k1, v1)), relax.TensorType((2, hq, 17, 64), "float32"))
+
+
 def test_options_are_keyword_only():
     q, k, v = _qkv()
     with pytest.raises(TypeError):

@@ -70,6 +70,16 @@ def test_options_and_alibi(options, kernels):
     assert_close(out, ref.paged_attn(*inputs.values(), **options), "float32")
 
 
+@pytest.mark.parametrize("options", [dict(window_size=(40, -1)), dict(softcap=2.0, causal=True)])
+def test_decode_one_sequence_with_window(options, kernels):
+    """Decode (few rows per KV head) of a single sequence: the kernel splits the KV heads over
+    tasks to fill the cores, and the window skips whole interior tiles."""
+    rng = np.random.default_rng(12)
+    inputs = _paged_inputs(rng, [5 * BLOCK + 7], Hq=8, Hkv=4, Sq=2, D=64)
+    (out,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)
+    assert_close(out, ref.paged_attn(*inputs.values(), **options), "float32")
+
+
 @pytest.mark.parametrize("table_dtype", ["uint32", "int64"])
 def test_index_dtypes(table_dtype, kernels):
     rng = np.random.default_rng(3)
@@ -143,3 +153,12 @@ def test_context_length_beyond_capacity_raises(symbolic_runner, bad_len, kernels
     inputs["context_lens"][0] = bad_len
     with pytest.raises(RuntimeError, match=r"fuel\.paged_attn: context_lens\[b\] must be in \[0, max_blocks"):
         symbolic_runner(*inputs.values())
+
+
+def test_empty_cache(symbolic_runner, kernels):
+    """No blocks at all and every context empty: zeros, and nothing read from the empty cache."""
+    inputs = _paged_inputs(np.random.default_rng(9), [0, 0], num_blocks=1)
+    inputs["k_cache"], inputs["v_cache"] = inputs["k_cache"][:0], inputs["v_cache"][:0]
+    inputs["block_table"][:] = -1
+    (out,) = symbolic_runner(*inputs.values())
+    assert out.shape == inputs["q"].shape and np.all(out == 0)

@@ -194,13 +194,18 @@ def sanitize_block_table(block_table, context_lens, num_blocks, block_size):
     return te.compute((B, max_blocks), safe, name="safe_block_table")
 
 
-def gather_pages(cache, safe_table):
-    """The cache [num_blocks, block_size, Hkv, D] gathered to dense [B, Hkv, max_blocks * block_size, D]."""
+def gather_pages(cache, safe_table, context_lens):
+    """The cache [num_blocks, block_size, Hkv, D] gathered to dense [B, Hkv, max_blocks * block_size, D].
+
+    Slots past a sequence's length are 0 and never read (an empty cache has no block to read).
+    """
     _, block_size, Hkv, D = cache.shape
     B, max_blocks = safe_table.shape
     return te.compute(
         (B, Hkv, max_blocks * block_size, D),
-        lambda b, g, j, e: cache[safe_table[b, j // block_size], j % block_size, g, e],
+        lambda b, g, j, e: tirx.if_then_else(
+            j < sem.as_int64(context_lens[b]), cache[safe_table[b, j // block_size], j % block_size, g, e],
+            tirx.const(0, str(cache.dtype))),
         name="gathered")
 
 
@@ -208,8 +213,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
     """Attention of q [B, Hq, Sq, D] over the paged cache; the Sq queries are each sequence's last."""
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     safe_table = sanitize_block_table(block_table, context_lens, num_blocks, block_size)
-    k = gather_pages(k_cache, safe_table)
-    v = gather_pages(v_cache, safe_table)
+    k = gather_pages(k_cache, safe_table, context_lens)
+    v = gather_pages(v_cache, safe_table, context_lens)
     sq = q.shape[2]
     layout = _Layout(
         group=q.shape[1] // k_cache.shape[2],

@@ -83,6 +83,10 @@ class _Checker:
             if int(hkv) == 0 or int(hq) % int(hkv) != 0:
                 raise ValueError(f"{self.op}: Hq ({int(hq)}) must be a multiple of Hkv ({int(hkv)}) "
                                  f"of argument {kv_name!r}")
+        elif not self._analyzer.can_prove(tirx.EQ(tirx.floormod(hq, hkv), tirx.const(0, "int64"))):
+            # the head map h // (Hq / Hkv) must stay inside the KV heads for every run-time shape
+            raise ValueError(f"{self.op}: Hq ({_dim(hq)}) must be provably a multiple of Hkv ({_dim(hkv)}) "
+                             f"of argument {kv_name!r}")
 
     def config(self) -> AttnConfig:
         return AttnConfig.from_attrs(self.op, self.attrs)
@@ -103,10 +107,11 @@ class _Checker:
         if dims is None or full is None:
             return
         for got, want in zip(dims, full[4 - len(dims):]):
+            # a broadcast dim must be a static 1: a symbolic one could be 1 or full at run time
             one = isinstance(got, tirx.IntImm) and int(got) == 1
-            if not one and self.differ(got, want):
+            if not one and not self._analyzer.can_prove_equal(got, want):
                 raise ValueError(f"{self.op}: argument 'attn_mask' of shape {_fmt(dims)} does not broadcast to "
-                                 f"[B, Hq, Sq, Sk] = {_fmt(full)}")
+                                 f"[B, Hq, Sq, Sk] = {_fmt(full)} (each dim must be 1 or equal the full dim)")
 
 
 def _tensor(dims, dtype, ndim):

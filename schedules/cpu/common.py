@@ -96,7 +96,10 @@ def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
 
 
 def mask_at(mask, b, h, i, j):
-    return mask[sem.mask_index(mask.shape, b, h, i, j)]
+    """attn_mask at (b, h, i, j). Tiles run past the last key (those lanes are dropped anyway) and
+    the vectorized select reads every lane, so the key index is clamped into the mask."""
+    last = sem.as_int64(mask.shape[-1]) - 1
+    return mask[sem.mask_index(mask.shape, b, h, i, tirx.min(sem.as_int64(j), last))]
 
 
 def visible(spec: KernelSpec, mask, b, h, i, j, kv_len, delta):
