@@ -144,7 +144,7 @@ def _vm(mod, target, kernels):
     return relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), tvm.cpu())
 
 
-def _flash_module(case: FlashCase) -> tvm.IRModule:
+def _flash_module(case: FlashCase, *, return_lse: bool = False) -> tvm.IRModule:
     shape = (case.B, case.H, case.S, case.D)
     names = ["q", "k", "v"] + (["do", "out"] if case.backward else [])
     params = [relax.Var(n, relax.TensorType(shape, "float32")) for n in names]
@@ -156,7 +156,7 @@ def _flash_module(case: FlashCase) -> tvm.IRModule:
             q, k, v, do, out, lse = params
             result = bb.emit(op.flash_attn_backward(q, k, v, do, out=out, lse=lse, causal=case.causal))
         else:
-            result = bb.emit(op.flash_attn(*params, causal=case.causal))
+            result = bb.emit(op.flash_attn(*params, causal=case.causal, return_lse=return_lse))
         bb.emit_func_output(result)
     return bb.get()
 
@@ -169,7 +169,8 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
     mod = _flash_module(case)
     args = [q, k, v]
     if case.backward:  # the forward's state, as a training step has it
-        vm_fwd = _vm(_lse_module(case), target, "tuned")
+        forward = FlashCase(case.B, case.H, case.S, case.D, case.causal)
+        vm_fwd = _vm(_flash_module(forward, return_lse=True), target, "tuned")
         out, lse = (t.numpy() for t in vm_fwd["main"](*map(tvm.runtime.tensor, (q, k, v))))
         args = [q, k, v, do, out, lse]
     tensors = [tvm.runtime.tensor(a) for a in args]
@@ -199,15 +200,6 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
         if "ms" in entry:
             entry["gflops"] = case.flops / entry["ms"] / 1e6
     return results
-
-
-def _lse_module(case: FlashCase) -> tvm.IRModule:
-    shape = (case.B, case.H, case.S, case.D)
-    params = [relax.Var(n, relax.TensorType(shape, "float32")) for n in ("q", "k", "v")]
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        bb.emit_func_output(bb.emit(op.flash_attn(*params, causal=case.causal, return_lse=True)))
-    return bb.get()
 
 
 def _paged_timings(case: PagedCase, target) -> dict:
@@ -260,7 +252,7 @@ def long_context_probe(S: int = 16384, H: int = 8, D: int = 64) -> dict:
     case = FlashCase(1, H, S, D, causal=True)
     rng = np.random.default_rng(0)
     q, k, v, do = (tvm.runtime.tensor(rng.standard_normal((1, H, S, D)).astype(np.float32)) for _ in range(4))
-    fwd = _vm(_lse_module(case), target, "tuned")
+    fwd = _vm(_flash_module(case, return_lse=True), target, "tuned")
     bwd = _vm(_flash_module(FlashCase(1, H, S, D, True, backward=True)), target, "tuned")
     baseline = _peak_rss_mib()
     start = time.perf_counter()

@@ -164,9 +164,9 @@ def _backward_infer(name: str):
         lse = c.tensor("lse", layout=("B", "Hq", "Sq"), dtypes=("float32",))
         if lse is not None and qd is not None:
             c.expect_shape("lse", lse, qd[:3], "[B, Hq, Sq] of q")
-        grads = [_tensor(c.dims(t), t.dtype, 4) for t in (q, k, v)]
-        suffix = name.rsplit("_", 1)[-1]
-        return TupleType(grads) if suffix == "backward" else grads["qkv".index(suffix)]
+        types = dict(zip(("dq", "dk", "dv"), (_tensor(c.dims(t), t.dtype, 4) for t in (q, k, v))))
+        grads = [types[g] for g in SPECS[name].grads]
+        return TupleType(grads) if len(grads) > 1 else grads[0]
 
     return infer
 

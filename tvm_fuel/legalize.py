@@ -36,8 +36,7 @@ def _flash_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 def _backward(name: str):
-    suffix = name.rsplit("_", 1)[-1]
-    grads = ("dq", "dk", "dv") if suffix == "backward" else ("d" + suffix,)
+    grads = SPECS[name].grads
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         a = SPECS[name].split_args(call)

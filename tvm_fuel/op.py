@@ -41,6 +41,14 @@ class OpSpec:
         return f"relax.fuel.{self.name}"
 
     @property
+    def grads(self) -> tuple[str, ...]:
+        """The gradients a backward op returns: (dq, dk, dv), or the one its name ends with."""
+        if not self.name.startswith("flash_attn_backward"):
+            return ()
+        suffix = self.name[len("flash_attn_backward"):]
+        return ("dq", "dk", "dv") if not suffix else ("d" + suffix[1:],)
+
+    @property
     def label(self) -> str:
         """How errors name the op."""
         return f"fuel.{self.name}"

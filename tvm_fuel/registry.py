@@ -34,8 +34,6 @@ def _script_builder(spec: OpSpec):
             present = [o for o in spec.optional if bool(attrs.get(f"has_{o}", False))]
             named = dict(zip(list(spec.required) + present, args))
             rest = {k: v for k, v in attrs.items() if not k.startswith("has_")}
-            if spec.name == "softmax_backward":
-                rest = {"axis": int(rest["axis"])}
             return spec.make_call(named, rest)
         return constructor(*args, **attrs)
 

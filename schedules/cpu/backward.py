@@ -32,9 +32,8 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
     """The backward kernel producing ``grads`` (a subset of dq, dk, dv, in that order)."""
     micro = Micro(tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, BK, L, DP = tiles.block_q, tiles.block_k, tiles.lanes, tiles.padded_dim(spec.head_dim)
-    KW, KV = tiles.key_vecs * L, tiles.key_vecs
-    DW, DV = tiles.dim_vecs * L, tiles.dim_vecs
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim)
+    KV, DV = tiles.key_vecs, tiles.dim_vecs
     cfg, scale = spec.cfg, spec.scale
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
@@ -67,14 +66,20 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         for r in range(BQ):
             if i0 + r < Sq:
                 for c in T.vectorized(BK):
-                    if capped_needed:
+                    if capped_needed:  # keep the capped score for the softcap derivative
                         Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
-                    S[r, c] = T.Select(
-                        visible(spec, mask, b, h, i0 + r, key_start + c, Sk, Sk - Sq),
-                        sem.probability(
-                            biased(spec, sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), alibi, mask,
-                                   b, h, i0 + r, key_start + c, Sk - Sq), lse_r[r]),
-                        T.float32(0))
+                        S[r, c] = T.Select(
+                            visible(spec, mask, b, h, i0 + r, key_start + c, Sk, Sk - Sq),
+                            sem.probability(biased(spec, Cap[r, c], alibi, mask, b, h, i0 + r, key_start + c, Sk - Sq),
+                                            lse_r[r]),
+                            T.float32(0))
+                    else:
+                        S[r, c] = T.Select(
+                            visible(spec, mask, b, h, i0 + r, key_start + c, Sk, Sk - Sq),
+                            sem.probability(
+                                biased(spec, sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), alibi, mask,
+                                       b, h, i0 + r, key_start + c, Sk - Sq), lse_r[r]),
+                            T.float32(0))
             else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                 for c in T.vectorized(BK):
                     S[r, c] = T.float32(0)
@@ -165,19 +170,19 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                                                 num_queries=Sq, delta=Sk - Sq, block_q=BQ)
                     for qt in range(qlo, qhi):
                         load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g * group + hr, qt * BQ, Sq)
-                        micro.gemm(S, Qs, Kt, BQ, BK, D, KW, KV, False, False)
+                        micro.gemm(S, Qs, Kt, BQ, BK, D, KV, False, False)
                         probabilities(S, Cap, lse_r, alibi, mask, b, g * group + hr, qt * BQ, kt * BK, Sq, Sk)
                         if want_dv:
-                            micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DW, DV, True, True)
+                            micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True)
                         if want_ds:
-                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KW, KV, False, False)
+                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KV, False, False)
                             score_grads(dP, S, Cap, D_r)
                             if want_dk:
-                                micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DW, DV, True, True)
+                                micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True)
                             if want_dq:
                                 dQv = T.decl_buffer((BQ, DP), F32, data=dq_part.data, elem_offset=(
                                     ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
-                                micro.gemm(dQv, dP, Kn, BQ, DP, BK, DW, DV, False, True)
+                                micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True)
                 for c in range(BK):
                     if kt * BK + c < Sk:
                         for d in range(D):

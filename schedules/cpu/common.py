@@ -5,6 +5,7 @@ Contents:
     key_tile_range    -- the key tiles a range of query positions can see
     query_tile_range  -- the query tiles that can see a range of keys (backward)
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
+    row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased   -- the element-wise mask and logit transform (via tvm_fuel.semantics)
     mask_shape, drop_params, finish
 """
@@ -93,6 +94,16 @@ def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
     return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
 
 
+
+
+def row_head(g, row, group: int):
+    """Query head of task row ``row`` of KV head ``g``: rows pack (position, head in group)."""
+    return g * group + row % group
+
+
+def row_position(row, group: int):
+    """Query position of task row ``row`` (row = position * group + head in group)."""
+    return row // group
 
 
 def mask_at(mask, b, h, i, j):

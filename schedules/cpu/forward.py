@@ -22,8 +22,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from .common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, tile_is_interior,
-                     visible)
+from .common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head,
+                     row_position, tile_is_interior, visible)
 from .micro import Micro
 from .tiles import CpuTiles
 
@@ -46,7 +46,7 @@ class _Body:
             for r in range(BQ):
                 if r0 + r < rows:
                     for d in range(D):
-                        Qs[r, d] = q[b, g * group + (r0 + r) % group, (r0 + r) // group, d].astype(F32) * T.float32(scale)
+                        Qs[r, d] = q[b, row_head(g, r0 + r, group), row_position(r0 + r, group), d].astype(F32) * T.float32(scale)
                 else:
                     for d in range(D):
                         Qs[r, d] = T.float32(0)
@@ -66,8 +66,8 @@ class _Body:
                 if r0 + r < rows:
                     for c in T.vectorized(BK):
                         S[r, c] = sem.masked(
-                            visible(spec, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, kv_len, delta),
-                            biased(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, g * group + (r0 + r) % group, (r0 + r) // group, key_start + c, delta))
+                            visible(spec, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta),
+                            biased(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, delta))
 
         @T.macro
         def normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
@@ -86,19 +86,19 @@ class _Body:
         def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
                         first_pos, last_pos):
             # a packed key tile: both products are register-tiled GEMMs
-            micro.gemm(S, Qs, Kt, BQ, BK, D, tiles.key_vecs * L, tiles.key_vecs, False, False)
+            micro.gemm(S, Qs, Kt, BQ, BK, D, tiles.key_vecs, False, False)
             normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
                            last_pos)
-            micro.gemm(O, S, Vt, BQ, DP, BK, tiles.dim_vecs * L, tiles.dim_vecs, False, True)
+            micro.gemm(O, S, Vt, BQ, DP, BK, tiles.dim_vecs, False, True)
 
         @T.macro
         def store(out, lse, O, m, l, b, g, r0, rows):
             for r in range(BQ):
                 if r0 + r < rows:
                     for d in range(D):
-                        out[b, g * group + (r0 + r) % group, (r0 + r) // group, d] = sem.normalize(O[r, d], l[r]).astype(dtype)
+                        out[b, row_head(g, r0 + r, group), row_position(r0 + r, group), d] = sem.normalize(O[r, d], l[r]).astype(dtype)
                     if spec.return_lse:
-                        lse[b, g * group + (r0 + r) % group, (r0 + r) // group] = sem.log_sum_exp(sem.safe_row_max(m[r]), l[r])
+                        lse[b, row_head(g, r0 + r, group), row_position(r0 + r, group)] = sem.log_sum_exp(sem.safe_row_max(m[r]), l[r])
 
         self.load_queries, self.init_state, self.store = load_queries, init_state, store
         self.normalize_tile, self.attend_tile = normalize_tile, attend_tile
@@ -152,8 +152,8 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
             b: T.int64 = task // (Hkv * n_row_tiles)
             g: T.int64 = task // n_row_tiles % Hkv
             r0: T.int64 = task % n_row_tiles * BQ
-            first_pos: T.int64 = r0 // group
-            last_pos: T.int64 = (T.min(r0 + BQ, rows) - 1) // group
+            first_pos: T.int64 = row_position(r0, group)
+            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
             Qs = T.alloc_buffer((BQ, D), F32)
             S = T.alloc_buffer((BQ, BK), F32)
             O = T.alloc_buffer((BQ, DP), F32)
@@ -276,8 +276,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
             g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
             r0: T.int64 = task % n_row_tiles * BQ
             kv_len: T.int64 = T.Cast("int64", lens[b])
-            first_pos: T.int64 = r0 // group
-            last_pos: T.int64 = (T.min(r0 + BQ, rows) - 1) // group
+            first_pos: T.int64 = row_position(r0, group)
+            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
             Qs_all = T.alloc_buffer((HT, BQ, D), F32)
             S_all = T.alloc_buffer((HT, BQ, BK), F32)
             O_all = T.alloc_buffer((HT, BQ, DP), F32)

@@ -26,16 +26,16 @@ class Micro:
         NEG_INF = T.float32(float("-inf"))
 
         @T.macro
-        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, width: T.int32, vecs: T.int32, a_transposed, accumulate):
+        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate):
             # C[m, n] (+)= sum_k A[m, k] * Bm[k, n]; register tile MR x (vecs * L), n vectorized.
-            # Requires M % MR == 0 and N % width == 0 with width = vecs * L.
-            for m0, n0 in T.grid(M // MR, N // width):
-                acc = T.alloc_buffer((MR, width), "float32", scope="local")
+            # Requires M % MR == 0 and N % (vecs * L) == 0.
+            for m0, n0 in T.grid(M // MR, N // (vecs * L)):
+                acc = T.alloc_buffer((MR, vecs * L), "float32", scope="local")
                 for mi in T.unroll(MR):
                     for nj in T.unroll(vecs):
                         for v in T.vectorized(L):
                             if accumulate:
-                                acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * width + nj * L + v]
+                                acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v]
                             else:
                                 acc[mi, nj * L + v] = T.float32(0)
                 for k in range(K):
@@ -44,14 +44,14 @@ class Micro:
                             for v in T.vectorized(L):
                                 if a_transposed:
                                     acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
-                                        A[k, m0 * MR + mi] * Bm[k, n0 * width + nj * L + v])
+                                        A[k, m0 * MR + mi] * Bm[k, n0 * (vecs * L) + nj * L + v])
                                 else:
                                     acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
-                                        A[m0 * MR + mi, k] * Bm[k, n0 * width + nj * L + v])
+                                        A[m0 * MR + mi, k] * Bm[k, n0 * (vecs * L) + nj * L + v])
                 for mi in T.unroll(MR):
                     for nj in T.unroll(vecs):
                         for v in T.vectorized(L):
-                            C[m0 * MR + mi, n0 * width + nj * L + v] = acc[mi, nj * L + v]
+                            C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v] = acc[mi, nj * L + v]
 
         @T.macro
         def scale_rows(C, factor, M: T.int32, N: T.int32):

@@ -67,8 +67,7 @@ class FlashBackward(_CpuRule):
 
     def __init__(self, op: str):
         self.op = op
-        suffix = op.rsplit("_", 1)[-1]
-        self.grads = ("dq", "dk", "dv") if suffix == "backward" else ("d" + suffix,)
+        self.grads = SPECS[op].grads
 
     def apply(self, call: relax.Call, target: tvm.target.Target) -> tirx.PrimFunc | None:
         if not self.is_target_available(target):
