@@ -1,23 +1,28 @@
 """Hand-written TensorIR kernels of the fuel ops, per target (installed as ``tvm_fuel.schedules``).
 
-``tuned_legalize_map(target)`` maps each fuel op to a legalization that asks the target's rules
-for a kernel and falls back to the TE decomposition (the floor) when every rule declines.
+``tuned_legalize_map(target, records)`` maps each fuel op to a legalization that asks the
+target's rules for a kernel and falls back to the TE decomposition (the floor) when every rule
+declines. A kernel's knobs come from a tuning record that matches its workload and target
+(``records.lookup``), else they are the rule's hand-picked ones; each kernel PrimFunc says which
+in its ``fuel.knobs`` attribute ("hand-picked" or the record's log file).
 
 Contents:
-    base     -- KernelRule, the dlight-style contract
-    cpu      -- llvm kernels (forward, paged) and their rules
-    rules_for, tuned_legalize_map
+    base      -- KernelRule, the dlight-style contract
+    workload  -- KernelSpec, Workload (what a kernel is built for; keys of tuning records)
+    cpu       -- llvm kernels (forward, backward, paged) and their rules
+    rules_for, rule_for, tuned_legalize_map
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import tvm
 from tvm import relax
 
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
+from .workload import Workload
 
 
 def rules_for(target: tvm.target.Target) -> list[KernelRule]:
@@ -25,7 +30,19 @@ def rules_for(target: tvm.target.Target) -> list[KernelRule]:
     return [rule for rule in CPU_RULES if rule.is_target_available(target)]
 
 
-def tuned_legalize_map(target: tvm.target.Target) -> dict[str, Callable]:
+def rule_for(op: str, target: tvm.target.Target) -> KernelRule | None:
+    """The first rule serving ``op`` on ``target`` (None: the floor serves it)."""
+    return next((rule for rule in rules_for(target) if rule.op == op), None)
+
+
+class KnobSource(Protocol):
+    """Where tuned knobs come from (``tvm_fuel.tuning.TuningRecords``)."""
+
+    def lookup(self, workload: Workload, target: tvm.target.Target) -> tuple[dict[str, int], str] | None:
+        """(knobs, where they came from) of the best record for ``workload`` on ``target``."""
+
+
+def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = None) -> dict[str, Callable]:
     """op name -> legalization through the performance path (floor where no rule applies)."""
     from ..legalize import LEGALIZE, emit_kernel
     from ..op import SPECS
@@ -37,10 +54,17 @@ def tuned_legalize_map(target: tvm.target.Target) -> dict[str, Callable]:
 
         def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
             for rule in candidates:
-                func = rule.apply(call, target)
-                if func is not None:
-                    args = _with_forward_state(bb, name, call, legalize_with) if rule.needs_forward_state else None
-                    return emit_kernel(bb, name, call, func, args)
+                workload = rule.workload(call, target)
+                if workload is None:
+                    continue
+                knobs, source = rule.default_knobs(workload, target), "hand-picked"
+                found = records.lookup(workload, target) if records is not None else None
+                if found is not None:
+                    knobs, source = {**knobs, **found[0]}, found[1]
+                func = rule.kernel(workload, knobs).with_attr("fuel.knobs", source)
+                func = func.with_attr("fuel.workload", workload.describe())
+                args = _with_forward_state(bb, name, call, legalize_with) if rule.needs_forward_state else None
+                return emit_kernel(bb, name, call, func, args)
             return LEGALIZE[name](bb, call)
 
         return legalize

@@ -19,17 +19,23 @@ Contents:
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from .common import F32, KernelSpec, biased, drop_params, finish, mask_shape, query_tile_range, visible
+from .common import F32, KernelSpec, biased, drop_params, finish, mask_shape, query_tile_range, shape_vars, visible
 from .micro import Micro
 from .tiles import CpuTiles
 
 
-def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...], splits: int) -> tirx.PrimFunc:
-    """The backward kernel producing ``grads`` (a subset of dq, dk, dv, in that order)."""
+def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
+                   dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """The backward kernel producing ``grads`` (a subset of dq, dk, dv, in that order), with
+    ``tiles.splits`` tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk (symbolic where absent)."""
+    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    splits = tiles.splits
     micro = Micro(tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim)
@@ -102,7 +108,6 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                                      mask_h: T.handle, out_h: T.handle, lse_h: T.handle, dq_h: T.handle,
                                      dk_h: T.handle, dv_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        B, Sq, Sk = T.int64(), T.int64(), T.int64()
         q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
         k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
         v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)

@@ -1,7 +1,8 @@
 """Pieces shared by the CPU kernels: the kernel spec, tile ranges, per-element logits, finishing.
 
 Contents:
-    KernelSpec        -- the static facts of one kernel instance
+    KernelSpec        -- the static facts of one kernel instance (from ..workload)
+    shape_vars        -- the runtime dims of a kernel: symbolic vars or constants
     key_tile_range    -- the key tiles a range of query positions can see
     query_tile_range  -- the query tiles that can see a range of keys (backward)
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
@@ -12,46 +13,13 @@ Contents:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ...config import AttnConfig
+from ..workload import KernelSpec  # noqa: F401 (the kernels' spec, re-exported)
 
 F32 = "float32"
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """What one kernel is specialised on (everything else -- B, Sq, Sk, cache size -- is a runtime dim)."""
-
-    dtype: str
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    cfg: AttnConfig
-    has_alibi: bool = False
-    mask_dtype: str | None = None  # "bool" (keep) or a float dtype (additive)
-    mask_broadcast: tuple[bool, ...] = ()  # per mask dim (right-aligned to B, Hq, Sq, Sk): size 1
-    return_lse: bool = False
-    block_size: int = 0  # paged only
-    table_dtype: str = "int32"
-    lens_dtype: str = "int32"
-
-    @property
-    def group(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def scale(self) -> float:
-        return self.cfg.scale_for(self.head_dim)
-
-    @property
-    def elementwise_logits(self) -> bool:
-        """Whether every score needs a transform (else only boundary tiles are masked)."""
-        return self.cfg.softcap > 0 or self.has_alibi or self.mask_dtype is not None
 
 
 def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
@@ -88,12 +56,25 @@ def query_tile_range(cfg: AttnConfig, *, key_first, key_last, num_queries, delta
     return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_q - 1, block_q))
 
 
+def shape_vars(dims, names: tuple[str, ...]) -> tuple:
+    """The kernel's runtime dims: an int64 var per symbolic dim, a constant per static one.
+
+    Made before the ``@T.prim_func`` and used there as closure values, so one template gives the
+    symbolic kernel (build) and the static instances MetaSchedule measures (tuning).
+    """
+    return tuple(tirx.Var(name, "int64") if dims.get(name) is None else tirx.const(int(dims[name]), "int64")
+                 for name in names)
+
+
+def prefetch(address):
+    """Software prefetch of the cache line at ``address`` into all cache levels (for reading)."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+
+
 def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
     """The PrimFunc without the (unused) buffer parameters called ``names``."""
     keep = [p for p in func.params if p.name not in names]
     return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
-
-
 
 
 def row_head(g, row, group: int):
@@ -133,7 +114,6 @@ def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
 def mask_shape(spec: KernelSpec, B, Sq, Sk):
     full = (B, spec.num_q_heads, Sq, Sk)[4 - len(spec.mask_broadcast):]
     return tuple(1 if one else n for one, n in zip(spec.mask_broadcast, full))
-
 
 
 def finish(func: tirx.PrimFunc) -> tirx.PrimFunc:

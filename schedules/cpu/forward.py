@@ -18,12 +18,14 @@ Contents:
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
 from .common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head,
-                     row_position, tile_is_interior, visible)
+                     prefetch, row_position, shape_vars, tile_is_interior, visible)
 from .micro import Micro
 from .tiles import CpuTiles
 
@@ -104,8 +106,10 @@ class _Body:
         self.normalize_tile, self.attend_tile = normalize_tile, attend_tile
 
 
-def dense_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
-    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (B, Sq, Sk symbolic)."""
+def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D]; ``dims`` fixes B, Sq, Sk
+    (symbolic where absent)."""
+    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     body = _Body(spec, tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
@@ -118,7 +122,6 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
                             out_h: T.handle, lse_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        B, Sq, Sk = T.int64(), T.int64(), T.int64()
         q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
         k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
         v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
@@ -181,7 +184,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     return finish(drop_params(fuel_flash_attn_cpu, unused))
 
 
-def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """Paged attention of q [B, Hq, Sq, D] over caches [num_blocks, block_size, Hkv, D].
 
     Decode-shaped work (at most STREAMING_ROWS rows per KV head) streams keys and values in place:
@@ -190,6 +193,7 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     rows, score tile and accumulator (views into the task's buffers). More rows (multi-query)
     pack each key tile through the block table and run the register-tiled GEMMs.
     """
+    B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
     body = _Body(spec, tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
@@ -197,17 +201,38 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     streaming = BQ <= STREAMING_ROWS
     HT = tiles.kv_heads if streaming else 1  # KV heads per task
     LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
+    VT = tiles.value_tokens
+    PREFETCH = tiles.prefetch
+    PER_LINE = 64 // (2 if dtype in ("float16", "bfloat16") else 4)  # elements per 64-byte cache line
+    LINES = -(-HT * D // PER_LINE)  # cache lines of one token's row over the task's KV heads
 
     def page_of(table, b, j, num_blocks):
         # a live token's block id was validated before the kernel (CPU check); clamp all the same
         return T.max(T.min(T.Cast("int64", table[b, j // BS]), num_blocks - 1), T.int64(0))
 
     @T.macro
+    def halve(acc, width: T.int32):
+        for r in T.unroll(BQ):
+            for v in T.vectorized(width):
+                acc[r, v] = acc[r, v] + acc[r, v + width]
+
+    @T.macro
     def stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0, r0, rows,
                     kt, kv_len, Sq, num_blocks, first_pos, last_pos):
+        # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
+        pages = T.alloc_buffer((BK,), "int64", scope="local")
+        for c in range(BK):
+            pages[c] = page_of(table, b, T.min(kt * BK + c, kv_len - 1), num_blocks)
         for c in range(BK):
             if kt * BK + c < kv_len:
-                block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
+                if PREFETCH > 0:
+                    # pages are scattered, and hardware prefetchers stop at 4 KiB boundaries: fetch the
+                    # K and V rows of the token PREFETCH ahead (all the task's heads) from here
+                    ahead: T.int64 = T.min(kt * BK + c + PREFETCH, kv_len - 1)
+                    page_ahead: T.int64 = page_of(table, b, ahead, num_blocks)
+                    for line in range(LINES):
+                        prefetch(T.address_of(k_cache[page_ahead, ahead % BS, g0 + line * PER_LINE // D, line * PER_LINE % D]))
+                        prefetch(T.address_of(v_cache[page_ahead, ahead % BS, g0 + line * PER_LINE // D, line * PER_LINE % D]))
                 for gi in range(HT):
                     acc = T.alloc_buffer((BQ, LD), F32, scope="local")
                     for r in T.unroll(BQ):
@@ -216,11 +241,18 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
                     for d0 in range(D // LD):
                         for r in T.unroll(BQ):
                             for v in T.vectorized(LD):
-                                acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                                acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[pages[c], (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                    # lanes summed as a tree of halvings (a serial chain of LD adds is latency bound)
+                    if LD > 8:
+                        halve(acc, 8)
+                    if LD > 4:
+                        halve(acc, 4)
+                    if LD > 2:
+                        halve(acc, 2)
+                    if LD > 1:
+                        halve(acc, 1)
                     for r in T.unroll(BQ):
-                        S_all[gi, r, c] = T.float32(0)
-                        for v in range(LD):
-                            S_all[gi, r, c] = S_all[gi, r, c] + acc[r, v]
+                        S_all[gi, r, c] = acc[r, 0]
             else:
                 for gi, r in T.grid(HT, BQ):
                     S_all[gi, r, c] = T.float32(0)
@@ -228,14 +260,29 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
             body.normalize_tile(_head(S_all, gi), _head(O_all, gi), _head(m_all, gi), _head(l_all, gi),
                                 _head(alpha_all, gi), alibi, alibi, b, g0 + gi, r0, rows, kt * BK, kv_len,
                                 kv_len - Sq, first_pos, last_pos)
-        for c in range(BK):
-            if kt * BK + c < kv_len:
-                block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
-                for gi in range(HT):
-                    for d0 in range(D // LD):
+        live = T.min(kv_len - kt * BK, BK)
+        # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
+        # VT tokens; each token's value row is still read as one contiguous run over the heads
+        for c0 in range(live // VT):
+            for gi in range(HT):
+                for d0 in range(D // LD):
+                    acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
+                    for r in T.unroll(BQ):
+                        for v in T.vectorized(LD):
+                            acc_o[r, v] = O_all[gi, r, d0 * LD + v]
+                    for u in T.unroll(VT):
                         for r in T.unroll(BQ):
                             for v in T.vectorized(LD):
-                                O_all[gi, r, d0 * LD + v] = O_all[gi, r, d0 * LD + v] + S_all[gi, r, c] * v_cache[block, (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                                acc_o[r, v] = acc_o[r, v] + S_all[gi, r, c0 * VT + u] * v_cache[pages[c0 * VT + u], (kt * BK + c0 * VT + u) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                    for r in T.unroll(BQ):
+                        for v in T.vectorized(LD):
+                            O_all[gi, r, d0 * LD + v] = acc_o[r, v]
+        for c in range(live // VT * VT, live):
+            for gi in range(HT):
+                for d0 in range(D // LD):
+                    for r in T.unroll(BQ):
+                        for v in T.vectorized(LD):
+                            O_all[gi, r, d0 * LD + v] = O_all[gi, r, d0 * LD + v] + S_all[gi, r, c] * v_cache[pages[c], (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
 
     @T.macro
     def packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi, b, g,
@@ -261,7 +308,6 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
                             lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        B, Sq, num_blocks, max_blocks = T.int64(), T.int64(), T.int64(), T.int64()
         q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
         k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
         v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)

@@ -6,20 +6,22 @@ Contents:
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import tvm
 from tvm import relax, tirx
 
 from ...config import AttnConfig
 from ...op import SPECS
-from ..base import KernelRule, static_dims
+from ..base import KernelRule, Knobs, static_dims
+from ..workload import KernelSpec, Workload
 from .backward import flash_backward
-from .common import KernelSpec
-from .forward import dense_forward, paged_forward
-from .tiles import tiles_for
+from .forward import STREAMING_ROWS, dense_forward, paged_forward
+from .tiles import CpuTiles, streaming_space, tile_space, tiles_for
 
 
-class _CpuRule(KernelRule):
-    target_kinds = ("llvm",)
+def _cores(target: tvm.target.Target) -> int:
+    return int(target.attrs.get("num-cores", 0) or 1)
 
 
 def _dense_spec(op: str, call: relax.Call, *, return_lse: bool = False) -> KernelSpec | None:
@@ -40,23 +42,55 @@ def _dense_spec(op: str, call: relax.Call, *, return_lse: bool = False) -> Kerne
         mask_dtype=mask_dtype, mask_broadcast=broadcast, return_lse=return_lse)
 
 
-class FlashForward(_CpuRule):
+def _rows(workload: Workload) -> int | None:
+    """Static query rows of one KV head's tasks (positions x heads of the group)."""
+    sq = workload.dim["Sq"]
+    return None if sq is None else sq * workload.spec.group
+
+
+class _CpuRule(KernelRule):
+    target_kinds = ("llvm",)
+
+    def check_knobs(self, workload: Workload, knobs: Knobs) -> str | None:
+        try:
+            CpuTiles(**knobs)
+        except (TypeError, ValueError) as err:
+            return str(err)
+        return None
+
+
+class _DenseRule(_CpuRule):
+    """Shared by the dense kernels: workload from the call's q and k, register-tiled space."""
+
+    def _dense_workload(self, call: relax.Call, target: tvm.target.Target, **extra) -> Workload | None:
+        if not self.is_target_available(target):
+            return None
+        spec = _dense_spec(self.op, call, return_lse=bool(call.attrs.get("return_lse", False)))
+        if spec is None:
+            return None
+        q, k = static_dims(call.args[0]), static_dims(call.args[1])
+        return Workload(self.op, spec, (("B", q[0]), ("Sq", q[2]), ("Sk", k[2])), **extra)
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return tile_space(target, rows=_rows(workload))
+
+
+class FlashForward(_DenseRule):
     """flash_attn on llvm: tiled online softmax, K/V packed once per KV head."""
 
     op = "flash_attn"
 
-    def apply(self, call: relax.Call, target: tvm.target.Target) -> tirx.PrimFunc | None:
-        if not self.is_target_available(target):
-            return None
-        spec = _dense_spec(self.op, call, return_lse=bool(call.attrs["return_lse"]))
-        if spec is None:
-            return None
-        sq = static_dims(call.args[0])[2]
-        rows = sq * spec.group if sq is not None else None
-        return dense_forward(spec, tiles_for(target, head_dim=spec.head_dim, rows=rows))
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return self._dense_workload(call, target)
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        return asdict(tiles_for(target, head_dim=workload.spec.head_dim, rows=_rows(workload)))
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return dense_forward(workload.spec, CpuTiles(**knobs), dims=workload.dim if static else None)
 
 
-class FlashBackward(_CpuRule):
+class FlashBackward(_DenseRule):
     """flash_attn_backward (and its single-gradient forms) on llvm: one pass over the key tiles.
 
     The kernel takes the forward's out and lse; where the call lacks them the forward kernel
@@ -67,20 +101,25 @@ class FlashBackward(_CpuRule):
 
     def __init__(self, op: str):
         self.op = op
-        self.grads = SPECS[op].grads
 
-    def apply(self, call: relax.Call, target: tvm.target.Target) -> tirx.PrimFunc | None:
-        if not self.is_target_available(target):
-            return None
-        spec = _dense_spec(self.op, call)
-        if spec is None:
-            return None
-        batch = static_dims(call.args[0])[0]
-        cores = int(target.attrs.get("num-cores", 0) or 1)
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return self._dense_workload(call, target, grads=SPECS[self.op].grads)
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        batch = workload.dim["B"]
         # enough (batch, kv head, split) tasks for every core twice over; one split when unknown
-        splits = 1 if batch is None else max(1, -(-2 * cores // (batch * spec.num_kv_heads)))
-        return flash_backward(spec, tiles_for(target, head_dim=spec.head_dim, rows=None), grads=self.grads,
-                              splits=splits)
+        splits = 1 if batch is None else max(1, -(-2 * _cores(target) // (batch * workload.spec.num_kv_heads)))
+        return asdict(replace(tiles_for(target, head_dim=workload.spec.head_dim, rows=None), splits=splits))
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        space = tile_space(target, rows=None)
+        sk = workload.dim["Sk"]
+        most = 16 if sk is None else max(1, -(-sk // 32))  # no more splits than key tiles
+        return {**space, "splits": tuple(n for n in (1, 2, 4, 8, 16) if n <= most)}
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return flash_backward(workload.spec, CpuTiles(**knobs), grads=workload.grads,
+                              dims=workload.dim if static else None)
 
 
 class PagedAttention(_CpuRule):
@@ -88,21 +127,34 @@ class PagedAttention(_CpuRule):
 
     op = "paged_attn"
 
-    def apply(self, call: relax.Call, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
         if not self.is_target_available(target):
             return None
         args = SPECS[self.op].split_args(call)
-        q, cache = static_dims(args["q"]), static_dims(args["k_cache"])
-        if q is None or cache is None or None in (q[1], q[3], cache[1], cache[2]):
+        q, cache, table = static_dims(args["q"]), static_dims(args["k_cache"]), static_dims(args["block_table"])
+        if q is None or cache is None or table is None or None in (q[1], q[3], cache[1], cache[2]):
             return None
         spec = KernelSpec(
             dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=cache[2], head_dim=q[3],
             cfg=AttnConfig.from_attrs(SPECS[self.op].label, call.attrs),
             has_alibi=args["alibi_slopes"] is not None, block_size=cache[1],
             table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype))
-        rows = q[2] * spec.group if q[2] is not None else None
-        tiles = tiles_for(target, head_dim=spec.head_dim, rows=rows, num_kv_heads=spec.num_kv_heads, batch=q[0])
-        return paged_forward(spec, tiles)
+        return Workload(self.op, spec, (("B", q[0]), ("Sq", q[2]), ("num_blocks", cache[0]),
+                                        ("max_blocks", table[1])))
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        spec = workload.spec
+        return asdict(tiles_for(target, head_dim=spec.head_dim, rows=_rows(workload),
+                                num_kv_heads=spec.num_kv_heads, batch=workload.dim["B"]))
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        rows = _rows(workload)
+        if rows is not None and rows <= STREAMING_ROWS:
+            return streaming_space(target, num_kv_heads=workload.spec.num_kv_heads)
+        return tile_space(target, rows=rows)
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return paged_forward(workload.spec, CpuTiles(**knobs), dims=workload.dim if static else None)
 
 
 RULES = (FlashForward(), PagedAttention(), *(FlashBackward(op) for op in (

@@ -24,6 +24,10 @@ class CpuTiles:
     dim_vecs    vectors per register-tile row in the dim-vectorized GEMMs (p.v, ds.k, ...)
     lanes       float32 lanes of one vector register
     kv_heads    KV heads one decode task streams together (their rows of a page are contiguous)
+    splits      backward: tasks per (batch, KV head), each over a contiguous share of the key tiles
+    value_tokens  streaming decode: tokens whose value rows one accumulator pass adds (the
+                accumulator is read and written once per pass)
+    prefetch    streaming decode: software-prefetch the K/V rows of the token this many ahead (0: off)
     """
 
     block_q: int = 64
@@ -33,6 +37,9 @@ class CpuTiles:
     dim_vecs: int = 2
     lanes: int = 8
     kv_heads: int = 1
+    splits: int = 1
+    value_tokens: int = 1
+    prefetch: int = 0
 
     def __post_init__(self):
         if self.block_q % self.micro_rows:
@@ -41,6 +48,9 @@ class CpuTiles:
             raise ValueError(f"CpuTiles: block_k {self.block_k} must be a multiple of key_vecs * lanes")
         if self.block_k % self.micro_rows:
             raise ValueError(f"CpuTiles: block_k {self.block_k} must be a multiple of micro_rows {self.micro_rows}")
+        if min(self.block_q, self.block_k, self.micro_rows, self.key_vecs, self.dim_vecs, self.lanes, self.kv_heads,
+               self.splits, self.value_tokens) < 1 or self.prefetch < 0:
+            raise ValueError(f"CpuTiles: every tile size must be >= 1, got {self}")
 
     def padded_dim(self, head_dim: int) -> int:
         """The head dim rounded up so dim-vectorized GEMMs need no tail."""
@@ -79,3 +89,36 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
     chunks = 1 if batch is None or batch >= cores else min(num_kv_heads, -(-cores // batch))
     kv_heads = max(h for h in range(1, num_kv_heads // chunks + 1) if num_kv_heads % h == 0)
     return replace(tiles, kv_heads=kv_heads)
+
+
+def tile_space(target: tvm.target.Target, *, rows: int | None) -> dict[str, tuple[int, ...]]:
+    """Candidates of the register-tiled kernels' knobs (the tuner skips invalid combinations).
+
+    Vector widths up to the target's; score tiles 16-128 rows by 32-256 keys; register tiles of
+    2-8 rows by 1-4 vectors. ``rows`` (static query rows of a task's KV head) caps block_q.
+    """
+    widest = vector_lanes(target)
+    block_q = (16, 32, 64, 128)
+    if rows is not None and rows < 64:
+        block_q = tuple(sorted({-(-rows // 4) * 4, *(n for n in block_q if n < rows)}))
+    return {
+        "lanes": tuple(n for n in (4, 8, 16) if n <= widest),
+        "block_q": block_q,
+        "block_k": (32, 64, 128, 256),
+        "micro_rows": (2, 4, 8),
+        "key_vecs": (1, 2, 4),
+        "dim_vecs": (1, 2, 4),
+    }
+
+
+def streaming_space(target: tvm.target.Target, *, num_kv_heads: int) -> dict[str, tuple[int, ...]]:
+    """Candidates of the streaming decode kernel's knobs: key tile, KV heads per task, vector width,
+    tokens per accumulator pass and software-prefetch distance."""
+    widest = vector_lanes(target)
+    return {
+        "lanes": tuple(n for n in (4, 8, 16) if n <= widest),
+        "block_k": (16, 32, 64, 128, 256),
+        "kv_heads": tuple(h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0),
+        "value_tokens": (1, 2, 4),
+        "prefetch": (0, 4, 16),
+    }

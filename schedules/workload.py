@@ -1,0 +1,127 @@
+"""What a performance-path kernel is built for: the spec of the call and its runtime dims.
+
+A ``Workload`` names one kernel instance independently of the kernel's code: the op, the static
+facts of the call (``KernelSpec``), the gradients it produces and its runtime dims (ints, or
+None where the call's dim is symbolic). Its ``key`` (canonical JSON) is what tuning logs record,
+so a log keeps matching when a kernel template changes, and ``Workload.from_key`` rebuilds it in
+the processes that build candidates.
+
+Contents:
+    KernelSpec -- the static facts of one kernel instance (dtype, heads, head dim, options, ...)
+    Workload   -- op + spec + grads + dims; key / from_key / matches / describe
+    KEY_VERSION
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+from ..config import AttnConfig
+
+KEY_VERSION = 1  # bump when the meaning of a knob changes: older records then stop matching
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What one kernel is specialised on (B, Sq, Sk and the cache size are runtime dims)."""
+
+    dtype: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cfg: AttnConfig
+    has_alibi: bool = False
+    mask_dtype: str | None = None  # "bool" (keep) or a float dtype (additive)
+    mask_broadcast: tuple[bool, ...] = ()  # per mask dim (right-aligned to B, Hq, Sq, Sk): size 1
+    return_lse: bool = False
+    block_size: int = 0  # paged only
+    table_dtype: str = "int32"
+    lens_dtype: str = "int32"
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.scale_for(self.head_dim)
+
+    @property
+    def elementwise_logits(self) -> bool:
+        """Whether every score needs a transform (else only boundary tiles are masked)."""
+        return self.cfg.softcap > 0 or self.has_alibi or self.mask_dtype is not None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One kernel instance: ``dims`` maps each runtime dim name to its size (None: symbolic).
+
+    Dense ops have dims (B, Sq, Sk); paged attention (B, Sq, num_blocks, max_blocks).
+    """
+
+    op: str
+    spec: KernelSpec
+    dims: tuple[tuple[str, int | None], ...]
+    grads: tuple[str, ...] = ()
+
+    @property
+    def is_static(self) -> bool:
+        return all(size is not None for _, size in self.dims)
+
+    @property
+    def dim(self) -> dict[str, int | None]:
+        return dict(self.dims)
+
+    @property
+    def key(self) -> str:
+        """Canonical JSON of the workload (what a tuning record is matched on)."""
+        body = {"v": KEY_VERSION, "op": self.op, "spec": asdict(self.spec), "dims": [list(d) for d in self.dims],
+                "grads": list(self.grads)}
+        return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_key(key: str) -> Workload:
+        """The workload a ``key`` describes; ValueError if it is not one of this version."""
+        try:
+            body = json.loads(key)
+            if body.get("v") != KEY_VERSION:
+                raise ValueError(f"key version {body.get('v')!r}, expected {KEY_VERSION}")
+            spec = dict(body["spec"])
+            cfg = dict(spec.pop("cfg"))
+            spec = KernelSpec(cfg=AttnConfig(cfg["softmax_scale"], bool(cfg["causal"]), tuple(cfg["window_size"]),
+                                             float(cfg["softcap"])),
+                              mask_broadcast=tuple(spec.pop("mask_broadcast")), **spec)
+            return Workload(body["op"], spec, tuple((str(n), s) for n, s in body["dims"]), tuple(body["grads"]))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
+            raise ValueError(f"not a tvm_fuel workload key: {err}") from err
+
+    def matches(self, tuned: Workload) -> bool:
+        """Whether knobs tuned for the static ``tuned`` serve this workload: same op, spec and
+        grads, and equal dims wherever this workload's dim is static."""
+        if (self.op, self.spec, self.grads) != (tuned.op, tuned.spec, tuned.grads):
+            return False
+        theirs = tuned.dim
+        return all(size is None or theirs.get(name) == size for name, size in self.dims)
+
+    def with_dims(self, **sizes: int) -> Workload:
+        return replace(self, dims=tuple((name, sizes.get(name, size)) for name, size in self.dims))
+
+    def describe(self) -> str:
+        """A short human-readable label, e.g. ``flash_attn_backward float32 Hq8/Hkv8 D64 causal B1 Sq1024 Sk1024``."""
+        spec, cfg = self.spec, self.spec.cfg
+        parts = [self.op, spec.dtype, f"Hq{spec.num_q_heads}/Hkv{spec.num_kv_heads}", f"D{spec.head_dim}"]
+        if spec.block_size:
+            parts.append(f"bs{spec.block_size}")
+        if cfg.causal:
+            parts.append("causal")
+        if cfg.window_size != (-1, -1):
+            parts.append(f"window{list(cfg.window_size)}")
+        if cfg.softcap:
+            parts.append(f"softcap{cfg.softcap:g}")
+        if spec.has_alibi:
+            parts.append("alibi")
+        if spec.mask_dtype:
+            parts.append(f"mask:{spec.mask_dtype}")
+        parts += [f"{name}{'?' if size is None else size}" for name, size in self.dims]
+        return " ".join(parts)
