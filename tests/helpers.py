@@ -47,9 +47,9 @@ FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_att
 class Runner:
     """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
 
-    def __init__(self, mod: tvm.IRModule, target="llvm", *, kernels: str = "decomposed"):
+    def __init__(self, mod: tvm.IRModule, target="llvm", *, kernels: str = "decomposed", **logs):
         target = tvm_fuel.build.as_target(target)
-        legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels)
+        legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels, **logs)
         if kernels == "tuned":  # a "tuned" test must not silently run the floor of an op that has a kernel
             floors = [gv.name_hint for gv in legalized.functions if gv.name_hint in FLOORS_WITH_CPU_KERNELS]
             assert not floors, f"kernels='tuned' fell back to the floor for {floors}"

@@ -12,3 +12,25 @@ def test_demo_runs_every_op_and_agrees(capsys):
                  "flash_attn_backward_k", "flash_attn_backward_v", "paged_attn", "softmax_backward"):
         assert name in printed
     assert "MISMATCH" not in printed and "all 10 outputs agree" in printed
+
+
+def test_tune_then_logs_report_the_record(tmp_path, capsys):
+    shape = "B=2,Hq=4,Hkv=2,D=64,block_size=16,ctx=64"
+    assert main(["tune", "--op", "paged_attn", "--shapes", shape, "--trials", "2", "--trials-per-iter", "2",
+                 "--work-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "trials 0/2" in printed and "GB/s" in printed and "hand-picked" in printed
+    assert main(["logs", "--database", str(tmp_path), "--no-shipped", "--op", "paged_attn", "--shapes", shape,
+                 "B=4,Hq=4,Hkv=2,D=64,block_size=16,ctx=64"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(" record ") == 1 and printed.count(" fallback ") == 1 and str(tmp_path) in printed
+
+
+def test_logs_reports_a_module_file(tmp_path, capsys):
+    from tvm_fuel.tuning.buckets import bucket_module
+
+    path = tmp_path / "model.py"
+    path.write_text(bucket_module("flash_attn", dict(B=1, H=2, S=17, D=64)).script())
+    assert main(["logs", "--no-shipped", "--module", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "fuel_flash_attn_kernel" in printed and " fallback " in printed

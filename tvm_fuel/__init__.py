@@ -7,16 +7,36 @@ Contents:
     op         -- Relax constructors: flash_attn, flash_attn_backward(_q/_k/_v), paged_attn,
                   softmax_backward
     reference  -- numpy references of every op (the oracle)
-    compile    -- build a Relax module holding fuel ops
+    compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
+                  with the knobs of matching tuning records)
+    tune       -- MetaSchedule auto-tuning of the kernels' knobs (tvm_fuel.tuning)
+    tuning_report -- which kernels of a module use a tuning record
+    host_target   -- llvm for this machine's CPU
     AttnConfig -- the validated attention options
 """
 
 from . import op, reference
-from .build import compile  # noqa: A004  (mirrors tvm.compile)
+from .build import compile, host_target  # noqa: A004  (mirrors tvm.compile)
 from .config import AttnConfig
 from .registry import register as _register
 
 _register()
 
-__all__ = ["op", "reference", "compile", "AttnConfig"]
+
+
+def tune(*args, **kwargs):
+    """``tvm_fuel.tuning.tune`` (imported on first use: it loads MetaSchedule)."""
+    from .tuning import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
+def tuning_report(*args, **kwargs):
+    """``tvm_fuel.tuning.tuning_report``."""
+    from .tuning import tuning_report as _report
+
+    return _report(*args, **kwargs)
+
+
+__all__ = ["op", "reference", "compile", "host_target", "tune", "tuning_report", "AttnConfig"]
 __version__ = "0.1.0"

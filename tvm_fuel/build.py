@@ -45,7 +45,8 @@ def _remaining_fuel_calls(mod: tvm.IRModule) -> list[str]:
     return found
 
 
-def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", **compile_options):  # noqa: A001
+def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,  # noqa: A001
+            shipped_logs: bool = True, **compile_options):
     """Build ``mod`` for ``target`` and return what ``tvm.compile`` returns.
 
     Parameters
@@ -57,8 +58,15 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
     kernels : str
         ``"decomposed"``: every fuel op runs its TE decomposition (the correctness floor).
         ``"tuned"``: the performance-path kernels where a rule serves the op on this target
-        (CPU: flash_attn, paged_attn), the decomposition elsewhere. Fuel kernels are marked
-        scheduled and opaque, so the pipeline neither re-schedules nor fuses into them.
+        (CPU: flash_attn, its backward ops, paged_attn), the decomposition elsewhere. Fuel
+        kernels are marked scheduled and opaque, so the pipeline neither re-schedules nor fuses
+        into them. Their knobs come from the best tuning record for the same workload and
+        target key (``database`` first, then the logs shipped in ``tvm_fuel/tuning_logs``),
+        else they are the hand-picked ones; ``tvm_fuel.tuning_report`` lists which.
+    database : path or ``ms.database.Database``, optional
+        Tuning logs of ``tvm_fuel.tune`` (its ``work_dir``) or a MetaSchedule database.
+    shipped_logs : bool
+        Also use the logs shipped with the package (default True).
     compile_options :
         Passed on to ``tvm.compile``.
 
@@ -69,10 +77,12 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
     >>> vm = tvm.relax.VirtualMachine(ex, tvm.cpu())            # doctest: +SKIP
     """
     target = as_target(target)
-    return tvm.compile(legalize(mod, target, kernels=kernels), target=target, **compile_options)
+    legalized = legalize(mod, target, kernels=kernels, database=database, shipped_logs=shipped_logs)
+    return tvm.compile(legalized, target=target, **compile_options)
 
 
-def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed") -> tvm.IRModule:
+def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,
+             shipped_logs: bool = True) -> tvm.IRModule:
     """Lower every fuel op of ``mod`` to PrimFuncs (kernels or decomposition) for ``target``."""
     if kernels not in KERNEL_PATHS:
         raise ValueError(f"tvm_fuel.compile: kernels must be one of {KERNEL_PATHS}, got {kernels!r}")
@@ -80,8 +90,10 @@ def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompo
     legalize_map = None
     if kernels == "tuned":
         from .schedules import tuned_legalize_map
+        from .tuning.records import TuningRecords, shipped_logs as shipped
 
-        legalize_map = tuned_legalize_map(target)
+        roots = ([database] if database is not None else []) + ([shipped()] if shipped_logs else [])
+        legalize_map = tuned_legalize_map(target, TuningRecords(roots))
     with target:
         legalized = relax.transform.LegalizeOps(customize_legalize_map=legalize_map)(mod)
     leftover = _remaining_fuel_calls(legalized)

@@ -3,6 +3,8 @@
 Commands:
     demo   -- build and run a module that uses every fuel op; print its agreement with the reference
     bench  -- floor vs tuned kernels vs PyTorch, with this machine's peaks; writes JSON and a PNG chart
+    tune   -- MetaSchedule tuning of a kernel at static shape buckets; logs under --work-dir
+    logs   -- which kernels hit a tuning record (shipped logs and --database) and which fall back
 """
 
 from __future__ import annotations
@@ -31,6 +33,77 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _target(text: str):
+    import json
+
+    from .build import as_target, host_target
+
+    if text == "host":
+        return host_target()
+    return as_target(json.loads(text) if text.lstrip().startswith("{") else text)
+
+
+def _workloads(ops: list[str], shapes: list[str] | None, target) -> list:
+    from .tuning.buckets import benchmark_buckets, bucket_module, parse_bucket
+    from .tuning.tune import workloads_of
+
+    found = []
+    for name in ops:
+        buckets = [parse_bucket(text) for text in shapes] if shapes else benchmark_buckets(name)
+        for bucket in buckets:
+            found += [w for w in workloads_of(bucket_module(name, bucket), target, [name]) if w not in found]
+    return found
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import time
+
+    from .tuning import tune
+
+    target = _target(args.target)
+    start = time.perf_counter()
+    results = tune(_workloads([args.op], args.shapes, target), target, trials=args.trials, work_dir=args.work_dir,
+                   trials_per_iter=args.trials_per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+    print(f"\ntuned {len(results)} workload(s) in {time.perf_counter() - start:.0f} s; logs in {args.work_dir}")
+    for r in results:
+        hand = f"{r.hand_picked_s * 1e3:.2f} ms" if r.hand_picked_s else "failed"
+        best = f"{r.best_s * 1e3:.2f} ms ({r.rate(r.best_s)})" if r.best_s else "none"
+        ratio = f"{r.speedup:.2f}x" if r.speedup else "-"
+        print(f"  {r.workload.describe()}\n    hand-picked {hand}, best {best}, {ratio}; knobs {r.best_knobs}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    import warnings
+
+    from .tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module, parse_bucket
+    from .tuning.records import TuningRecords, shipped_logs, target_key
+    from .tuning.report import format_report, tuning_report
+
+    target = _target(args.target)
+    roots = ([args.database] if args.database else []) + ([] if args.no_shipped else [shipped_logs()])
+    print(f"target key: {target_key(target)}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for root in roots:
+            records = TuningRecords([root]).all(target)
+            print(f"{root}: {len(records)} usable record(s) for {target_key(target)}")
+        if args.module:  # a Relax module in TVMScript, e.g. written by mod.script()
+            import tvm
+
+            with open(args.module) as source:
+                modules = [tvm.script.from_source(source.read())]
+        else:
+            modules = [bucket_module(name, bucket) for name in args.op or TUNABLE_OPS
+                       for bucket in ([parse_bucket(t) for t in args.shapes] if args.shapes else benchmark_buckets(name))]
+        rows = [row for mod in modules for row in tuning_report(mod, target, database=args.database,
+                                                                 shipped_logs=not args.no_shipped)]
+    for warning in {str(w.message) for w in caught}:
+        print(f"warning: {warning}")
+    print(format_report(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvm_fuel", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -44,5 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-long-context", action="store_true", help="skip the S=16384 memory probe")
     bench.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep of the chart")
     bench.set_defaults(run=_bench)
+    tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
+    tune.add_argument("--op", required=True, choices=("paged_attn", "flash_attn_backward", "flash_attn"))
+    tune.add_argument("--target", default="host",
+                      help='"host" (this CPU, default), a kind, or a JSON target such as \'{"kind": "llvm", "mcpu": "znver3"}\'')
+    tune.add_argument("--shapes", nargs="+", metavar="K=V,...",
+                      help="shape buckets, e.g. B=1,H=8,S=1024,D=64,causal=1 or "
+                           "B=8,Hq=32,Hkv=8,D=128,block_size=16,ctx=4096 (default: the benchmark's)")
+    tune.add_argument("--trials", type=int, default=64, help="measured candidates per bucket (default 64)")
+    tune.add_argument("--trials-per-iter", type=int, default=8, help="candidates per search round (default 8)")
+    tune.add_argument("--work-dir", default="tuning_logs", help="log root; an existing database is resumed")
+    tune.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on the RPC servers of this tracker")
+    tune.add_argument("--rpc-key", help="the key those servers registered under")
+    tune.set_defaults(run=_tune)
+    logs = commands.add_parser("logs", help="which kernels use a tuning record, and which the hand-picked knobs")
+    logs.add_argument("--target", default="host")
+    logs.add_argument("--database", help="a tuning log root (tune's --work-dir) searched before the shipped logs")
+    logs.add_argument("--no-shipped", action="store_true", help="ignore the logs shipped with the package")
+    logs.add_argument("--op", nargs="+", choices=("paged_attn", "flash_attn_backward", "flash_attn"))
+    logs.add_argument("--shapes", nargs="+", metavar="K=V,...", help="shape buckets (default: the benchmark's)")
+    logs.add_argument("--module", metavar="FILE", help="report on this Relax module (TVMScript, as mod.script() prints)")
+    logs.set_defaults(run=_logs)
     args = parser.parse_args(argv)
     return args.run(args)

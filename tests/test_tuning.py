@@ -1,0 +1,243 @@
+"""MetaSchedule tuning of the kernels' knobs, and the logs applied at build.
+
+A few trials of each required kernel are tuned into a temporary log root; the build then uses
+those records (the report says so) and its outputs match the numpy reference and the floor.
+Random points of every design space are checked the same way, since any of them may be the one
+a record selects. Logs that are corrupt, or tuned for another target, fall back with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+from helpers import HOST, Runner, assert_close, build, randn
+
+import tvm
+from tvm import relax, s_tir
+
+import tvm_fuel
+from tvm_fuel import reference as ref
+from tvm_fuel.schedules import rule_for, tuned_legalize_map
+from tvm_fuel.tuning import TuningLogWarning, shipped_logs, target_key, tune, tuning_report
+from tvm_fuel.tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module, parse_bucket
+from tvm_fuel.tuning.records import RECORD_FILE, WORKLOAD_FILE
+from tvm_fuel.tuning.space import ValidKnobs, design_space, knobs_of, workload_module
+from tvm_fuel.tuning.tune import workloads_of
+
+# awkward shapes: GQA groups 3 and 7, head dims 40 and 64, lengths 17 and 97
+BUCKETS = {
+    "paged_attn": dict(B=3, Hq=7, Hkv=1, D=40, block_size=16, ctx=97),
+    "flash_attn_backward": dict(B=1, Hq=6, Hkv=2, Sq=17, Sk=97, D=40, causal=1),
+    "flash_attn": dict(B=2, Hq=3, Hkv=1, Sq=17, Sk=97, D=64, window=(7, 2)),
+}
+
+
+def _inputs(op: str, rng) -> dict:
+    """Valid inputs for BUCKETS[op] (a paged table of distinct live blocks, ragged context lengths)."""
+    b = BUCKETS[op]
+    if op == "paged_attn":
+        max_blocks = -(-b["ctx"] // b["block_size"])
+        cache = (b["B"] * max_blocks, b["block_size"], b["Hkv"], b["D"])
+        return dict(q=randn(rng, (b["B"], b["Hq"], 1, b["D"])), k_cache=randn(rng, cache), v_cache=randn(rng, cache),
+                    block_table=rng.permutation(cache[0]).reshape(b["B"], max_blocks).astype("int32"),
+                    context_lens=np.array([1, 17, 97], "int32"))
+    q = randn(rng, (b["B"], b["Hq"], b["Sq"], b["D"]))
+    k, v = (randn(rng, (b["B"], b["Hkv"], b["Sk"], b["D"])) for _ in range(2))
+    if op == "flash_attn":
+        return dict(q=q, k=k, v=v)
+    out, lse = ref.flash_attn(q, k, v, causal=True, return_lse=True)
+    return dict(q=q, k=k, v=v, do=randn(rng, q.shape), out=out.astype("float32"), lse=lse.astype("float32"))
+
+
+def _expected(op: str, inputs: dict) -> list[np.ndarray]:
+    a = list(inputs.values())
+    if op == "paged_attn":
+        return [ref.paged_attn(*a)]
+    if op == "flash_attn":
+        return [ref.flash_attn(*a, window_size=(7, 2))]
+    return list(ref.flash_attn_backward(*a[:4], causal=True))
+
+
+@pytest.fixture(scope="module")
+def tuned_root(tmp_path_factory):
+    """A log root with a few trials of each required kernel (and flash forward) at BUCKETS."""
+    root = tmp_path_factory.mktemp("logs")
+    results = {}
+    for op, bucket in BUCKETS.items():
+        results[op] = tune(bucket_module(op, bucket), HOST, trials=4, trials_per_iter=4, work_dir=root,
+                           log=lambda line: None)
+    return root, results
+
+
+@pytest.mark.parametrize("op", list(BUCKETS))
+def test_tuned_records_build_and_match_the_floor(tuned_root, op):
+    root, results = tuned_root
+    (result,) = results[op]
+    assert result.trials >= 4 and result.hand_picked_s and result.best_s <= result.hand_picked_s
+    assert (root / target_key(HOST) / op / RECORD_FILE).exists()
+    mod = bucket_module(op, BUCKETS[op])
+    (row,) = tuning_report(mod, HOST, database=root, shipped_logs=False)
+    assert row["knobs"] == str(root / target_key(HOST) / op / RECORD_FILE)
+    inputs = _inputs(op, np.random.default_rng(0))
+    tuned = Runner(mod, HOST, kernels="tuned", database=root, shipped_logs=False)(*inputs.values())
+    floor = Runner(mod, HOST, kernels="decomposed")(*inputs.values())
+    for got, low, want in zip(tuned, floor, _expected(op, inputs)):
+        assert_close(got, want, "float32", scale=4, what=f"{op} tuned vs reference")
+        assert_close(got, low.astype(np.float64), "float32", scale=4, what=f"{op} tuned vs floor")
+
+
+def test_tuning_resumes_from_its_database(tuned_root):
+    root, results = tuned_root
+    (first,) = results["paged_attn"]
+    before = len((root / target_key(HOST) / "paged_attn" / RECORD_FILE).read_text().splitlines())
+    (again,) = tune(bucket_module("paged_attn", BUCKETS["paged_attn"]), HOST, trials=2, trials_per_iter=2,
+                    work_dir=root, log=lambda line: None)
+    after = len((root / target_key(HOST) / "paged_attn" / RECORD_FILE).read_text().splitlines())
+    assert again.hand_picked_s == first.hand_picked_s  # found in the log, not measured again
+    assert after >= before + 1 and again.best_s <= first.best_s
+
+
+class _Fixed:
+    """A knob source that gives every workload the same knobs (a point of its space)."""
+
+    def __init__(self, knobs):
+        self.knobs = knobs
+
+    def lookup(self, workload, target):
+        return dict(self.knobs), "test point"
+
+
+@pytest.mark.parametrize("op", list(BUCKETS))
+def test_random_points_of_the_space_are_correct(op):
+    """Every valid knob combination must compute the same thing: a record may select any."""
+    mod = bucket_module(op, BUCKETS[op])
+    (workload,) = workloads_of(mod, HOST)
+    task = workload_module(workload, HOST)
+    rule = rule_for(workload.op, HOST)
+    inputs = _inputs(op, np.random.default_rng(1))
+    expected = _expected(op, inputs)
+    rng, checked = random.Random(op), 0
+    while checked < 4:
+        sch = s_tir.Schedule(task, seed=rng.randrange(1, 2**30))
+        design_space(sch)
+        _, knobs = knobs_of(sch.mod)
+        if rule.check_knobs(workload, {**rule.default_knobs(workload, HOST), **knobs}):
+            continue
+        for got, want in zip(_run_with_knobs(mod, knobs, inputs), expected):
+            assert_close(got, want, "float32", scale=4, what=f"{op} at {knobs}")
+        checked += 1
+
+
+def _run_with_knobs(mod, knobs: dict, inputs: dict) -> list[np.ndarray]:
+    with HOST:
+        legalized = relax.transform.LegalizeOps(tuned_legalize_map(HOST, _Fixed(knobs)))(mod)
+    vm = relax.VirtualMachine(tvm.compile(legalized, target=HOST), tvm.cpu())
+    outputs = vm["main"](*[tvm.runtime.tensor(a) for a in inputs.values()])
+    return [t.numpy() for t in ([outputs] if isinstance(outputs, tvm.runtime.Tensor) else outputs)]
+
+
+@pytest.mark.parametrize("knobs", [dict(value_tokens=4, prefetch=4, block_k=16, kv_heads=1),
+                                   dict(value_tokens=2, prefetch=16, block_k=32, lanes=4)])
+def test_streaming_decode_knobs(knobs):
+    """Decode's own knobs (tokens per value pass, prefetch distance) over ragged lengths 1, 17, 97."""
+    mod = bucket_module("paged_attn", BUCKETS["paged_attn"])
+    inputs = _inputs("paged_attn", np.random.default_rng(3))
+    (out,) = _run_with_knobs(mod, knobs, inputs)
+    assert_close(out, _expected("paged_attn", inputs)[0], "float32", what=str(knobs))
+
+
+def test_invalid_points_are_rejected_before_measuring():
+    (workload,) = workloads_of(bucket_module("flash_attn", BUCKETS["flash_attn"]), HOST)
+    sch = s_tir.Schedule(workload_module(workload, HOST))
+    design_space(sch, fixed={"block_q": 52, "micro_rows": 8})  # 52 rows are no whole number of 8-row tiles
+    assert not ValidKnobs(HOST).apply(sch)
+    sch = s_tir.Schedule(workload_module(workload, HOST))
+    design_space(sch, fixed={"block_q": 52, "micro_rows": 4})
+    assert ValidKnobs(HOST).apply(sch)
+
+
+def _copy_log(source, root, key: str, op: str):
+    folder = root / key / op
+    folder.mkdir(parents=True)
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        shutil.copy(source / target_key(HOST) / op / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong-shape"])
+def test_corrupt_log_warns_and_falls_back(tuned_root, tmp_path, damage):
+    folder = _copy_log(tuned_root[0], tmp_path, target_key(HOST), "paged_attn")
+    records = folder / RECORD_FILE
+    text = records.read_text()
+    records.write_text({"garbage": "not json at all\n", "truncated": text[: len(text) // 2],
+                        "wrong-shape": '{"a": 1}\n'}[damage])
+    mod = bucket_module("paged_attn", BUCKETS["paged_attn"])
+    with pytest.warns(TuningLogWarning, match=str(records)):
+        (row,) = tuning_report(mod, HOST, database=tmp_path, shipped_logs=False)
+    assert row["knobs"] == "hand-picked"
+    inputs = _inputs("paged_attn", np.random.default_rng(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TuningLogWarning)
+        (out,) = Runner(mod, HOST, kernels="tuned", database=tmp_path, shipped_logs=False)(*inputs.values())
+    assert_close(out, _expected("paged_attn", inputs)[0], "float32")
+
+
+def test_record_of_another_target_is_never_applied(tuned_root, tmp_path):
+    """A record whose own target has another key is ignored even in this target's folder."""
+    folder = _copy_log(tuned_root[0], tmp_path, target_key(HOST), "paged_attn")
+    records = folder / RECORD_FILE
+    lines = []
+    for line in records.read_text().splitlines():
+        index, (trace, seconds, target, args) = json.loads(line)
+        target = dict(target, mcpu="skylake-avx512")
+        lines.append(json.dumps([index, [trace, seconds, target, args]]))
+    records.write_text("\n".join(lines) + "\n")
+    mod = bucket_module("paged_attn", BUCKETS["paged_attn"])
+    with pytest.warns(TuningLogWarning, match="llvm-x86-avx512"):
+        (row,) = tuning_report(mod, HOST, database=tmp_path, shipped_logs=False)
+    assert row["knobs"] == "hand-picked"
+    # and a log folder of another key is not even read
+    other = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+    (row,) = tuning_report(mod, other, database=tuned_root[0], shipped_logs=False)
+    assert row["knobs"] == "hand-picked"
+
+
+def test_shipped_logs_hit_the_benchmark_shapes():
+    key = target_key(HOST)
+    if not (shipped_logs() / key).is_dir():
+        pytest.skip(f"no logs shipped for this CPU class ({key}); shipped: "
+                    f"{sorted(p.name for p in shipped_logs().iterdir() if p.is_dir())}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningLogWarning)  # shipped logs must load cleanly
+        for op in TUNABLE_OPS:
+            for bucket in benchmark_buckets(op):
+                rows = tuning_report(bucket_module(op, bucket), HOST)
+                assert [r["knobs"] for r in rows] == [str(shipped_logs() / key / op / RECORD_FILE)], (op, bucket)
+
+
+def test_symbolic_call_uses_the_largest_matching_bucket(tuned_root):
+    """A decode module with a symbolic batch and table width takes the knobs tuned for its heads."""
+    root, results = tuned_root
+    b = BUCKETS["paged_attn"]
+    B, W = tvm.tirx.Var("B", "int64"), tvm.tirx.Var("W", "int64")
+    cache = (b["B"] * 7, b["block_size"], b["Hkv"], b["D"])
+    params = {"q": ((B, b["Hq"], 1, b["D"]), "float32"), "k_cache": (cache, "float32"),
+              "v_cache": (cache, "float32"), "block_table": ((B, W), "int32"), "context_lens": ((B,), "int32")}
+    mod = build(lambda **a: tvm_fuel.op.paged_attn(**a), params)
+    (row,) = tuning_report(mod, HOST, database=root, shipped_logs=False)
+    assert row["knobs"].endswith(RECORD_FILE)
+
+
+def test_bucket_parsing_names_the_bad_item():
+    assert parse_bucket("B=1,H=8,S=1024,D=64,causal=1") == dict(B=1, H=8, S=1024, D=64, causal=1)
+    with pytest.raises(ValueError, match="Sq"):
+        parse_bucket("Sq=ten")
+    with pytest.raises(ValueError, match="unknown shape key 'heads'"):
+        parse_bucket("heads=8")
+    with pytest.raises(ValueError, match="rpc_tracker and rpc_key"):
+        tune(bucket_module("flash_attn", BUCKETS["flash_attn"]), HOST, rpc_tracker="127.0.0.1:9190")

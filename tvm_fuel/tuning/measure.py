@@ -1,0 +1,98 @@
+"""Building and measuring tuning candidates (run in MetaSchedule's worker processes).
+
+``build_candidate`` is the builder's ``f_build``: it instantiates the kernel a scheduled tuning
+module describes and compiles only that (the stock build function re-imports every tensor
+intrinsic per batch, ~60 s here). The argument allocators give every kernel valid inputs: a
+paged kernel gets a block table of distinct live block ids and full context lengths (random
+integers would index out of the cache), floats are standard normal, the lse is finite.
+
+Contents:
+    build_candidate             -- f_build of ``ms.builder.LocalBuilder``
+    alloc_arguments             -- f_alloc_argument of ``ms.runner.LocalRunner``
+    alloc_arguments_rpc         -- f_alloc_argument of ``ms.runner.RPCRunner``
+    local_runner, rpc_runner, builder
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=False)
+
+
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
+    """The kernel of a scheduled tuning module (its knob annotations), compiled for ``target``."""
+    from ..schedules import rule_for
+    from .space import knobs_of
+
+    workload, knobs = knobs_of(mod)
+    rule = rule_for(workload.op, target)
+    func = rule.kernel(workload, {**rule.default_knobs(workload, target), **knobs}, static=True)
+    return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+
+
+def _arrays(args_info) -> list[np.ndarray]:
+    """Valid inputs for a fuel kernel's parameters, from their (dtype, shape)."""
+    import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy
+
+    rng = np.random.default_rng(0)
+    specs = [(str(dtype), tuple(int(n) for n in shape)) for _, dtype, shape in args_info]
+    floats4 = [shape for dtype, shape in specs if len(shape) == 4 and dtype.startswith(("float", "bfloat"))]
+    arrays = []
+    for dtype, shape in specs:
+        if dtype.startswith(("int", "uint")) and len(shape) == 2:  # block table [B, max_blocks]
+            num_blocks = floats4[1][0]  # k_cache [num_blocks, block_size, Hkv, D] follows q
+            ids = np.arange(shape[0] * shape[1]) % num_blocks
+            arrays.append(rng.permutation(ids).reshape(shape).astype(dtype))
+        elif dtype.startswith(("int", "uint")):  # context_lens [B]: every table full
+            table = next(s for d, s in specs if d.startswith(("int", "uint")) and len(s) == 2)
+            arrays.append(np.full(shape, table[1] * floats4[1][1], dtype))
+        elif dtype == "bool":
+            arrays.append(rng.random(shape) < 0.9)
+        elif dtype == "float32" and len(shape) == 3:  # lse [B, Hq, Sq]: finite, about log(Sk)
+            arrays.append((np.log(max(floats4[1][2], 2)) + rng.random(shape)).astype(dtype))
+        else:
+            arrays.append((rng.standard_normal(shape) * 0.5).astype(dtype))
+    return arrays
+
+
+def alloc_arguments(device, args_info, alloc_repeat: int):
+    """LocalRunner's allocator: ``alloc_repeat`` sets of valid arguments on ``device``."""
+    arrays = _arrays(args_info)
+    return [[tvm.runtime.tensor(a, device=device) for a in arrays] for _ in range(alloc_repeat)]
+
+
+def alloc_arguments_rpc(session, device, args_info, alloc_repeat: int):
+    """RPCRunner's allocator: the same arguments, uploaded to the remote device."""
+    arrays = _arrays(args_info)
+    return [[tvm.runtime.tensor(a, device=device) for a in arrays] for _ in range(alloc_repeat)]
+
+
+def builder(workers: int | None = None) -> ms.builder.LocalBuilder:
+    return ms.builder.LocalBuilder(f_build=build_candidate, max_workers=workers or os.cpu_count() or 1,
+                                   timeout_sec=120)
+
+
+def local_runner() -> ms.runner.LocalRunner:
+    return ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(**EVALUATOR), timeout_sec=120,
+                                 f_alloc_argument=alloc_arguments)
+
+
+def rpc_runner(tracker: str, key: str, *, workers: int | None = None) -> ms.runner.RPCRunner:
+    """Measure on the servers registered at ``tracker`` (HOST:PORT) under ``key``, one worker each."""
+    host, _, port = tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"tvm_fuel.tune: rpc_tracker must be HOST:PORT, got {tracker!r}")
+    if workers is None:
+        from tvm import rpc
+
+        workers = int(rpc.connect_tracker(host, int(port)).summary()["queue_info"].get(key, {}).get("free", 0))
+        if workers == 0:
+            raise RuntimeError(f"tvm_fuel.tune: no free RPC server is registered under key {key!r} at {tracker}")
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=120)
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=ms.runner.EvaluatorConfig(**EVALUATOR),
+                               f_alloc_argument=alloc_arguments_rpc, max_workers=workers)

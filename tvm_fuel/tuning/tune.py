@@ -1,0 +1,272 @@
+"""``tvm_fuel.tune``: MetaSchedule's evolutionary search over the fuel kernels' knobs.
+
+One task per static workload (a fuel call of the module with static shapes), grouped into one
+JSONDatabase per kernel family under ``<work_dir>/<target key>/<kernel>/``, the layout
+``tvm_fuel.compile`` reads. Before searching, each task measures its hand-picked knobs (once: a
+resumed run finds that record), so the database's best is never worse than hand-picked and the
+progress lines show the speed-up. The search resumes from what the database already holds.
+
+Contents:
+    tune         -- tune a module's fuel kernels (or given workloads); returns TaskResult rows
+    TaskResult   -- what one task found
+    workloads_of -- the static kernel workloads of a module's fuel calls
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import tvm
+from tvm import relax, s_tir
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from ..build import as_target
+from ..op import SPECS
+from ..schedules import rule_for
+from ..schedules.workload import Workload
+from . import measure
+from .buckets import TUNABLE_OPS
+from .records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
+from .space import KnobFeatures, design_space, knobs_of, space_generator, workload_module
+
+_OP_NAMES = {spec.op_name: name for name, spec in SPECS.items()}
+
+
+@dataclass
+class TaskResult:
+    """One tuned workload: times in seconds (mean of the measured repeats)."""
+
+    workload: Workload
+    log_dir: Path
+    trials: int = 0
+    hand_picked_s: float | None = None
+    best_s: float | None = None
+    best_knobs: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        """Hand-picked time over the best tuned time (>= 1)."""
+        if self.hand_picked_s is None or self.best_s is None:
+            return None
+        return self.hand_picked_s / self.best_s
+
+    def rate(self, seconds: float) -> str:
+        """GFLOP/s (dense) or GB/s of K/V read (paged) at ``seconds``."""
+        return _rate(self.workload, seconds)
+
+
+def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str] | None = None) -> list[Workload]:
+    """The distinct static workloads of the fuel calls of ``mod`` served by a kernel on ``target``."""
+    wanted = set(ops) if ops is not None else None
+    found: list[Workload] = []
+
+    def visit(expr):
+        if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in _OP_NAMES):
+            return
+        name = _OP_NAMES[expr.op.name]
+        if wanted is not None and kernel_family(name) not in wanted:
+            return
+        rule = rule_for(name, target)
+        workload = rule.workload(expr, target) if rule is not None else None
+        if workload is not None and workload.is_static and workload not in found:
+            found.append(workload)
+
+    for _, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def _rate(workload: Workload, seconds: float) -> str:
+    spec, dims = workload.spec, workload.dim
+    if workload.op == "paged_attn":
+        itemsize = 2 if spec.dtype in ("float16", "bfloat16") else 4
+        context = dims["max_blocks"] * spec.block_size
+        return f"{2.0 * dims['B'] * context * spec.num_kv_heads * spec.head_dim * itemsize / seconds / 1e9:.1f} GB/s"
+    flops = 4.0 * dims["B"] * spec.num_q_heads * dims["Sq"] * dims["Sk"] * spec.head_dim
+    if spec.cfg.causal:
+        flops /= 2
+    if workload.grads:
+        flops *= 2.5
+    return f"{flops / seconds / 1e9:.1f} GFLOP/s"
+
+
+@contextlib.contextmanager
+def _without_tensor_intrinsics():
+    """TuneContext imports tvm.s_tir.tensor_intrin (about a minute on 2 cores) so that tensorize
+    rules can find intrinsics; the fuel spaces use none, so a placeholder stands in meanwhile.
+    It is removed afterwards: a later real import still loads the intrinsics."""
+    name = "tvm.s_tir.tensor_intrin"
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        if isinstance(sys.modules.get(name), types.ModuleType) and not hasattr(sys.modules[name], "__file__"):
+            del sys.modules[name]
+
+
+@derived_object
+class _Progress(ms.measure_callback.PyMeasureCallback):
+    """Prints trials done, the best time and its GFLOP/s or GB/s after every measured batch."""
+
+    def __init__(self, results: list[TaskResult], trials: int, log: Callable[[str], None]):
+        self.results, self.trials, self.log = results, trials, log
+        self.start = time.perf_counter()
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+        result = self.results[task_id]
+        for candidate, run in zip(measure_candidates, runner_results):
+            result.trials += 1
+            seconds = [float(s) for s in (run.run_secs or [])]
+            if run.error_msg or not seconds:
+                continue
+            mean = sum(seconds) / len(seconds)
+            if result.best_s is None or mean < result.best_s:
+                result.best_s, result.best_knobs = mean, knobs_of(candidate.sch.mod)[1]
+        _report(result, self.trials, time.perf_counter() - self.start, self.log)
+
+
+def _report(result: TaskResult, trials: int, elapsed: float, log: Callable[[str], None]) -> None:
+    best = "no valid trial yet" if result.best_s is None else (
+        f"best {result.best_s * 1e3:.2f} ms ({result.rate(result.best_s)})")
+    ratio = f", {result.speedup:.2f}x hand-picked" if result.speedup else ""
+    log(f"[{elapsed:6.0f}s] {result.workload.describe()}: trials {result.trials}/{trials}, {best}{ratio}")
+
+
+def _measure_fixed(mod: tvm.IRModule, knobs: dict, target, builder, runner, database) -> float | None:
+    """Measure the kernel at ``knobs`` and commit it as a record; its mean seconds (None: failed)."""
+    sch = s_tir.Schedule(mod)
+    design_space(sch, fixed=knobs)
+    args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target)])[0]
+    if built.error_msg:
+        return None
+    device = "cpu" if target.kind.name == "llvm" else target.kind.name
+    run = runner.run([ms.runner.RunnerInput(built.artifact_path, device, args_info)])[0].result()
+    seconds = [float(s) for s in run.run_secs or []] if not run.error_msg else [1e10]
+    database.commit_tuning_record(ms.database.TuningRecord(sch.trace, database.commit_workload(mod), run_secs=seconds,
+                                                           target=target, args_info=args_info))
+    with contextlib.suppress(OSError):
+        os.remove(built.artifact_path)
+    return None if run.error_msg else sum(seconds) / len(seconds)
+
+
+def _recorded(database, mod: tvm.IRModule) -> list[tuple[dict, float]]:
+    """(knobs, mean seconds) of the records the database holds for ``mod``'s workload."""
+    if not database.has_workload(mod):
+        return []
+    records = (replay(raw) for raw in database.get_top_k(database.commit_workload(mod), 10**6))
+    return [(record.knobs, record.seconds) for record in records if record is not None]
+
+
+def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] | None = None, trials: int = 64,
+         work_dir: str | os.PathLike = "tuning_logs", trials_per_iter: int = 8, rpc_tracker: str | None = None,
+         rpc_key: str | None = None, seed: int = 1, log: Callable[[str], None] | None = None) -> list[TaskResult]:
+    """Tune the fuel kernels of ``mod`` for ``target`` with MetaSchedule; return one TaskResult per workload.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule or iterable of Workload
+        Its fuel calls with static shapes are the tasks (a symbolic call has nothing to measure).
+    target : str, dict or Target
+        Where the kernels run, e.g. ``tvm_fuel.host_target()``.
+    ops : iterable of str, optional
+        Kernel families to tune (``paged_attn``, ``flash_attn_backward``, ``flash_attn``); all by default.
+    trials : int
+        New measurements per task (the hand-picked point is measured once more, on a fresh log).
+    work_dir : path
+        Log root: records go to ``<work_dir>/<target key>/<kernel>/``; an existing database there
+        is resumed. MetaSchedule's own logs go to ``<work_dir>/logs/``.
+    rpc_tracker, rpc_key : str, optional
+        ``HOST:PORT`` of a TVM RPC tracker and the key its servers registered: candidates are
+        measured there (one at a time per server) while builds run locally.
+
+    Examples
+    --------
+    >>> from tvm_fuel.tuning.buckets import bucket_module
+    >>> mod = bucket_module("paged_attn", dict(B=8, Hq=32, Hkv=8, D=128, block_size=16, ctx=4096))
+    >>> results = tvm_fuel.tune(mod, tvm_fuel.host_target(), trials=16)     # doctest: +SKIP
+    >>> ex = tvm_fuel.compile(mod, tvm_fuel.host_target(), kernels="tuned",
+    ...                       database="tuning_logs")                        # doctest: +SKIP
+    """
+    target = as_target(target)
+    log = log or (lambda line: print(line, flush=True))
+    if ops is not None:
+        ops = list(ops)
+        unknown = [o for o in ops if o not in TUNABLE_OPS]
+        if unknown:
+            raise ValueError(f"tvm_fuel.tune: ops must be among {TUNABLE_OPS}, got {unknown}")
+    if trials < 1:
+        raise ValueError(f"tvm_fuel.tune: trials must be >= 1, got {trials}")
+    if (rpc_tracker is None) != (rpc_key is None):
+        raise ValueError("tvm_fuel.tune: rpc_tracker and rpc_key go together")
+    workloads = workloads_of(mod, target, ops) if isinstance(mod, tvm.IRModule) else list(mod)
+    if not workloads:
+        raise ValueError(f"tvm_fuel.tune: no static fuel call served by a {target.kind.name} kernel to tune")
+    root = Path(work_dir)
+    builder = measure.builder()
+    runner = measure.rpc_runner(rpc_tracker, rpc_key) if rpc_tracker else measure.local_runner()
+    results: list[TaskResult] = []
+    try:
+        for family in dict.fromkeys(kernel_family(w.op) for w in workloads):
+            group = [w for w in workloads if kernel_family(w.op) == family]
+            folder = root / target_key(target) / family
+            folder.mkdir(parents=True, exist_ok=True)
+            database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
+                                                path_tuning_record=str(folder / RECORD_FILE))
+            results += _tune_family(group, target, folder, root / "logs", database, builder, runner, trials,
+                                    trials_per_iter, seed, log)
+    finally:
+        runner.pool.shutdown()  # its measuring processes, now rather than at garbage collection
+    return results
+
+
+def _tune_family(workloads, target, folder, log_dir, database, builder, runner, trials, trials_per_iter, seed,
+                 log) -> list[TaskResult]:
+    results, contexts = [], []
+    start = time.perf_counter()
+    with _without_tensor_intrinsics():
+        for index, workload in enumerate(workloads):
+            mod = workload_module(workload, target)
+            result = TaskResult(workload, folder)
+            rule = rule_for(workload.op, target)
+            defaults = rule.default_knobs(workload, target)
+            previous = _recorded(database, mod)  # a resumed run: the hand-picked point is in there
+            hand = [s for knobs, s in previous if all(defaults.get(k) == v for k, v in knobs.items())]
+            if hand:
+                result.hand_picked_s = min(hand)
+            else:
+                result.hand_picked_s = _measure_fixed(mod, defaults, target, builder, runner, database)
+                if result.hand_picked_s is not None:
+                    previous.append((defaults, result.hand_picked_s))
+            if previous:
+                result.best_knobs, result.best_s = min(previous, key=lambda item: item[1])
+            _report(result, trials, time.perf_counter() - start, log)
+            results.append(result)
+            contexts.append(ms.TuneContext(
+                mod=mod, target=target, space_generator=space_generator(seed + index),
+                search_strategy=ms.search_strategy.EvolutionarySearch(
+                    population_size=64, init_measured_ratio=0.25, init_min_unmeasured=32, genetic_num_iters=3,
+                    genetic_mutate_prob=0.85, eps_greedy=0.1),
+                task_name=workload.describe(), rand_state=seed + index, num_threads=os.cpu_count() or 1))
+        cost_model = ms.cost_model.XGBModel(extractor=KnobFeatures(), num_warmup_samples=min(16, trials),
+                                            adaptive_training=False)
+        callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
+                     ms.measure_callback.UpdateCostModel(), _Progress(results, trials, log)]
+        ms.tune_tasks(tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=str(log_dir),
+                      max_trials_global=trials * len(contexts), max_trials_per_task=trials,
+                      num_trials_per_iter=min(trials_per_iter, trials), builder=builder, runner=runner,
+                      database=database, cost_model=cost_model, measure_callbacks=callbacks,
+                      task_scheduler="round-robin")
+    return results
