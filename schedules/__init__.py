@@ -15,6 +15,7 @@ Contents:
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Protocol
 
 import tvm
@@ -33,6 +34,10 @@ def rules_for(target: tvm.target.Target) -> list[KernelRule]:
 def rule_for(op: str, target: tvm.target.Target) -> KernelRule | None:
     """The first rule serving ``op`` on ``target`` (None: the floor serves it)."""
     return next((rule for rule in rules_for(target) if rule.op == op), None)
+
+
+class TuningLogWarning(UserWarning):
+    """A tuning log or record was skipped (unreadable, another target, or knobs that do not build)."""
 
 
 class KnobSource(Protocol):
@@ -57,10 +62,14 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
                 workload = rule.workload(call, target)
                 if workload is None:
                     continue
-                knobs, source = rule.default_knobs(workload, target), "hand-picked"
+                knobs, source = rule.knobs(workload, target), "hand-picked"
                 found = records.lookup(workload, target) if records is not None else None
                 if found is not None:
-                    knobs, source = {**knobs, **found[0]}, found[1]
+                    try:
+                        knobs, source = rule.knobs(workload, target, found[0]), found[1]
+                    except ValueError as err:  # e.g. decode knobs for a call whose Sq is symbolic
+                        warnings.warn(f"tvm_fuel: record in {found[1]} does not fit {workload.describe()} ({err}); "
+                                      "hand-picked knobs are used", TuningLogWarning, stacklevel=2)
                 func = rule.kernel(workload, knobs).with_attr("fuel.knobs", source)
                 func = func.with_attr("fuel.workload", workload.describe())
                 args = _with_forward_state(bb, name, call, legalize_with) if rule.needs_forward_state else None

@@ -45,6 +45,20 @@ class KernelRule:
         """Why ``knobs`` cannot build this workload's kernel, or None when they can."""
         raise NotImplementedError
 
+    def knobs(self, workload: Workload, target: tvm.target.Target, tuned: Knobs | None = None) -> dict[str, int]:
+        """The hand-picked knobs with ``tuned`` values in place; ``tuned`` may only set knobs of this
+        workload's space. ValueError (naming op and reason) when the result cannot build the kernel."""
+        space = self.knob_space(workload, target)
+        tuned = dict(tuned or {})
+        foreign = sorted(set(tuned) - set(space))
+        if foreign:
+            raise ValueError(f"{self.op}: knobs {foreign} are not in this kernel's space {sorted(space)}")
+        full = {**self.default_knobs(workload, target), **tuned}
+        problem = self.check_knobs(workload, full)
+        if problem:
+            raise ValueError(f"{self.op}: {problem}")
+        return full
+
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
         """The PrimFunc for ``workload`` with ``knobs``; ``static`` fixes the runtime dims to
         the workload's (what tuning measures); otherwise they stay symbolic."""

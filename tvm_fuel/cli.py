@@ -105,6 +105,8 @@ def _logs(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .tuning.buckets import TUNABLE_OPS
+
     parser = argparse.ArgumentParser(prog="python -m tvm_fuel", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run every fuel op through the correctness floor")
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep of the chart")
     bench.set_defaults(run=_bench)
     tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
-    tune.add_argument("--op", required=True, choices=("paged_attn", "flash_attn_backward", "flash_attn"))
+    tune.add_argument("--op", required=True, choices=TUNABLE_OPS)
     tune.add_argument("--target", default="host",
                       help='"host" (this CPU, default), a kind, or a JSON target such as \'{"kind": "llvm", "mcpu": "znver3"}\'')
     tune.add_argument("--shapes", nargs="+", metavar="K=V,...",
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_argument("--target", default="host")
     logs.add_argument("--database", help="a tuning log root (tune's --work-dir) searched before the shipped logs")
     logs.add_argument("--no-shipped", action="store_true", help="ignore the logs shipped with the package")
-    logs.add_argument("--op", nargs="+", choices=("paged_attn", "flash_attn_backward", "flash_attn"))
+    logs.add_argument("--op", nargs="+", choices=TUNABLE_OPS)
     logs.add_argument("--shapes", nargs="+", metavar="K=V,...", help="shape buckets (default: the benchmark's)")
     logs.add_argument("--module", metavar="FILE", help="report on this Relax module (TVMScript, as mod.script() prints)")
     logs.set_defaults(run=_logs)

@@ -17,11 +17,7 @@ from ..base import KernelRule, Knobs, static_dims
 from ..workload import KernelSpec, Workload
 from .backward import flash_backward
 from .forward import STREAMING_ROWS, dense_forward, paged_forward
-from .tiles import CpuTiles, streaming_space, tile_space, tiles_for
-
-
-def _cores(target: tvm.target.Target) -> int:
-    return int(target.attrs.get("num-cores", 0) or 1)
+from .tiles import CpuTiles, cores, streaming_space, tile_space, tiles_for
 
 
 def _dense_spec(op: str, call: relax.Call, *, return_lse: bool = False) -> KernelSpec | None:
@@ -53,9 +49,13 @@ class _CpuRule(KernelRule):
 
     def check_knobs(self, workload: Workload, knobs: Knobs) -> str | None:
         try:
-            CpuTiles(**knobs)
+            tiles = CpuTiles(**knobs)
         except (TypeError, ValueError) as err:
             return str(err)
+        if tiles.lanes & (tiles.lanes - 1):
+            return f"lanes {tiles.lanes} is not a power of two"
+        if workload.spec.num_kv_heads % tiles.kv_heads:
+            return f"kv_heads {tiles.kv_heads} does not divide the {workload.spec.num_kv_heads} KV heads"
         return None
 
 
@@ -108,7 +108,7 @@ class FlashBackward(_DenseRule):
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         batch = workload.dim["B"]
         # enough (batch, kv head, split) tasks for every core twice over; one split when unknown
-        splits = 1 if batch is None else max(1, -(-2 * _cores(target) // (batch * workload.spec.num_kv_heads)))
+        splits = 1 if batch is None else max(1, -(-2 * cores(target) // (batch * workload.spec.num_kv_heads)))
         return asdict(replace(tiles_for(target, head_dim=workload.spec.head_dim, rows=None), splits=splits))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:

@@ -4,6 +4,8 @@ Contents:
     CpuTiles      -- frozen tile sizes of one kernel instance
     vector_lanes  -- float32 lanes of the target's widest vector unit (4, 8 or 16)
     tiles_for     -- the hand-picked tiles for a target, head dim and row count
+    tile_space, streaming_space -- the knob candidates the tuner samples
+    cores         -- the target's thread count
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class CpuTiles:
         return -(-head_dim // width) * width
 
 
+def cores(target: tvm.target.Target) -> int:
+    """The target's thread count (``num-cores``; 1 when unset)."""
+    return int(target.attrs.get("num-cores", 0) or 1)
+
+
 def vector_lanes(target: tvm.target.Target) -> int:
     """16 with AVX-512, 8 with AVX2 (or any 256-bit unit), 4 otherwise (SSE/NEON baseline)."""
     if target.attrs.get("mcpu") is None:
@@ -85,8 +92,8 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
         tiles = replace(tiles, dim_vecs=1)
     if rows is not None and rows < tiles.block_q:
         tiles = replace(tiles, block_q=-(-rows // tiles.micro_rows) * tiles.micro_rows)
-    cores = int(target.attrs.get("num-cores", 0) or 1)
-    chunks = 1 if batch is None or batch >= cores else min(num_kv_heads, -(-cores // batch))
+    threads = cores(target)
+    chunks = 1 if batch is None or batch >= threads else min(num_kv_heads, -(-threads // batch))
     kv_heads = max(h for h in range(1, num_kv_heads // chunks + 1) if num_kv_heads % h == 0)
     return replace(tiles, kv_heads=kv_heads)
 

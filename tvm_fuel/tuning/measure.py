@@ -31,7 +31,9 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) 
 
     workload, knobs = knobs_of(mod)
     rule = rule_for(workload.op, target)
-    func = rule.kernel(workload, {**rule.default_knobs(workload, target), **knobs}, static=True)
+    if rule is None:
+        raise ValueError(f"tvm_fuel tuning: no {target.kind.name} kernel serves {workload.op}")
+    func = rule.kernel(workload, rule.knobs(workload, target, knobs), static=True)
     return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
 
@@ -68,8 +70,7 @@ def alloc_arguments(device, args_info, alloc_repeat: int):
 
 def alloc_arguments_rpc(session, device, args_info, alloc_repeat: int):
     """RPCRunner's allocator: the same arguments, uploaded to the remote device."""
-    arrays = _arrays(args_info)
-    return [[tvm.runtime.tensor(a, device=device) for a in arrays] for _ in range(alloc_repeat)]
+    return alloc_arguments(device, args_info, alloc_repeat)
 
 
 def builder(workers: int | None = None) -> ms.builder.LocalBuilder:

@@ -12,7 +12,8 @@ Layout (``tuning_logs/`` in the package, or any directory a user passes)::
 
 MetaSchedule's own lookup matches records by the structural hash of the workload and ignores the
 target; here a record is matched by its ``Workload`` key (stable when a kernel template changes)
-and used only when its own target has the same target key. A log that cannot be read, a record
+and used only when its own target has the same target key and core count (the knobs that set
+tasks per core are tuned for it). A log that cannot be read, a record
 for another target or knobs the kernel cannot build give a ``TuningLogWarning`` naming the file,
 and the kernel keeps its hand-picked knobs.
 
@@ -38,17 +39,14 @@ import tvm
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..schedules import rule_for
+from ..schedules import TuningLogWarning, rule_for
+from ..schedules.cpu.tiles import cores
 from ..schedules.workload import Workload
 from .space import knobs_of
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 FAILED_SECONDS = 1e9  # MetaSchedule stores a failed build or run as 1e10 s
-
-
-class TuningLogWarning(UserWarning):
-    """A tuning log was skipped (unreadable, another target, or knobs that no longer build)."""
 
 
 def target_key(target: tvm.target.Target) -> str:
@@ -117,20 +115,24 @@ def replay(raw: ms.database.TuningRecord) -> Record | None:
 
 def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[Record], list[str]]:
     """The records of ``target``'s key whose knobs build their kernel, and notes on the others."""
-    key = target_key(target)
+    key = f"{target_key(target)} with {cores(target)} cores"
     records, foreign, broken = [], set(), 0
     for raw in raw_records:
-        theirs = target_key(raw.target)
-        if theirs != key:
-            foreign.add(theirs)
-            continue
-        record = replay(raw)
-        if record is None:
-            broken += float(raw.run_secs[0]) < FAILED_SECONDS if raw.run_secs else 1
-            continue
-        rule = rule_for(record.workload.op, target)
-        if rule is None or rule.check_knobs(record.workload, {**rule.default_knobs(record.workload, target),
-                                                              **record.knobs}):
+        try:
+            # the parallel knobs (tasks per core) are tuned for a core count: it must match too
+            theirs = f"{target_key(raw.target)} with {cores(raw.target)} cores"
+            if theirs != key:
+                foreign.add(theirs)
+                continue
+            record = replay(raw)
+            if record is None:
+                broken += bool(raw.run_secs) and float(raw.run_secs[0]) < FAILED_SECONDS
+                continue
+            rule = rule_for(record.workload.op, target)
+            if rule is None:
+                raise ValueError(f"no kernel serves {record.workload.op}")
+            rule.knobs(record.workload, target, record.knobs)
+        except Exception:  # noqa: BLE001 -- a record that does not build a kernel here is skipped
             broken += 1
             continue
         records.append(Record(record.workload, record.knobs, record.seconds, source))
@@ -184,7 +186,10 @@ class TuningRecords:
 
     def _records(self, root, target: tvm.target.Target) -> list[Record]:
         if isinstance(root, ms.database.Database):
-            records, notes = _usable(root.get_all_tuning_records(), target, f"database {type(root).__name__}")
+            try:
+                records, notes = _usable(root.get_all_tuning_records(), target, f"database {type(root).__name__}")
+            except Exception as err:  # noqa: BLE001 -- an unreadable database is skipped, never fatal
+                records, notes = [], [f"database {type(root).__name__}: unreadable ({err})"]
             for note in notes:
                 warnings.warn(f"tvm_fuel: {note}; hand-picked knobs are used there", TuningLogWarning, stacklevel=4)
             return records
@@ -196,7 +201,8 @@ class TuningRecords:
             return records
         for folder in _database_folders(root, target):
             files = [folder / WORKLOAD_FILE, folder / RECORD_FILE]
-            stamp = (str(folder), target_key(target), tuple(os.stat(f).st_mtime_ns if f.exists() else 0 for f in files))
+            stamp = (str(folder), str(target), tuple((os.stat(f).st_mtime_ns, os.stat(f).st_size) if f.exists() else 0
+                                                     for f in files))
             if stamp not in _CACHE:
                 _CACHE[stamp] = _read_database(folder, target)
             found, notes = _CACHE[stamp]

@@ -35,6 +35,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import rule_for
+from ..schedules.cpu.tiles import cores
 from ..schedules.workload import Workload
 
 BLOCK = "fuel_kernel"
@@ -119,8 +120,11 @@ class ValidKnobs(ms.postproc.PyPostproc):
 
     def apply(self, sch: s_tir.Schedule) -> bool:
         rule, workload, knobs = _rule_of(sch.mod, self.target)
-        full = {**rule.default_knobs(workload, self.target), **knobs}
-        return rule.check_knobs(workload, full) is None
+        try:
+            rule.knobs(workload, self.target, knobs)
+        except ValueError:
+            return False
+        return True
 
     def clone(self) -> ms.postproc.Postproc:
         return ValidKnobs(self.target)
@@ -157,12 +161,12 @@ class KnobFeatures(ms.feature_extractor.PyFeatureExtractor):
     the per-task scratch (does it fit L1/L2?) and the task count per core."""
 
     def extract_from(self, context: ms.TuneContext, candidates) -> list:
-        cores = int(context.target.attrs.get("num-cores", 0) or 1)
+        threads = cores(context.target)
         rows = []
         for candidate in candidates:
             rule, workload, knobs = _rule_of(candidate.sch.mod, context.target)
-            full = {**rule.default_knobs(workload, context.target), **knobs}
-            rows.append(tvm.runtime.tensor(np.array([_features(workload, full, cores)], dtype="float32")))
+            full = rule.knobs(workload, context.target, knobs)  # candidates passed ValidKnobs
+            rows.append(tvm.runtime.tensor(np.array([_features(workload, full, threads)], dtype="float32")))
         return rows
 
 
