@@ -10,6 +10,7 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 Contents:
     FlashCase, PagedCase -- benchmark shapes
     machine_peaks        -- GEMM GFLOP/s and read GB/s of this machine
+    measure, measure_side_by_side -- median timings (side by side: in turns)
     run_bench            -- run the default suite, write JSON and PNG, return the report
 """
 
@@ -96,6 +97,36 @@ def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int
     return statistics.median(times), len(times)
 
 
+def measure_side_by_side(fns: dict[str, Callable[[], object]], *, min_seconds: float = 0.5,
+                         max_runs: int = 10) -> dict[str, tuple[float, int]]:
+    """Median seconds of each function, timed in turns (A, B, A, B, ...) after one warm-up each, so a
+    drift of this shared machine hits every one alike; and the number of timed runs."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    while len(times[next(iter(fns))]) < max_runs and (
+            sum(map(sum, times.values())) < min_seconds * len(fns) or len(times[next(iter(fns))]) < 3):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), len(t)) for name, t in times.items()}
+
+
+def _timed_builds(mod, target, tensors, *, with_floor: bool = True, floor_skip: str = "") -> dict:
+    """Tuned and hand-picked kernels timed side by side; then the floor (or why it is skipped)."""
+    vms = {impl: _vm(mod, target, **BUILDS[impl]) for impl in ("tuned", "hand_picked")}
+    timed = measure_side_by_side({impl: (lambda vm=vm: vm["main"](*tensors)) for impl, vm in vms.items()})
+    results = {impl: {"ms": seconds * 1e3, "runs": runs} for impl, (seconds, runs) in timed.items()}
+    if with_floor:
+        vm = _vm(mod, target, **BUILDS["floor"])
+        seconds, runs = measure(lambda: vm["main"](*tensors), max_runs=3)
+        results["floor"] = {"ms": seconds * 1e3, "runs": runs}
+    else:
+        results["floor"] = {"skipped": floor_skip}
+    return results
+
+
 def _read_kernel(n: int, parts: int, lanes: int = 16):
     chunk = n // parts
 
@@ -173,7 +204,6 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
     rng = np.random.default_rng(0)
     shape = (case.B, case.H, case.S, case.D)
     q, k, v, do = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
-    results: dict = {}
     mod = _flash_module(case)
     args = [q, k, v]
     if case.backward:  # the forward's state, as a training step has it
@@ -182,14 +212,8 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
         out, lse = (t.numpy() for t in vm_fwd["main"](*map(tvm.runtime.tensor, (q, k, v))))
         args = [q, k, v, do, out, lse]
     tensors = [tvm.runtime.tensor(a) for a in args]
-    for impl, options in BUILDS.items():
-        if impl == "floor" and not with_floor:
-            results["floor"] = {"skipped": f"would materialize {case.B * case.H * case.S * case.S:,} scores "
-                                f"(> {FLOOR_MAX_SCORES:,}); run with --floor-all"}
-            continue
-        vm = _vm(mod, target, **options)
-        seconds, runs = measure(lambda: vm["main"](*tensors), max_runs=3 if impl == "floor" else 10)
-        results[impl] = {"ms": seconds * 1e3, "runs": runs}
+    results = _timed_builds(mod, target, tensors, with_floor=with_floor, floor_skip=(
+        f"would materialize {case.B * case.H * case.S * case.S:,} scores (> {FLOOR_MAX_SCORES:,}); run with --floor-all"))
     torch = _torch()
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
@@ -227,11 +251,7 @@ def _paged_timings(case: PagedCase, target) -> dict:
         bb.emit_func_output(bb.emit(op.paged_attn(*params)))
     mod = bb.get()
     tensors = [tvm.runtime.tensor(a) for a in arrays]
-    results: dict = {}
-    for impl, options in BUILDS.items():
-        vm = _vm(mod, target, **options)
-        seconds, runs = measure(lambda: vm["main"](*tensors))
-        results[impl] = {"ms": seconds * 1e3, "runs": runs}
+    results = _timed_builds(mod, target, tensors)
     torch = _torch()
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}

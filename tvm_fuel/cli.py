@@ -63,7 +63,8 @@ def _tune(args: argparse.Namespace) -> int:
     target = _target(args.target)
     start = time.perf_counter()
     results = tune(_workloads([args.op], args.shapes, target), target, trials=args.trials, work_dir=args.work_dir,
-                   trials_per_iter=args.trials_per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+                   trials_per_iter=args.trials_per_iter, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
+                   verify_top=args.verify_top)
     print(f"\ntuned {len(results)} workload(s) in {time.perf_counter() - start:.0f} s; logs in {args.work_dir}")
     for r in results:
         hand = f"{r.hand_picked_s * 1e3:.2f} ms" if r.hand_picked_s else "failed"
@@ -126,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--shapes", nargs="+", metavar="K=V,...",
                       help="shape buckets, e.g. B=1,H=8,S=1024,D=64,causal=1 or "
                            "B=8,Hq=32,Hkv=8,D=128,block_size=16,ctx=4096 (default: the benchmark's)")
-    tune.add_argument("--trials", type=int, default=64, help="measured candidates per bucket (default 64)")
+    tune.add_argument("--trials", type=int, default=64,
+                      help="measured candidates per bucket (default 64; 0: only verify the database's best)")
+    tune.add_argument("--verify-top", type=int, default=3,
+                      help="best knob sets re-measured side by side with the hand-picked ones (default 3)")
     tune.add_argument("--trials-per-iter", type=int, default=8, help="candidates per search round (default 8)")
     tune.add_argument("--work-dir", default="tuning_logs", help="log root; an existing database is resumed")
     tune.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on the RPC servers of this tracker")

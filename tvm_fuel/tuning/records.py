@@ -42,7 +42,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..schedules import TuningLogWarning, rule_for
 from ..schedules.cpu.tiles import cores
 from ..schedules.workload import Workload
-from .space import knobs_of
+from .space import knobs_of, verification_of
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
@@ -86,6 +86,7 @@ class Record:
     knobs: dict
     seconds: float
     source: str  # the record file
+    verified: int = 0  # id of the side-by-side re-measurement with the hand-picked point (0: none)
 
 
 def _check_lines(path: Path, width: int) -> None:
@@ -108,9 +109,10 @@ def replay(raw: ms.database.TuningRecord) -> Record | None:
         sch = s_tir.Schedule(raw.workload.mod)
         raw.trace.apply_to_schedule(sch, remove_postproc=True)
         workload, knobs = knobs_of(sch.mod)
+        verified = verification_of(sch.mod)
     except Exception:  # noqa: BLE001 -- not a fuel tuning record
         return None
-    return Record(workload, knobs, sum(seconds) / len(seconds), "")
+    return Record(workload, knobs, sum(seconds) / len(seconds), "", verified)
 
 
 def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[Record], list[str]]:
@@ -135,7 +137,7 @@ def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[R
         except Exception:  # noqa: BLE001 -- a record that does not build a kernel here is skipped
             broken += 1
             continue
-        records.append(Record(record.workload, record.knobs, record.seconds, source))
+        records.append(Record(record.workload, record.knobs, record.seconds, source, record.verified))
     notes = []
     if foreign:
         notes.append(f"{source}: records tuned for {sorted(foreign)} ignored on {key}")
@@ -219,10 +221,17 @@ class TuningRecords:
         """(knobs, record file) of the fastest record of the best-matching tuned workload.
 
         A static workload needs a record of exactly its dims; a symbolic dim matches any size
-        (the largest tuned bucket is taken: tuned for throughput).
+        (the largest tuned bucket is taken: tuned for throughput). Where a workload has verified
+        records (the search's best re-measured side by side with the hand-picked knobs), only
+        those of its latest verification compete: measurements taken at different times on a
+        shared machine are not comparable.
         """
         for root in self.roots:
             matching = [r for r in self._records(root, target) if workload.matches(r.workload)]
+            latest: dict = {}
+            for r in matching:
+                latest[r.workload] = max(latest.get(r.workload, 0), r.verified)
+            matching = [r for r in matching if r.verified == latest[r.workload]]
             if matching:
                 def size(record: Record) -> float:
                     return math.prod(max(1, s or 1) for _, s in record.workload.dims)

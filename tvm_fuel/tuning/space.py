@@ -41,6 +41,7 @@ from ..schedules.workload import Workload
 BLOCK = "fuel_kernel"
 WORKLOAD_KEY = "fuel.workload"
 SPACE_KEY = "fuel.space"
+VERIFIED_KEY = "fuel.verified"  # id (a time) of the side-by-side re-measurement a record comes from
 KNOB_PREFIX = "fuel."
 # the features the cost model sees, in this order (absent knobs count as 1)
 FEATURE_KNOBS = ("lanes", "block_q", "block_k", "micro_rows", "key_vecs", "dim_vecs", "kv_heads", "splits",
@@ -86,8 +87,23 @@ def knobs_of(mod: tvm.IRModule) -> tuple[Workload, dict[str, int]]:
     annotations = _kernel_block(mod).annotations
     workload = Workload.from_key(str(annotations[WORKLOAD_KEY]))
     knobs = {key[len(KNOB_PREFIX):]: int(value) for key, value in annotations.items()
-             if key.startswith(KNOB_PREFIX) and key not in (WORKLOAD_KEY, SPACE_KEY)}
+             if key.startswith(KNOB_PREFIX) and key not in (WORKLOAD_KEY, SPACE_KEY, VERIFIED_KEY)}
     return workload, knobs
+
+
+def verification_of(mod: tvm.IRModule) -> int:
+    """The id of the verification a scheduled tuning module was measured in (0: none; see ``tune``)."""
+    return int(_kernel_block(mod).annotations.get(VERIFIED_KEY, 0))
+
+
+def fixed_point(mod: tvm.IRModule, knobs: dict[str, int], *, verification: int = 0) -> s_tir.Schedule:
+    """A schedule of the tuning module at ``knobs`` (its trace is a record of that point),
+    marked as measured in ``verification`` when non-zero."""
+    sch = s_tir.Schedule(mod)
+    design_space(sch, fixed=knobs)
+    if verification:
+        sch.annotate(sch.get_sblock(BLOCK), VERIFIED_KEY, verification)
+    return sch
 
 
 def design_space(sch: s_tir.Schedule, fixed: dict[str, int] | None = None) -> None:

@@ -3,8 +3,11 @@
 One task per static workload (a fuel call of the module with static shapes), grouped into one
 JSONDatabase per kernel family under ``<work_dir>/<target key>/<kernel>/``, the layout
 ``tvm_fuel.compile`` reads. Before searching, each task measures its hand-picked knobs (once: a
-resumed run finds that record), so the database's best is never worse than hand-picked and the
-progress lines show the speed-up. The search resumes from what the database already holds.
+resumed run finds that record), so the progress lines show the speed-up. The search resumes from
+what the database already holds. Afterwards the best knob sets are re-measured side by side with
+the hand-picked ones, a few rounds (single measurements on a shared machine drift by 10-30 %);
+those verified records are what ``tvm_fuel.compile`` chooses from, so a kernel only leaves its
+hand-picked knobs for ones that beat them in the same rounds.
 
 Contents:
     tune         -- tune a module's fuel kernels (or given workloads); returns TaskResult rows
@@ -35,7 +38,7 @@ from ..schedules.workload import Workload
 from . import measure
 from .buckets import TUNABLE_OPS
 from .records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
-from .space import KnobFeatures, design_space, knobs_of, space_generator, workload_module
+from .space import KnobFeatures, fixed_point, knobs_of, space_generator, workload_module
 
 _OP_NAMES = {spec.op_name: name for name, spec in SPECS.items()}
 
@@ -144,22 +147,59 @@ def _report(result: TaskResult, trials: int, elapsed: float, log: Callable[[str]
     log(f"[{elapsed:6.0f}s] {result.workload.describe()}: trials {result.trials}/{trials}, {best}{ratio}")
 
 
-def _measure_fixed(mod: tvm.IRModule, knobs: dict, target, builder, runner, database) -> float | None:
-    """Measure the kernel at ``knobs`` and commit it as a record; its mean seconds (None: failed)."""
-    sch = s_tir.Schedule(mod)
-    design_space(sch, fixed=knobs)
-    args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
-    built = builder.build([ms.builder.BuilderInput(sch.mod, target)])[0]
-    if built.error_msg:
-        return None
+def _measure(schedules: list, target, builder, runner, rounds: int) -> list[list[float] | None]:
+    """Build each schedule once, then measure them all side by side ``rounds`` times (one runner
+    batch per round, so slow drifts of the machine hit every candidate alike). Per schedule: the
+    mean seconds of each round, or None where its build or a run failed."""
     device = "cpu" if target.kind.name == "llvm" else target.kind.name
-    run = runner.run([ms.runner.RunnerInput(built.artifact_path, device, args_info)])[0].result()
-    seconds = [float(s) for s in run.run_secs or []] if not run.error_msg else [1e10]
-    database.commit_tuning_record(ms.database.TuningRecord(sch.trace, database.commit_workload(mod), run_secs=seconds,
-                                                           target=target, args_info=args_info))
-    with contextlib.suppress(OSError):
-        os.remove(built.artifact_path)
-    return None if run.error_msg else sum(seconds) / len(seconds)
+    args_info = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    times: list[list[float] | None] = [None if b.error_msg else [] for b in built]
+    for _ in range(rounds):
+        live = [i for i, t in enumerate(times) if t is not None]
+        futures = runner.run([ms.runner.RunnerInput(built[i].artifact_path, device, args_info[i]) for i in live])
+        for i, future in zip(live, futures):
+            run = future.result()
+            seconds = [float(s) for s in run.run_secs or []]
+            if run.error_msg or not seconds:
+                times[i] = None
+            else:
+                times[i].append(sum(seconds) / len(seconds))
+    for b in built:
+        if not b.error_msg:
+            with contextlib.suppress(OSError):
+                os.remove(b.artifact_path)
+    return times
+
+
+def _commit(database, mod: tvm.IRModule, sch, seconds: list[float] | None, target) -> None:
+    args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+    database.commit_tuning_record(ms.database.TuningRecord(
+        sch.trace, database.commit_workload(mod), run_secs=seconds or [1e10], target=target, args_info=args_info))
+
+
+def _verify(result: TaskResult, mod: tvm.IRModule, defaults: dict, database, target, builder, runner, *,
+            top: int, rounds: int) -> None:
+    """Re-measure the ``top`` best knob sets of the database side by side with the hand-picked
+    knobs and commit them as verified records (the ones ``tvm_fuel.compile`` then chooses from)."""
+    def is_default(knobs):
+        return all(defaults.get(k) == v for k, v in knobs.items())
+
+    best: dict = {}
+    for knobs, _ in sorted(_recorded(database, mod), key=lambda item: item[1]):
+        if len(best) < top and not is_default(knobs):
+            best.setdefault(tuple(sorted(knobs.items())), knobs)
+    points = [defaults, *best.values()]
+    session = int(time.time())  # records of one verification are comparable with each other only
+    schedules = [fixed_point(mod, knobs, verification=session) for knobs in points]
+    times = _measure(schedules, target, builder, runner, rounds)
+    for sch, seconds in zip(schedules, times):
+        _commit(database, mod, sch, seconds, target)
+    measured = [(knobs_of(sch.mod)[1], sum(t) / len(t)) for sch, t in zip(schedules, times) if t]
+    if times[0]:
+        result.hand_picked_s = sum(times[0]) / len(times[0])
+    if measured:
+        result.best_knobs, result.best_s = min(measured, key=lambda item: item[1])
 
 
 def _recorded(database, mod: tvm.IRModule) -> list[tuple[dict, float]]:
@@ -172,7 +212,8 @@ def _recorded(database, mod: tvm.IRModule) -> list[tuple[dict, float]]:
 
 def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] | None = None, trials: int = 64,
          work_dir: str | os.PathLike = "tuning_logs", trials_per_iter: int = 8, rpc_tracker: str | None = None,
-         rpc_key: str | None = None, seed: int = 1, log: Callable[[str], None] | None = None) -> list[TaskResult]:
+         rpc_key: str | None = None, verify_top: int = 3, verify_rounds: int = 3, seed: int = 1,
+         log: Callable[[str], None] | None = None) -> list[TaskResult]:
     """Tune the fuel kernels of ``mod`` for ``target`` with MetaSchedule; return one TaskResult per workload.
 
     Parameters
@@ -184,10 +225,15 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
     ops : iterable of str, optional
         Kernel families to tune (``paged_attn``, ``flash_attn_backward``, ``flash_attn``); all by default.
     trials : int
-        New measurements per task (the hand-picked point is measured once more, on a fresh log).
+        New measurements per task (the hand-picked point is measured once more, on a fresh log);
+        0 only verifies what the database holds.
     work_dir : path
         Log root: records go to ``<work_dir>/<target key>/<kernel>/``; an existing database there
         is resumed. MetaSchedule's own logs go to ``<work_dir>/logs/``.
+    verify_top, verify_rounds : int
+        After the search, the ``verify_top`` best knob sets and the hand-picked ones are measured
+        side by side ``verify_rounds`` times and committed as verified records, which are the ones
+        ``tvm_fuel.compile`` chooses from (0: no verification).
     rpc_tracker, rpc_key : str, optional
         ``HOST:PORT`` of a TVM RPC tracker and the key its servers registered: candidates are
         measured there (one at a time per server) while builds run locally.
@@ -207,8 +253,8 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
         unknown = [o for o in ops if o not in TUNABLE_OPS]
         if unknown:
             raise ValueError(f"tvm_fuel.tune: ops must be among {TUNABLE_OPS}, got {unknown}")
-    if trials < 1:
-        raise ValueError(f"tvm_fuel.tune: trials must be >= 1, got {trials}")
+    if trials < 0:
+        raise ValueError(f"tvm_fuel.tune: trials must be >= 0, got {trials}")
     if (rpc_tracker is None) != (rpc_key is None):
         raise ValueError("tvm_fuel.tune: rpc_tracker and rpc_key go together")
     workloads = workloads_of(mod, target, ops) if isinstance(mod, tvm.IRModule) else list(mod)
@@ -226,14 +272,14 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
             database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
                                                 path_tuning_record=str(folder / RECORD_FILE))
             results += _tune_family(group, target, folder, root / "logs", database, builder, runner, trials,
-                                    trials_per_iter, seed, log)
+                                    trials_per_iter, seed, log, verify_top, verify_rounds)
     finally:
         runner.pool.shutdown()  # its measuring processes, now rather than at garbage collection
     return results
 
 
 def _tune_family(workloads, target, folder, log_dir, database, builder, runner, trials, trials_per_iter, seed,
-                 log) -> list[TaskResult]:
+                 log, verify_top, verify_rounds) -> list[TaskResult]:
     results, contexts = [], []
     start = time.perf_counter()
     with _without_tensor_intrinsics():
@@ -247,9 +293,12 @@ def _tune_family(workloads, target, folder, log_dir, database, builder, runner, 
             if hand:
                 result.hand_picked_s = min(hand)
             else:
-                result.hand_picked_s = _measure_fixed(mod, defaults, target, builder, runner, database)
-                if result.hand_picked_s is not None:
-                    previous.append((defaults, result.hand_picked_s))
+                sch = fixed_point(mod, defaults)
+                (seconds,) = _measure([sch], target, builder, runner, rounds=1)
+                _commit(database, mod, sch, seconds, target)
+                if seconds:
+                    result.hand_picked_s = seconds[0]
+                    previous.append((knobs_of(sch.mod)[1], seconds[0]))
             if previous:
                 result.best_knobs, result.best_s = min(previous, key=lambda item: item[1])
             _report(result, trials, time.perf_counter() - start, log)
@@ -260,13 +309,23 @@ def _tune_family(workloads, target, folder, log_dir, database, builder, runner, 
                     population_size=64, init_measured_ratio=0.25, init_min_unmeasured=32, genetic_num_iters=3,
                     genetic_mutate_prob=0.85, eps_greedy=0.1),
                 task_name=workload.describe(), rand_state=seed + index, num_threads=os.cpu_count() or 1))
-        cost_model = ms.cost_model.XGBModel(extractor=KnobFeatures(), num_warmup_samples=min(16, trials),
-                                            adaptive_training=False)
-        callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
-                     ms.measure_callback.UpdateCostModel(), _Progress(results, trials, log)]
-        ms.tune_tasks(tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=str(log_dir),
-                      max_trials_global=trials * len(contexts), max_trials_per_task=trials,
-                      num_trials_per_iter=min(trials_per_iter, trials), builder=builder, runner=runner,
-                      database=database, cost_model=cost_model, measure_callbacks=callbacks,
-                      task_scheduler="round-robin")
+        if trials > 0:
+            cost_model = ms.cost_model.XGBModel(extractor=KnobFeatures(), num_warmup_samples=min(16, trials),
+                                                adaptive_training=False)
+            callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
+                         ms.measure_callback.UpdateCostModel(), _Progress(results, trials, log)]
+            ms.tune_tasks(tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=str(log_dir),
+                          max_trials_global=trials * len(contexts), max_trials_per_task=trials,
+                          num_trials_per_iter=min(trials_per_iter, trials), builder=builder, runner=runner,
+                          database=database, cost_model=cost_model, measure_callbacks=callbacks,
+                          task_scheduler="round-robin")
+    for result, context in zip(results, contexts):
+        if verify_top > 0:
+            rule = rule_for(result.workload.op, target)
+            _verify(result, context.mod, rule.default_knobs(result.workload, target), database, target, builder,
+                    runner, top=verify_top, rounds=verify_rounds)
+            log(f"[{time.perf_counter() - start:6.0f}s] verified side by side ({verify_rounds} rounds): "
+                f"{result.workload.describe()}: hand-picked {result.hand_picked_s * 1e3:.2f} ms, "
+                f"best {result.best_s * 1e3:.2f} ms ({result.rate(result.best_s)}), {result.speedup:.2f}x, "
+                f"knobs {result.best_knobs}")
     return results
