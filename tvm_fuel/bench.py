@@ -99,17 +99,20 @@ def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int
 
 def measure_side_by_side(fns: dict[str, Callable[[], object]], *, min_seconds: float = 0.5,
                          max_runs: int = 10) -> dict[str, tuple[float, int]]:
-    """Median seconds of each function, timed in turns (A, B, A, B, ...) after one warm-up each, so a
-    drift of this shared machine hits every one alike; and the number of timed runs."""
+    """Median seconds of each function, timed in turns after one warm-up each, the order reversed
+    every round (A B, B A, ...: running second is not the same as running first), so a drift of
+    this shared machine hits every one alike; and the number of timed runs."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    while len(times[next(iter(fns))]) < max_runs and (
-            sum(map(sum, times.values())) < min_seconds * len(fns) or len(times[next(iter(fns))]) < 3):
-        for name, fn in fns.items():
+    order = list(fns)
+    while len(times[order[0]]) < max_runs and (
+            sum(map(sum, times.values())) < min_seconds * len(fns) or len(times[order[0]]) < 4):
+        for name in order:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - start)
+        order.reverse()
     return {name: (statistics.median(t), len(t)) for name, t in times.items()}
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ def _check_lines(path: Path, width: int) -> None:
 
 
 def replay(raw: ms.database.TuningRecord) -> Record | None:
-    """The workload, knobs and mean time of a MetaSchedule record; None for a failed measurement
+    """The workload, knobs and median time of a MetaSchedule record; None for a failed measurement
     or a record that is not a fuel kernel's."""
     seconds = [float(s) for s in raw.run_secs or []]
     if not seconds or min(seconds) >= FAILED_SECONDS:
@@ -112,7 +113,7 @@ def replay(raw: ms.database.TuningRecord) -> Record | None:
         verified = verification_of(sch.mod)
     except Exception:  # noqa: BLE001 -- not a fuel tuning record
         return None
-    return Record(workload, knobs, sum(seconds) / len(seconds), "", verified)
+    return Record(workload, knobs, statistics.median(seconds), "", verified)
 
 
 def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[Record], list[str]]:

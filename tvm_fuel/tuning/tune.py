@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import sys
 import time
 import types
@@ -149,14 +150,17 @@ def _report(result: TaskResult, trials: int, elapsed: float, log: Callable[[str]
 
 def _measure(schedules: list, target, builder, runner, rounds: int) -> list[list[float] | None]:
     """Build each schedule once, then measure them all side by side ``rounds`` times (one runner
-    batch per round, so slow drifts of the machine hit every candidate alike). Per schedule: the
-    mean seconds of each round, or None where its build or a run failed."""
+    batch per round, its order rotated, so slow drifts of the machine hit every candidate alike).
+    Per schedule: the mean seconds of each round, or None where its build or a run failed."""
     device = "cpu" if target.kind.name == "llvm" else target.kind.name
     args_info = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
     times: list[list[float] | None] = [None if b.error_msg else [] for b in built]
-    for _ in range(rounds):
+    for round_index in range(rounds):
         live = [i for i, t in enumerate(times) if t is not None]
+        # rotate the order every round: the first of a batch does not run like the last
+        shift = round_index % max(1, len(live))
+        live = live[shift:] + live[:shift]
         futures = runner.run([ms.runner.RunnerInput(built[i].artifact_path, device, args_info[i]) for i in live])
         for i, future in zip(live, futures):
             run = future.result()
@@ -195,15 +199,15 @@ def _verify(result: TaskResult, mod: tvm.IRModule, defaults: dict, database, tar
     times = _measure(schedules, target, builder, runner, rounds)
     for sch, seconds in zip(schedules, times):
         _commit(database, mod, sch, seconds, target)
-    measured = [(knobs_of(sch.mod)[1], sum(t) / len(t)) for sch, t in zip(schedules, times) if t]
+    measured = [(knobs_of(sch.mod)[1], statistics.median(t)) for sch, t in zip(schedules, times) if t]
     if times[0]:
-        result.hand_picked_s = sum(times[0]) / len(times[0])
+        result.hand_picked_s = statistics.median(times[0])
     if measured:
         result.best_knobs, result.best_s = min(measured, key=lambda item: item[1])
 
 
 def _recorded(database, mod: tvm.IRModule) -> list[tuple[dict, float]]:
-    """(knobs, mean seconds) of the records the database holds for ``mod``'s workload."""
+    """(knobs, median seconds) of the records the database holds for ``mod``'s workload."""
     if not database.has_workload(mod):
         return []
     records = (replay(raw) for raw in database.get_top_k(database.commit_workload(mod), 10**6))
@@ -212,7 +216,7 @@ def _recorded(database, mod: tvm.IRModule) -> list[tuple[dict, float]]:
 
 def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] | None = None, trials: int = 64,
          work_dir: str | os.PathLike = "tuning_logs", trials_per_iter: int = 8, rpc_tracker: str | None = None,
-         rpc_key: str | None = None, verify_top: int = 3, verify_rounds: int = 3, seed: int = 1,
+         rpc_key: str | None = None, verify_top: int = 3, verify_rounds: int = 5, seed: int = 1,
          log: Callable[[str], None] | None = None) -> list[TaskResult]:
     """Tune the fuel kernels of ``mod`` for ``target`` with MetaSchedule; return one TaskResult per workload.
 
