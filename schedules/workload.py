@@ -15,7 +15,7 @@ Contents:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from ..config import AttnConfig
 
@@ -103,9 +103,6 @@ class Workload:
             return False
         theirs = tuned.dim
         return all(size is None or theirs.get(name) == size for name, size in self.dims)
-
-    def with_dims(self, **sizes: int) -> Workload:
-        return replace(self, dims=tuple((name, sizes.get(name, size)) for name, size in self.dims))
 
     def describe(self) -> str:
         """A short human-readable label, e.g. ``flash_attn_backward float32 Hq8/Hkv8 D64 causal B1 Sq1024 Sk1024``."""

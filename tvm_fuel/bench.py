@@ -8,6 +8,7 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 ``bench.json`` and ``bench.png``.
 
 Contents:
+    attention_flops, kv_bytes -- the work of a case (also the tuner's GFLOP/s and GB/s)
     FlashCase, PagedCase -- benchmark shapes
     machine_peaks        -- GEMM GFLOP/s and read GB/s of this machine
     measure, measure_side_by_side -- median timings (side by side: in turns)
@@ -42,6 +43,16 @@ from .build import host_target
 FLOOR_MAX_SCORES = 8 * 1024 * 1024
 
 
+def attention_flops(B: int, Hq: int, Sq: int, Sk: int, D: int, *, causal: bool, backward: bool) -> float:
+    """FlashAttention's count: ``4 B Hq Sq Sk D``, halved when causal, 2.5x for the backward."""
+    return 4.0 * B * Hq * Sq * Sk * D / (2 if causal else 1) * (2.5 if backward else 1.0)
+
+
+def kv_bytes(B: int, context: int, Hkv: int, D: int, itemsize: int = 4) -> float:
+    """Bytes of K and V a decode step reads: every live token's row of both caches."""
+    return 2.0 * B * context * Hkv * D * itemsize
+
+
 @dataclass(frozen=True)
 class FlashCase:
     B: int
@@ -58,8 +69,7 @@ class FlashCase:
 
     @property
     def flops(self) -> float:
-        fwd = 4 * self.B * self.H * self.S * self.S * self.D / (2 if self.causal else 1)
-        return fwd * (2.5 if self.backward else 1.0)
+        return attention_flops(self.B, self.H, self.S, self.S, self.D, causal=self.causal, backward=self.backward)
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,7 @@ class PagedCase:
 
     @property
     def bytes_read(self) -> float:
-        return 2.0 * self.B * self.context * self.Hkv * self.D * 4
+        return kv_bytes(self.B, self.context, self.Hkv, self.D)
 
     @property
     def flops(self) -> float:

@@ -217,6 +217,22 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                 acc[r, v] = acc[r, v] + acc[r, v + width]
 
     @T.macro
+    def add_values(O_all, S_all, pages, v_cache, kt, g0, gi, first, count: T.int32):
+        # O[gi] += sum over tokens first .. first + count - 1 of P[gi, :, token] * V[token, head g0 + gi]
+        for d0 in range(D // LD):
+            acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
+            for r in T.unroll(BQ):
+                for v in T.vectorized(LD):
+                    acc_o[r, v] = O_all[gi, r, d0 * LD + v]
+            for u in T.unroll(count):
+                for r in T.unroll(BQ):
+                    for v in T.vectorized(LD):
+                        acc_o[r, v] = acc_o[r, v] + S_all[gi, r, first + u] * v_cache[pages[first + u], (kt * BK + first + u) % BS, g0 + gi, d0 * LD + v].astype(F32)
+            for r in T.unroll(BQ):
+                for v in T.vectorized(LD):
+                    O_all[gi, r, d0 * LD + v] = acc_o[r, v]
+
+    @T.macro
     def stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0, r0, rows,
                     kt, kv_len, Sq, num_blocks, first_pos, last_pos):
         # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
@@ -265,24 +281,10 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         # VT tokens; each token's value row is still read as one contiguous run over the heads
         for c0 in range(live // VT):
             for gi in range(HT):
-                for d0 in range(D // LD):
-                    acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
-                    for r in T.unroll(BQ):
-                        for v in T.vectorized(LD):
-                            acc_o[r, v] = O_all[gi, r, d0 * LD + v]
-                    for u in T.unroll(VT):
-                        for r in T.unroll(BQ):
-                            for v in T.vectorized(LD):
-                                acc_o[r, v] = acc_o[r, v] + S_all[gi, r, c0 * VT + u] * v_cache[pages[c0 * VT + u], (kt * BK + c0 * VT + u) % BS, g0 + gi, d0 * LD + v].astype(F32)
-                    for r in T.unroll(BQ):
-                        for v in T.vectorized(LD):
-                            O_all[gi, r, d0 * LD + v] = acc_o[r, v]
+                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c0 * VT, VT)
         for c in range(live // VT * VT, live):
             for gi in range(HT):
-                for d0 in range(D // LD):
-                    for r in T.unroll(BQ):
-                        for v in T.vectorized(LD):
-                            O_all[gi, r, d0 * LD + v] = O_all[gi, r, d0 * LD + v] + S_all[gi, r, c] * v_cache[pages[c], (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c, 1)
 
     @T.macro
     def packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi, b, g,

@@ -91,7 +91,11 @@ def rpc_runner(tracker: str, key: str, *, workers: int | None = None) -> ms.runn
     if workers is None:
         from tvm import rpc
 
-        workers = int(rpc.connect_tracker(host, int(port)).summary()["queue_info"].get(key, {}).get("free", 0))
+        session = rpc.connect_tracker(host, int(port))
+        try:
+            workers = int(session.summary()["queue_info"].get(key, {}).get("free", 0))
+        finally:
+            session.close()
         if workers == 0:
             raise RuntimeError(f"tvm_fuel.tune: no free RPC server is registered under key {key!r} at {tracker}")
     config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=120)

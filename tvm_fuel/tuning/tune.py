@@ -90,16 +90,15 @@ def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str
 
 
 def _rate(workload: Workload, seconds: float) -> str:
+    from ..bench import attention_flops, kv_bytes
+
     spec, dims = workload.spec, workload.dim
-    if workload.op == "paged_attn":
+    if workload.op == "paged_attn":  # measured with every table full (see measure._arrays)
         itemsize = 2 if spec.dtype in ("float16", "bfloat16") else 4
-        context = dims["max_blocks"] * spec.block_size
-        return f"{2.0 * dims['B'] * context * spec.num_kv_heads * spec.head_dim * itemsize / seconds / 1e9:.1f} GB/s"
-    flops = 4.0 * dims["B"] * spec.num_q_heads * dims["Sq"] * dims["Sk"] * spec.head_dim
-    if spec.cfg.causal:
-        flops /= 2
-    if workload.grads:
-        flops *= 2.5
+        read = kv_bytes(dims["B"], dims["max_blocks"] * spec.block_size, spec.num_kv_heads, spec.head_dim, itemsize)
+        return f"{read / seconds / 1e9:.1f} GB/s"
+    flops = attention_flops(dims["B"], spec.num_q_heads, dims["Sq"], dims["Sk"], spec.head_dim,
+                            causal=spec.cfg.causal, backward=bool(workload.grads))
     return f"{flops / seconds / 1e9:.1f} GFLOP/s"
 
 
