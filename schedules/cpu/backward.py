@@ -25,7 +25,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from .common import F32, KernelSpec, biased, drop_params, finish, mask_shape, query_tile_range, shape_vars, visible
+from ..common import F32, KernelSpec, biased, drop_params, finish, mask_shape, query_tile_range, shape_vars, visible
 from .micro import Micro
 from .tiles import CpuTiles
 

@@ -24,8 +24,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from .common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head,
-                     prefetch, row_position, shape_vars, tile_is_interior, visible)
+from ..common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head,
+                      row_position, shape_vars, tile_is_interior, visible)
+from .common import prefetch
 from .micro import Micro
 from .tiles import CpuTiles
 

@@ -1,0 +1,118 @@
+"""Pieces shared by the kernels of every target: the kernel spec, tile ranges, per-element logits,
+the GQA row packing, finishing.
+
+Contents:
+    KernelSpec        -- the static facts of one kernel instance (from ..workload)
+    shape_vars        -- the runtime dims of a kernel: symbolic vars or constants
+    key_tile_range    -- the key tiles a range of query positions can see
+    query_tile_range  -- the query tiles that can see a range of keys (backward)
+    tile_is_interior  -- whether a (rows, key tile) pair needs no masking
+    row_head, row_position -- the GQA row packing of the forward kernels
+    visible, biased   -- the element-wise mask and logit transform (via tvm_fuel.semantics)
+    mask_shape, mask_at, drop_params, finish
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .. import semantics as sem
+from ..config import AttnConfig  # noqa: F401 (annotations)
+from .workload import KernelSpec  # noqa: F401 (the kernels' spec, re-exported)
+
+F32 = "float32"
+
+
+def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
+    """[lo, hi) of the key tiles that rows at query positions first_pos..last_pos can see."""
+    lo = tirx.const(0, "int64")
+    hi = sem.as_int64(kv_len)
+    if cfg.window_left >= 0:
+        lo = tirx.max(lo, first_pos + delta - cfg.window_left)
+    if cfg.window_right >= 0:
+        hi = tirx.min(hi, last_pos + delta + cfg.window_right + 1)
+    tile_lo = tirx.floordiv(lo, block_k)
+    return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_k - 1, block_k))
+
+
+def tile_is_interior(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int):
+    """True when every row of the task sees every key of the tile (no masking needed)."""
+    cond = key_start + block_k <= sem.as_int64(kv_len)
+    if cfg.window_left >= 0:
+        cond = tirx.all(cond, key_start >= last_pos + delta - cfg.window_left)
+    if cfg.window_right >= 0:
+        cond = tirx.all(cond, key_start + block_k - 1 <= first_pos + delta + cfg.window_right)
+    return cond
+
+
+def query_tile_range(cfg: AttnConfig, *, key_first, key_last, num_queries, delta, block_q: int):
+    """[lo, hi) of the query tiles (of block_q positions) whose rows can see keys key_first..key_last."""
+    lo = tirx.const(0, "int64")
+    hi = sem.as_int64(num_queries)
+    if cfg.window_right >= 0:  # j <= i + delta + right  <=>  i >= j - delta - right
+        lo = tirx.max(lo, key_first - delta - cfg.window_right)
+    if cfg.window_left >= 0:  # j >= i + delta - left  <=>  i <= j - delta + left
+        hi = tirx.min(hi, key_last - delta + cfg.window_left + 1)
+    tile_lo = tirx.floordiv(lo, block_q)
+    return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_q - 1, block_q))
+
+
+def shape_vars(dims, names: tuple[str, ...]) -> tuple:
+    """The kernel's runtime dims: an int64 var per symbolic dim, a constant per static one.
+
+    Made before the ``@T.prim_func`` and used there as closure values, so one template gives the
+    symbolic kernel (build) and the static instances MetaSchedule measures (tuning).
+    """
+    return tuple(tirx.Var(name, "int64") if dims.get(name) is None else tirx.const(int(dims[name]), "int64")
+                 for name in names)
+
+
+def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
+    """The PrimFunc without the (unused) buffer parameters called ``names``."""
+    keep = [p for p in func.params if p.name not in names]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+def row_head(g, row, group: int):
+    """Query head of task row ``row`` of KV head ``g``: rows pack (position, head in group)."""
+    return g * group + row % group
+
+
+def row_position(row, group: int):
+    """Query position of task row ``row`` (row = position * group + head in group)."""
+    return row // group
+
+
+def mask_at(mask, b, h, i, j):
+    """attn_mask at (b, h, i, j). Tiles run past the last key (those lanes are dropped anyway) and
+    the vectorized select reads every lane, so the key index is clamped into the mask."""
+    last = sem.as_int64(mask.shape[-1]) - 1
+    return mask[sem.mask_index(mask.shape, b, h, i, tirx.min(sem.as_int64(j), last))]
+
+
+def visible(spec: KernelSpec, mask, b, h, i, j, kv_len, delta):
+    """Whether key j is kept for query (b, h, i): length, window and boolean mask."""
+    keep = sem.keep(spec.cfg, i, j, kv_len=kv_len, delta=delta)
+    if spec.mask_dtype == "bool":
+        keep = tirx.all(keep, mask_at(mask, b, h, i, j))
+    return keep
+
+
+def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
+    """The logit from the capped score: + ALiBi + additive mask."""
+    if spec.has_alibi:
+        capped = capped + sem.alibi_bias(alibi[h], i, j, delta=delta)
+    if spec.mask_dtype is not None and spec.mask_dtype != "bool":
+        capped = capped + mask_at(mask, b, h, i, j).astype(F32)
+    return capped
+
+
+def mask_shape(spec: KernelSpec, B, Sq, Sk):
+    full = (B, spec.num_q_heads, Sq, Sk)[4 - len(spec.mask_broadcast):]
+    return tuple(1 if one else n for one, n in zip(spec.mask_broadcast, full))
+
+
+def finish(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    # scheduled by hand: dlight/MetaSchedule skip it; opaque: FuseOps keeps neighbours out of it
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)

@@ -1,0 +1,176 @@
+"""How the CUDA kernels meet the hardware: launch shape, memory scopes, syncs and tile GEMMs.
+
+A CUDA kernel of tvm_fuel is one thread program per thread block (the way TVM's own kv-cache
+kernels are written): tiles are staged in shared memory, every thread keeps its share of the
+accumulators in registers, and the phases of a tile are separated by ``__syncthreads``. The
+GEMMs of a tile (``Q K^T``, ``P V``, and the backward's five) all go through ``TileOps.gemm``:
+tensor-core WMMA (16x16x16, float32 accumulation) for float16/bfloat16, a SIMT loop for
+float32.
+
+``Launch.emulated()`` gives the same thread program with one thread per block, serial blocks
+and global scratch: it builds for llvm, so the tests check every CUDA kernel's tiling, masking,
+split-KV merge and block-table walk against the reference on machines without a GPU (the
+tensor-core instructions and the split of the work over threads only run on a device).
+
+Contents:
+    Launch   -- threads per block / emulation; grid and thread loops; scopes
+    TileOps  -- sync, tile GEMM (WMMA or SIMT) for one launch and input dtype
+    SHARED_MEMORY_LIMIT -- bytes of shared memory a block may use per architecture
+    padded_dim
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from tvm.script import tirx as T
+
+F32 = "float32"
+HALF_TYPES = ("float16", "bfloat16")
+WARP = 32
+MMA = 16  # WMMA tile edge (m16n16k16)
+
+# opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table)
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+
+
+def padded_dim(head_dim: int) -> int:
+    """Head dim rounded up to the WMMA tile edge (padding columns are zero)."""
+    return -(-head_dim // MMA) * MMA
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Threads per block of a kernel, or its emulation on llvm (one thread, serial blocks)."""
+
+    threads: int = 128
+    emulate: bool = False
+
+    @staticmethod
+    def emulated() -> Launch:
+        return Launch(threads=1, emulate=True)
+
+    @property
+    def warps(self) -> int:
+        return max(1, self.threads // WARP)
+
+    @property
+    def shared(self) -> str:
+        # one dynamic allocation: tiles may exceed the 48 KiB of static shared memory
+        return "global" if self.emulate else "shared.dyn"
+
+    @property
+    def small_shared(self) -> str:
+        # row state and page ids: static shared memory. TVM's sync planner treats all dynamic
+        # shared buffers as one (they are merged), so a thread writing its own alpha and shift
+        # under a condition would look like a race; static buffers are told apart.
+        return "global" if self.emulate else "shared"
+
+    @property
+    def local(self) -> str:
+        return "global" if self.emulate else "local"
+
+    def grid(self, extent, axis: str):
+        """Loop over the thread blocks along ``axis`` (x, y, z)."""
+        return T.serial(T.Cast("int32", extent)) if self.emulate else T.thread_binding(
+            T.Cast("int32", extent), thread=f"blockIdx.{axis}")
+
+    def block(self):
+        """Loop over the threads of a block (its variable is the thread index)."""
+        return T.serial(1) if self.emulate else T.thread_binding(self.threads, thread="threadIdx.x")
+
+    def uses_tensor_cores(self, dtype: str) -> bool:
+        return not self.emulate and dtype in HALF_TYPES
+
+
+class TileOps:
+    """The macros a kernel body uses, specialised to one launch and one input dtype."""
+
+    def __init__(self, launch: Launch, dtype: str):
+        self.launch, self.dtype = launch, dtype
+        self.tensor_cores = launch.uses_tensor_cores(dtype)
+
+        @T.macro
+        def sync():
+            if not launch.emulate:
+                T.tvm_storage_sync("shared")
+
+        self.sync = sync
+        self._gemms: dict = {}
+
+    @cached_property
+    def threads(self) -> int:
+        return self.launch.threads
+
+    def gemm(self, M: int, N: int, K: int, *, a_trans: bool = False, b_trans: bool = False):
+        """Macro ``gemm(C, A, B, tx)``: C[M, N] = A @ B in float32, all operands in shared memory.
+
+        A is [M, K] ([K, M] with ``a_trans``), B is [K, N] ([N, K] with ``b_trans``); C is
+        overwritten. On tensor cores M, N and K are multiples of 16; warp ``w`` computes the
+        16-row strips w, w + warps, ...
+        """
+        key = (M, N, K, a_trans, b_trans)
+        if key not in self._gemms:
+            self._gemms[key] = (self._wmma_gemm if self.tensor_cores else self._simt_gemm)(*key)
+        return self._gemms[key]
+
+    def _simt_gemm(self, M, N, K, a_trans, b_trans):
+        NT = self.threads
+
+        def a_at(A, r, k):
+            return (A[k, r] if a_trans else A[r, k]).astype(F32)
+
+        def b_at(B, k, c):
+            return (B[c, k] if b_trans else B[k, c]).astype(F32)
+
+        @T.macro
+        def gemm(C, A, B, tx):
+            acc = T.alloc_buffer((1,), F32, scope=self.launch.local)
+            for i in range((M * N + NT - 1) // NT):
+                if i * NT + tx < M * N:
+                    acc[0] = T.float32(0)
+                    for k in range(K):
+                        acc[0] = acc[0] + a_at(A, (i * NT + tx) // N, k) * b_at(B, k, (i * NT + tx) % N)
+                    C[(i * NT + tx) // N, (i * NT + tx) % N] = acc[0]
+
+        return gemm
+
+    def _wmma_gemm(self, M, N, K, a_trans, b_trans):
+        assert M % MMA == 0 and N % MMA == 0 and K % MMA == 0, (M, N, K)
+        dtype, W = self.dtype, self.launch.warps
+        strips, NF = M // MMA, N // MMA
+        a_layout = "col_major" if a_trans else "row_major"
+        b_layout = "col_major" if b_trans else "row_major"
+
+        def a_ptr(A, strip, kk):  # top-left of the 16x16 block (strip, kk) of op(A)
+            ld = A.shape[1]
+            return A.access_ptr("r", offset=(kk * MMA * ld + strip * MMA) if a_trans else (strip * MMA * ld + kk * MMA))
+
+        def b_ptr(B, kk, n):
+            ld = B.shape[1]
+            return B.access_ptr("r", offset=(n * MMA * ld + kk * MMA) if b_trans else (kk * MMA * ld + n * MMA))
+
+        @T.macro
+        def gemm(C, A, B, tx):
+            for si in range((strips + W - 1) // W):
+                if si * W + tx // WARP < strips:
+                    fa = T.alloc_buffer((MMA, MMA), dtype, scope="wmma.matrix_a")
+                    fb = T.alloc_buffer((MMA, MMA), dtype, scope="wmma.matrix_b")
+                    fc = T.alloc_buffer((NF * MMA, MMA), F32, scope="wmma.accumulator")
+                    for n in range(NF):
+                        T.evaluate(T.tvm_fill_fragment(fc.data, MMA, MMA, MMA, n, T.float32(0)))
+                    for kk in range(K // MMA):
+                        T.evaluate(T.tvm_load_matrix_sync(fa.data, MMA, MMA, MMA, 0, a_ptr(A, si * W + tx // WARP, kk),
+                                                          A.shape[1], a_layout))
+                        for n in range(NF):
+                            T.evaluate(T.tvm_load_matrix_sync(fb.data, MMA, MMA, MMA, 0, b_ptr(B, kk, n), B.shape[1],
+                                                              b_layout))
+                            T.evaluate(T.tvm_mma_sync(fc.data, n, fa.data, 0, fb.data, 0, fc.data, n))
+                    for n in range(NF):
+                        # address_of, not access_ptr: C shares the dynamic allocation with half tiles
+                        T.evaluate(T.tvm_store_matrix_sync(fc.data, MMA, MMA, MMA, n,
+                                                           T.address_of(C[(si * W + tx // WARP) * MMA, n * MMA]), C.shape[1],
+                                                           "row_major"))
+
+        return gemm

@@ -1,0 +1,314 @@
+"""CUDA forward attention kernels: dense flash attention (with lse) and paged attention.
+
+One thread block per (row tile, batch x KV head, split). A row tile packs ``block_q`` task rows
+(query position x head of the GQA group, as on CPU), so each K/V tile is loaded into shared
+memory once per group. Per key tile: ``S = Q K^T`` (tensor cores for float16/bfloat16), the
+online-softmax update one thread per row (masks, softcap, ALiBi from ``schedules.common``; only
+boundary tiles are masked unless a per-element transform is on), ``P V`` into shared memory and
+the rescaled accumulation into each thread's registers. A block walks only the key tiles its
+rows can see (causal/window bounds and the sequence length).
+
+The paged kernel reads its key tiles through the block table (ids clamped into the cache: a
+device kernel cannot assert) and stops at ``context_lens[b]`` (clamped to the table's capacity),
+so only live blocks are visited. With ``splits > 1`` the blocks of one row tile share its key
+tiles; each writes a normalized partial output and its lse, and a merge kernel combines them
+(split-KV, for long contexts with few (batch, head) tasks). No buffer grows with Sq * Sk.
+
+Contents:
+    dense_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
+    paged_forward -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from ..common import (KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head, row_position,
+                      shape_vars, tile_is_interior, visible)
+from .device import F32, Launch, TileOps, padded_dim
+from .tiles import CudaTiles
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Body:
+    """The macros of one forward block, specialised to a spec, tiles and launch."""
+
+    def __init__(self, spec: KernelSpec, tiles: CudaTiles, launch: Launch, *, paged: bool):
+        ops = TileOps(launch, spec.dtype)
+        cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
+        BQ, BK, DP, NT, BS = tiles.block_q, tiles.block_k, padded_dim(D), launch.threads, spec.block_size
+        SPLITS = tiles.splits
+        scale = spec.scale
+        local = launch.local
+        qk = ops.gemm(BQ, BK, DP, b_trans=True)
+        pv = ops.gemm(BQ, DP, BK) if ops.tensor_cores else None
+        self.ops, self.owned = ops, _ceil(BQ * DP, NT)
+
+        @T.macro
+        def load_queries(Qs, q, b, g, r0, rows, tx):
+            for i in range(_ceil(BQ * DP, NT)):
+                if i * NT + tx < BQ * DP:
+                    if tirx.all(r0 + (i * NT + tx) // DP < rows, (i * NT + tx) % DP < D):
+                        Qs[(i * NT + tx) // DP, (i * NT + tx) % DP] = q[b, row_head(g, r0 + (i * NT + tx) // DP, group), row_position(r0 + (i * NT + tx) // DP, group), (i * NT + tx) % DP]
+                    else:
+                        Qs[(i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, 0)
+
+        @T.macro
+        def load_keys(Ks, Vs, pages, k, v, table, b, g, kt, kv_len, num_blocks, tx):
+            # a key tile of K and V (zero past kv_len and in the padding columns)
+            if paged:
+                for i in range(_ceil(BK, NT)):
+                    if i * NT + tx < BK:
+                        # the tile's block ids, read once (dead tokens reuse block 0; never read past the table)
+                        if kt * BK + i * NT + tx < kv_len:
+                            pages[i * NT + tx] = T.max(T.min(T.Cast("int64", table[b, (kt * BK + i * NT + tx) // BS]), num_blocks - 1), T.int64(0))
+                        else:
+                            pages[i * NT + tx] = T.int64(0)
+                ops.sync()
+            for i in range(_ceil(BK * DP, NT)):
+                if i * NT + tx < BK * DP:
+                    if tirx.all(kt * BK + (i * NT + tx) // DP < kv_len, (i * NT + tx) % DP < D):
+                        if paged:
+                            Ks[(i * NT + tx) // DP, (i * NT + tx) % DP] = k[pages[(i * NT + tx) // DP], (kt * BK + (i * NT + tx) // DP) % BS, g, (i * NT + tx) % DP]
+                            Vs[(i * NT + tx) // DP, (i * NT + tx) % DP] = v[pages[(i * NT + tx) // DP], (kt * BK + (i * NT + tx) // DP) % BS, g, (i * NT + tx) % DP]
+                        else:
+                            Ks[(i * NT + tx) // DP, (i * NT + tx) % DP] = k[b, g, kt * BK + (i * NT + tx) // DP, (i * NT + tx) % DP]
+                            Vs[(i * NT + tx) // DP, (i * NT + tx) % DP] = v[b, g, kt * BK + (i * NT + tx) // DP, (i * NT + tx) % DP]
+                    else:
+                        Ks[(i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, 0)
+                        Vs[(i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, 0)
+
+        def logit(S, r, c, alibi, mask, b, h, pos, key, kv_len, delta, check):
+            s = sem.softcap(cfg, S[r, c] * T.float32(scale))
+            if spec.elementwise_logits:
+                return sem.masked(visible(spec, mask, b, h, pos, key, kv_len, delta),
+                                  biased(spec, s, alibi, mask, b, h, pos, key, delta))
+            return T.Select(check, sem.masked(visible(spec, mask, b, h, pos, key, kv_len, delta), s), s)
+
+        def row_logit(S, alibi, mask, b, g, r0, r, c, key0, kv_len, delta, check):
+            return logit(S, r, c, alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key0 + c,
+                         kv_len, delta, check)
+
+        @T.macro
+        def softmax_rows(S, P, m, l, alpha, shift, alibi, mask, b, g, r0, rows, key0, kv_len, delta, check, tx):
+            # The online-softmax update: the thread owning a row keeps its max m and sum l in
+            # registers and publishes alpha (the rescale of O) and the new max; then every thread
+            # writes its elements of P = exp(logit - max). A conditional loop never reads and
+            # writes the same shared buffer (TVM's sync planner cannot put a barrier there).
+            row = T.alloc_buffer((BK,), F32, scope=local)
+            top = T.alloc_buffer((1,), F32, scope=local)
+            total = T.alloc_buffer((1,), F32, scope=local)
+            for i in range(_ceil(BQ, NT)):
+                if i * NT + tx < BQ:
+                    if r0 + i * NT + tx < rows:
+                        top[0] = m[i]
+                        for c in range(BK):
+                            row[c] = row_logit(S, alibi, mask, b, g, r0, i * NT + tx, c, key0, kv_len, delta, check)
+                            top[0] = T.max(top[0], row[c])
+                        total[0] = T.float32(0)
+                        for c in range(BK):
+                            total[0] = total[0] + T.exp(row[c] - sem.safe_row_max(top[0]))
+                        alpha[i * NT + tx] = T.exp(m[i] - sem.safe_row_max(top[0]))
+                        shift[i * NT + tx] = sem.safe_row_max(top[0])
+                        l[i] = l[i] * T.exp(m[i] - sem.safe_row_max(top[0])) + total[0]
+                        m[i] = top[0]
+                    else:
+                        alpha[i * NT + tx] = T.float32(0)
+                        shift[i * NT + tx] = T.float32(0)
+            ops.sync()
+            for i in range(_ceil(BQ * BK, NT)):
+                if i * NT + tx < BQ * BK:
+                    if r0 + (i * NT + tx) // BK < rows:
+                        P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, T.exp(row_logit(S, alibi, mask, b, g, r0, (i * NT + tx) // BK, (i * NT + tx) % BK, key0, kv_len, delta, check) - shift[(i * NT + tx) // BK]))
+                    else:
+                        P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, 0)
+
+        @T.macro
+        def attend(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
+                   num_blocks, tx):
+            Qs = T.alloc_buffer((BQ, DP), dtype, scope=launch.shared)
+            Ks = T.alloc_buffer((BK, DP), dtype, scope=launch.shared)
+            Vs = T.alloc_buffer((BK, DP), dtype, scope=launch.shared)
+            # S and P in static shared memory: TVM's sync planner tells them apart from the dynamic
+            # tiles, so the passes reading one and writing the other need no extra barriers
+            S = T.alloc_buffer((BQ, BK), F32, scope=launch.small_shared)
+            P = T.alloc_buffer((BQ, BK), dtype, scope=launch.small_shared)
+            PV = T.alloc_buffer((BQ, DP) if ops.tensor_cores else (1, 1), F32, scope=launch.shared)
+            m = T.alloc_buffer((_ceil(BQ, NT),), F32, scope=local)  # max and sum of the rows this thread owns
+            l = T.alloc_buffer((_ceil(BQ, NT),), F32, scope=local)
+            row_max = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)  # published after the last tile
+            row_sum = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
+            alpha = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
+            shift = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
+            pages = T.alloc_buffer((BK,) if paged else (1,), "int64", scope=launch.small_shared)
+            O = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
+            load_queries(Qs, q, b, g, r0, rows, tx)
+            for i in range(_ceil(BQ, NT)):
+                m[i] = T.float32(float("-inf"))
+                l[i] = T.float32(0)
+            for i in range(_ceil(BQ * DP, NT)):
+                O[i] = T.float32(0)
+            first_pos = row_position(r0, group)
+            last_pos = row_position(T.min(r0 + BQ, rows) - 1, group)
+            delta = kv_len - Sq
+            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=delta,
+                                    block_k=BK)
+            per = (hi - lo + SPLITS - 1) // SPLITS
+            for kt in range(lo + split * per, T.max(lo + split * per, T.min(hi, lo + split * per + per))):
+                ops.sync()  # the previous tile's readers are done with K, V, P, alpha
+                load_keys(Ks, Vs, pages, k, v, table, b, g, kt, kv_len, num_blocks, tx)
+                ops.sync()
+                qk(S, Qs, Ks, tx)
+                ops.sync()
+                softmax_rows(S, P, m, l, alpha, shift, alibi, mask, b, g, r0, rows, kt * BK, kv_len, delta,
+                             T.bool(True) if spec.elementwise_logits else tirx.Not(tile_is_interior(
+                                 cfg, key_start=kt * BK, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len,
+                                 delta=delta, block_k=BK)), tx)
+                ops.sync()
+                if ops.tensor_cores:
+                    pv(PV, P, Vs, tx)
+                    ops.sync()
+                    for i in range(_ceil(BQ * DP, NT)):
+                        if i * NT + tx < BQ * DP:
+                            O[i] = O[i] * alpha[(i * NT + tx) // DP] + PV[(i * NT + tx) // DP, (i * NT + tx) % DP]
+                else:
+                    # SIMT: each thread multiplies straight into the elements of O it owns
+                    for i in range(_ceil(BQ * DP, NT)):
+                        if i * NT + tx < BQ * DP:
+                            O[i] = O[i] * alpha[(i * NT + tx) // DP]
+                            for c in range(BK):
+                                O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, Vs[c, (i * NT + tx) % DP])
+            for i in range(_ceil(BQ, NT)):
+                if i * NT + tx < BQ:
+                    row_max[i * NT + tx] = m[i]
+                    row_sum[i * NT + tx] = l[i]
+            ops.sync()
+            for i in range(_ceil(BQ * DP, NT)):
+                if i * NT + tx < BQ * DP:
+                    if tirx.all(r0 + (i * NT + tx) // DP < rows, (i * NT + tx) % DP < D):
+                        if SPLITS == 1:
+                            out[b, row_head(g, r0 + (i * NT + tx) // DP, group), row_position(r0 + (i * NT + tx) // DP, group), (i * NT + tx) % DP] = T.Cast(dtype, sem.normalize(O[i], row_sum[(i * NT + tx) // DP]))
+                        else:
+                            part_o[b, row_head(g, r0 + (i * NT + tx) // DP, group), row_position(r0 + (i * NT + tx) // DP, group), split, (i * NT + tx) % DP] = sem.normalize(O[i], row_sum[(i * NT + tx) // DP])
+            for i in range(_ceil(BQ, NT)):
+                if tirx.all(r0 + i * NT + tx < rows, i * NT + tx < BQ):
+                    if SPLITS > 1:
+                        part_lse[b, row_head(g, r0 + i * NT + tx, group), row_position(r0 + i * NT + tx, group), split] = sem.log_sum_exp(sem.safe_row_max(row_max[i * NT + tx]), row_sum[i * NT + tx])
+                    elif spec.return_lse:
+                        lse[b, row_head(g, r0 + i * NT + tx, group), row_position(r0 + i * NT + tx, group)] = sem.log_sum_exp(sem.safe_row_max(row_max[i * NT + tx]), row_sum[i * NT + tx])
+
+        @T.macro
+        def merge(out, lse, part_o, part_lse, B, Hq, Sq, tx, bx):
+            # out = sum_s w_s O_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log sum w_s
+            top = T.alloc_buffer((1,), F32, scope=local)
+            weight = T.alloc_buffer((1,), F32, scope=local)
+            acc = T.alloc_buffer((1,), F32, scope=local)
+            e = T.Cast("int64", bx) * NT + tx
+            if e < B * Hq * Sq * D:
+                top[0] = T.float32(float("-inf"))
+                for s in range(SPLITS):
+                    top[0] = T.max(top[0], part_lse[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq, s])
+                weight[0] = T.float32(0)
+                acc[0] = T.float32(0)
+                for s in range(SPLITS):
+                    weight[0] = weight[0] + T.exp(part_lse[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq, s] - sem.safe_row_max(top[0]))
+                    acc[0] = acc[0] + T.exp(part_lse[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq, s] - sem.safe_row_max(top[0])) * part_o[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq, s, e % D]
+                out[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq, e % D] = T.Cast(dtype, sem.normalize(acc[0], weight[0]))
+                if spec.return_lse:
+                    if e % D == 0:
+                        lse[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq] = sem.log_sum_exp(sem.safe_row_max(top[0]), weight[0])
+
+        self.attend, self.merge = attend, merge
+
+
+def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None = None,
+                  dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (B, Sq, Sk symbolic
+    unless ``dims`` fixes them); ``launch`` defaults to ``tiles.threads`` threads per block."""
+    launch = launch or Launch(tiles.threads)
+    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    body = _Body(spec, tiles, launch, paged=False)
+    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, NT, SPLITS = tiles.block_q, launch.threads, tiles.splits
+    mask_dtype = spec.mask_dtype or "bool"
+    has_mask = len(spec.mask_broadcast) > 0
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
+                             out_h: T.handle, lse_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
+        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
+        part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
+        part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
+        for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
+            for by in launch.grid(B * Hkv, "y"):
+                for bz in launch.grid(SPLITS, "z"):
+                    for tx in launch.block():
+                        body.attend(q, k, v, k, alibi, mask, out, lse, part_o, part_lse, T.Cast("int64", by // Hkv),
+                                    T.Cast("int64", by % Hkv), T.Cast("int64", bx) * BQ, bz, Sq * group, Sq, Sk, Sk, tx)
+        if SPLITS > 1:
+            for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
+                for tx in launch.block():
+                    body.merge(out, lse, part_o, part_lse, B, Hq, Sq, tx, bx)
+    # fmt: on
+
+    unused = ({"alibi"} if not spec.has_alibi else set()) | ({"mask"} if not has_mask else set())
+    unused |= {"lse"} if not spec.return_lse else set()
+    return finish(drop_params(fuel_flash_attn_cuda, unused))
+
+
+def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None = None,
+                  dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """Paged attention over q [B, Hq, Sq, D] and caches [num_blocks, block_size, Hkv, D] through
+    block_table [B, max_blocks] and context_lens [B] (the queries are the last Sq positions)."""
+    launch = launch or Launch(tiles.threads)
+    B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
+    body = _Body(spec, tiles, launch, paged=True)
+    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, NT, SPLITS, BS = tiles.block_q, launch.threads, tiles.splits, spec.block_size
+
+    # fmt: off
+    @T.prim_func
+    def fuel_paged_attn_cuda(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
+                             lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
+        v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)
+        table = T.match_buffer(table_h, (B, max_blocks), spec.table_dtype)
+        lens = T.match_buffer(lens_h, (B,), spec.lens_dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
+        part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
+        for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
+            for by in launch.grid(B * Hkv, "y"):
+                for bz in launch.grid(SPLITS, "z"):
+                    for tx in launch.block():
+                        # a device kernel cannot assert: a length past the table's capacity is clamped
+                        body.attend(q, k_cache, v_cache, table, alibi, alibi, out, out, part_o, part_lse,
+                                    T.Cast("int64", by // Hkv), T.Cast("int64", by % Hkv), T.Cast("int64", bx) * BQ,
+                                    bz, Sq * group, Sq,
+                                    T.max(T.min(T.Cast("int64", lens[by // Hkv]), max_blocks * BS), T.int64(0)),
+                                    num_blocks, tx)
+        if SPLITS > 1:
+            for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
+                for tx in launch.block():
+                    body.merge(out, out, part_o, part_lse, B, Hq, Sq, tx, bx)
+    # fmt: on
+
+    return finish(drop_params(fuel_paged_attn_cuda, set() if spec.has_alibi else {"alibi"}))

@@ -1,0 +1,63 @@
+"""Tile shapes of the CUDA kernels and what they cost in shared memory.
+
+Contents:
+    CudaTiles          -- the knobs of a CUDA kernel (rows and keys per tile, splits, threads)
+    forward_smem       -- shared-memory bytes of a forward (dense or paged) block
+    backward_smem      -- shared-memory bytes of a backward block
+    streaming_multiprocessors -- SM count of an architecture (how many blocks fill the GPU)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .device import F32, HALF_TYPES, MMA, padded_dim
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype in HALF_TYPES else 4
+
+
+@dataclass(frozen=True)
+class CudaTiles:
+    """``block_q`` task rows (query positions x heads of a GQA group) and ``block_k`` keys per
+    tile; ``splits`` thread blocks share one row tile's keys (split-KV, merged by lse);
+    ``threads`` per block. Tensor-core kernels need multiples of 16 for both tile sizes."""
+
+    block_q: int = 64
+    block_k: int = 64
+    splits: int = 1
+    threads: int = 128
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "splits", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CudaTiles: {name} must be >= 1, got {getattr(self, name)}")
+        if self.threads % 32:
+            raise ValueError(f"CudaTiles: threads must be a multiple of 32 (whole warps), got {self.threads}")
+
+    def fits_tensor_cores(self) -> bool:
+        return self.block_q % MMA == 0 and self.block_k % MMA == 0
+
+
+def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
+    """(static, dynamic) shared-memory bytes of a forward block: S (float32), P, row state and
+    page ids static; Q, K, V tiles and, on tensor cores, P@V (float32) dynamic."""
+    BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
+    static = 4 * BQ * BK + e * BQ * BK + 4 * 4 * BQ + 8 * BK
+    dynamic = e * (BQ * DP + 2 * BK * DP) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
+    return static, dynamic
+
+
+def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> int:
+    """K, V, Q, dO, P, dS tiles (input dtype), S/dP and a [block, D] product (float32), row state."""
+    BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
+    return e * (2 * BK * DP + 2 * BQ * DP + 2 * BQ * BK) + 4 * (2 * BQ * BK + max(BQ, BK) * DP + 2 * BQ)
+
+
+def streaming_multiprocessors(arch: str) -> int:
+    """SMs of the data-center part of an architecture (A100: 108, H100/H200: 132)."""
+    return {"sm_80": 108, "sm_90": 132}.get(arch, 80)
+
+
+__all__ = ["CudaTiles", "forward_smem", "backward_smem", "streaming_multiprocessors", "F32"]
