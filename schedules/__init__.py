@@ -9,26 +9,30 @@ in its ``fuel.knobs`` attribute ("hand-picked" or the record's log file).
 Contents:
     base      -- KernelRule, the dlight-style contract
     workload  -- KernelSpec, Workload (what a kernel is built for; keys of tuning records)
+    common    -- pieces every target's kernels share (tile ranges, masking, GQA row packing)
     cpu       -- llvm kernels (forward, backward, paged) and their rules
+    cuda      -- sm_80/sm_90 kernels (forward, backward, paged) and their rules
     rules_for, rule_for, tuned_legalize_map
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import tvm
 from tvm import relax
 
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
+from .cuda.rules import RULES as CUDA_RULES
 from .workload import Workload
 
 
-def rules_for(target: tvm.target.Target) -> list[KernelRule]:
-    """The kernel rules that may serve ``target``, in priority order."""
-    return [rule for rule in CPU_RULES if rule.is_target_available(target)]
+def rules_for(target: tvm.target.Target, rules: Sequence[KernelRule] | None = None) -> list[KernelRule]:
+    """The kernel rules (default: every target's) that may serve ``target``, in priority order."""
+    return [rule for rule in (rules if rules is not None else (*CPU_RULES, *CUDA_RULES))
+            if rule.is_target_available(target)]
 
 
 def rule_for(op: str, target: tvm.target.Target) -> KernelRule | None:
@@ -47,12 +51,14 @@ class KnobSource(Protocol):
         """(knobs, where they came from) of the best record for ``workload`` on ``target``."""
 
 
-def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = None) -> dict[str, Callable]:
-    """op name -> legalization through the performance path (floor where no rule applies)."""
+def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = None, *,
+                       rules: Sequence[KernelRule] | None = None) -> dict[str, Callable]:
+    """op name -> legalization through the performance path (floor where no rule applies);
+    ``rules`` replaces the default rules (the tests pass the CUDA rules' llvm emulation)."""
     from ..legalize import LEGALIZE, emit_kernel
     from ..op import SPECS
 
-    rules = rules_for(target)
+    rules = rules_for(target, rules)
 
     def legalize_with(name: str):
         candidates = [rule for rule in rules if rule.op == name]

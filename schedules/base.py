@@ -14,7 +14,9 @@ from typing import Mapping, Sequence
 import tvm
 from tvm import relax, tirx
 
-from .workload import Workload
+from ..config import AttnConfig
+from ..op import SPECS
+from .workload import KernelSpec, Workload
 
 Knobs = Mapping[str, int]
 
@@ -76,3 +78,45 @@ def static_dims(expr: relax.Expr) -> list[int | None] | None:
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
     return [int(d) if isinstance(d, tirx.IntImm) else None for d in ty.shape.values]
+
+
+def dense_spec(op: str, call: relax.Call, *, return_lse: bool = False) -> KernelSpec | None:
+    """The spec of a dense attention call (forward or backward); None if a dim it needs is symbolic."""
+    args = SPECS[op].split_args(call)
+    q, k = static_dims(args["q"]), static_dims(args["k"])
+    if q is None or k is None or None in (q[1], q[3], k[1]):
+        return None  # heads and head dim must be static
+    mask, mask_dtype, broadcast = args["attn_mask"], None, ()
+    if mask is not None:
+        dims = static_dims(mask)
+        if dims is None:
+            return None
+        mask_dtype, broadcast = str(mask.ty.dtype), tuple(d == 1 for d in dims)
+    return KernelSpec(
+        dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=k[1], head_dim=q[3],
+        cfg=AttnConfig.from_attrs(SPECS[op].label, call.attrs), has_alibi=args["alibi_slopes"] is not None,
+        mask_dtype=mask_dtype, mask_broadcast=broadcast, return_lse=return_lse)
+
+
+def paged_workload(call: relax.Call) -> Workload | None:
+    """The workload of a paged_attn call; None if its heads, head dim or block size is symbolic."""
+    args = SPECS["paged_attn"].split_args(call)
+    q, cache, table = static_dims(args["q"]), static_dims(args["k_cache"]), static_dims(args["block_table"])
+    if q is None or cache is None or table is None or None in (q[1], q[3], cache[1], cache[2]):
+        return None
+    spec = KernelSpec(
+        dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=cache[2], head_dim=q[3],
+        cfg=AttnConfig.from_attrs(SPECS["paged_attn"].label, call.attrs),
+        has_alibi=args["alibi_slopes"] is not None, block_size=cache[1],
+        table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype))
+    return Workload("paged_attn", spec, (("B", q[0]), ("Sq", q[2]), ("num_blocks", cache[0]), ("max_blocks", table[1])))
+
+
+def dense_workload(op: str, call: relax.Call, *, return_lse: bool = False, grads: tuple[str, ...] = ()
+                   ) -> Workload | None:
+    """The workload of a dense attention call (forward or backward): dims B, Sq, Sk."""
+    spec = dense_spec(op, call, return_lse=return_lse)
+    if spec is None:
+        return None
+    q, k = static_dims(call.args[0]), static_dims(call.args[1])
+    return Workload(op, spec, (("B", q[0]), ("Sq", q[2]), ("Sk", k[2])), grads)

@@ -7,7 +7,8 @@ from typing import Callable, Mapping
 import ml_dtypes
 import numpy as np
 import tvm
-from tvm import relax
+import tvm_ffi
+from tvm import relax, s_tir, tirx
 
 import tvm_fuel
 
@@ -44,13 +45,29 @@ FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_att
                            "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v"}
 
 
+CUDA_EMULATED = "cuda-emulated"  # the CUDA kernels' one-thread emulation, built for llvm
+
+
+def legalize_cuda_emulated(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """``mod`` with its fuel ops lowered to the emulation of the CUDA kernels (for ``target``, an llvm target)."""
+    from tvm_fuel.schedules import tuned_legalize_map
+    from tvm_fuel.schedules.cuda.rules import cuda_rules
+
+    with target:
+        return relax.transform.LegalizeOps(
+            customize_legalize_map=tuned_legalize_map(target, None, rules=cuda_rules(emulated=True)))(mod)
+
+
 class Runner:
     """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
 
     def __init__(self, mod: tvm.IRModule, target="llvm", *, kernels: str = "decomposed", **logs):
         target = tvm_fuel.build.as_target(target)
-        legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels, **logs)
-        if kernels == "tuned":  # a "tuned" test must not silently run the floor of an op that has a kernel
+        if kernels == CUDA_EMULATED:
+            legalized = legalize_cuda_emulated(mod, target)
+        else:
+            legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels, **logs)
+        if kernels != "decomposed":  # a kernel test must not silently run the floor of an op that has a kernel
             floors = [gv.name_hint for gv in legalized.functions if gv.name_hint in FLOORS_WITH_CPU_KERNELS]
             assert not floors, f"kernels='tuned' fell back to the floor for {floors}"
         self.vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
@@ -72,3 +89,24 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, *, scale:
     actual = np.asarray(actual).astype(np.float64)
     assert not np.isnan(actual).any(), f"{what}: NaN in the output"
     np.testing.assert_allclose(actual, expected, atol=atol * scale, rtol=rtol * scale, err_msg=what)
+
+
+def buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:
+    """Buffers allocated or declared inside ``func`` whose size depends on both variables ``a`` and ``b``
+    (names compared case-insensitively: the kernels call their dims Sq, Sk, the floor keeps sq, sk)."""
+    found = []
+
+    def check(buffer):
+        size = 1
+        for dim in buffer.shape:
+            size = size * dim
+        if {a.lower(), b.lower()} <= {var.name.lower() for var in tirx.analysis.undefined_vars(size)}:
+            found.append(buffer.name)
+
+    tvm_ffi.structural_walk(func.body, ((tirx.AllocBuffer, tirx.DeclBuffer), lambda n: check(n.buffer)), order="post")
+    def check_block(block):
+        for buffer in block.alloc_buffers:
+            check(buffer)
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, check_block), order="post")
+    return found

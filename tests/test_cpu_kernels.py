@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-import tvm_ffi
-from helpers import HOST, build, run
-from tvm import relax, s_tir, tirx
+from helpers import HOST, build, buffers_growing_with, run
+from tvm import relax, tirx
 
 import tvm_fuel
 from tvm_fuel import op
@@ -34,34 +33,13 @@ def _prim_funcs(mod):
     return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
 
 
-def _buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:
-    """Buffers allocated or declared inside ``func`` whose size depends on both variables ``a`` and ``b``
-    (names compared case-insensitively: the kernels call their dims Sq, Sk, the floor keeps sq, sk)."""
-    found = []
-
-    def check(buffer):
-        size = 1
-        for dim in buffer.shape:
-            size = size * dim
-        if {a.lower(), b.lower()} <= {var.name.lower() for var in tirx.analysis.undefined_vars(size)}:
-            found.append(buffer.name)
-
-    tvm_ffi.structural_walk(func.body, ((tirx.AllocBuffer, tirx.DeclBuffer), lambda n: check(n.buffer)), order="post")
-    def check_block(block):
-        for buffer in block.alloc_buffers:
-            check(buffer)
-
-    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, check_block), order="post")
-    return found
-
-
 @pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=5.0, window_size=(64, -1))])
 def test_flash_attn_uses_the_kernel_without_score_buffers(options):
     funcs = _prim_funcs(tvm_fuel.build.legalize(_flash_module(**options), HOST, kernels="tuned"))
     assert list(funcs) == ["fuel_flash_attn_kernel"]
     kernel = funcs["fuel_flash_attn_kernel"]
     assert kernel.attrs["tirx.is_scheduled"]
-    assert _buffers_growing_with(kernel, "sq", "sk") == []
+    assert buffers_growing_with(kernel, "sq", "sk") == []
 
 
 @pytest.mark.parametrize("given", [(), ("out", "lse")])
@@ -78,24 +56,24 @@ def test_flash_attn_backward_uses_the_kernel_without_score_buffers(given):
     expected = {"fuel_flash_attn_backward_kernel"} | (set() if given else {"fuel_flash_attn_kernel"})
     assert set(funcs) == expected
     for func in funcs.values():
-        assert _buffers_growing_with(func, "sq", "sk") == []
+        assert buffers_growing_with(func, "sq", "sk") == []
 
 
 def test_the_score_buffer_check_catches_the_floor():
     """The same inspection flags the decomposition, which materializes [B, Hq, Sq, Sk] scores, and
     sees the kernel's own buffers that grow with one length (the packed key tiles)."""
     funcs = _prim_funcs(tvm_fuel.build.legalize(_flash_module(), HOST, kernels="decomposed"))
-    assert _buffers_growing_with(funcs["fuel_flash_attn"], "sq", "sk")
+    assert buffers_growing_with(funcs["fuel_flash_attn"], "sq", "sk")
     kernel = _prim_funcs(tvm_fuel.build.legalize(_flash_module(), HOST, kernels="tuned"))["fuel_flash_attn_kernel"]
-    assert {"k_tiles", "v_tiles"} <= set(_buffers_growing_with(kernel, "sk", "sk"))
+    assert {"k_tiles", "v_tiles"} <= set(buffers_growing_with(kernel, "sk", "sk"))
 
 
 def test_paged_attn_uses_the_kernel_without_gathering():
     funcs = _prim_funcs(tvm_fuel.build.legalize(_paged_module(), HOST, kernels="tuned"))
     assert set(funcs) == {"fuel_paged_attn_kernel", "fuel_paged_attn_check"}
     kernel = funcs["fuel_paged_attn_kernel"]
-    assert _buffers_growing_with(kernel, "sq", "max_blocks") == []
-    assert _buffers_growing_with(kernel, "max_blocks", "max_blocks") == []  # no gathered copy of the cache
+    assert buffers_growing_with(kernel, "sq", "max_blocks") == []
+    assert buffers_growing_with(kernel, "max_blocks", "max_blocks") == []  # no gathered copy of the cache
     assert "k_cache[block" in kernel.script()  # key tiles read straight from the pages
 
 
@@ -124,13 +102,16 @@ def test_kernels_stay_unfused_with_neighbours():
 
 
 def test_rules_decline_what_they_cannot_serve():
-    """Symbolic head dim -> the floor; a CUDA target -> the floor."""
+    """Symbolic head dim -> the floor, on llvm and on cuda; the CPU rules never serve a cuda target."""
     d = tirx.Var("d", "int64")
     mod = build(lambda **a: op.flash_attn(**a), dict(q=((1, 2, 5, d), "float32"), k=((1, 2, 5, d), "float32"),
                                                      v=((1, 2, 5, d), "float32")))
-    assert "fuel_flash_attn" in _prim_funcs(tvm_fuel.build.legalize(mod, HOST, kernels="tuned"))
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
-    assert "fuel_flash_attn" in _prim_funcs(tvm_fuel.build.legalize(_flash_module(), cuda, kernels="tuned"))
+    for target in (HOST, cuda):
+        assert "fuel_flash_attn" in _prim_funcs(tvm_fuel.build.legalize(mod, target, kernels="tuned"))
+    from tvm_fuel.schedules import rules_for
+
+    assert all(rule.target_kinds == ("cuda",) for rule in rules_for(cuda))
 
 
 def test_generic_llvm_target_still_correct():

@@ -13,6 +13,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvm_fuel
+import tvm_fuel.cuda
 from tvm_fuel import op
 from tvm_fuel import reference as ref
 
@@ -113,21 +114,6 @@ def test_compile_reports_unknown_shapes():
         tvm_fuel.compile(bb.get(), "llvm")
 
 
-def _cuda_source(executable):
-    def find(module):
-        if module.kind == "cuda":
-            return module
-        for imported in module.imports:
-            found = find(imported)
-            if found is not None:
-                return found
-        return None
-
-    module = find(executable.mod)
-    assert module is not None, "no CUDA module: a kernel fell back to host code"
-    return module.inspect_source()
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_floor_builds_for_cuda(arch):
@@ -135,7 +121,7 @@ def test_floor_builds_for_cuda(arch):
     from tvm.support import nvcc
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    source = _cuda_source(tvm_fuel.compile(_every_op_module(), target))
+    source = tvm_fuel.cuda.cuda_source(tvm_fuel.compile(_every_op_module(), target))
     assert source.count("__global__") >= 7
     with target:
         assert len(nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")) > 0

@@ -3,6 +3,8 @@
 Commands:
     demo   -- build and run a module that uses every fuel op; print its agreement with the reference
     bench  -- floor vs tuned kernels vs PyTorch, with this machine's peaks; writes JSON and a PNG chart
+              (``--target cuda``: the CUDA kernels vs the dlight-scheduled floor vs PyTorch CUDA SDPA)
+    gpucheck -- on a CUDA device: the GPU-marked tests, then ``bench --target cuda`` (one command)
     tune   -- MetaSchedule tuning of a kernel at static shape buckets; logs under --work-dir
     logs   -- which kernels hit a tuning record (shipped logs and --database) and which fall back
 """
@@ -26,11 +28,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.target == "cuda":
+        from .gpu import run_cuda_bench
+
+        run_cuda_bench(out_dir=args.out, floor=not args.no_floor)
+        return 0
     from .bench import run_bench
 
     run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
               sweep=not args.no_sweep)
     return 0
+
+
+def _gpucheck(args: argparse.Namespace) -> int:
+    from .gpu import run_gpucheck
+
+    return run_gpucheck(out_dir=args.out, workers=args.workers)
 
 
 def _target(text: str):
@@ -119,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--floor-all", action="store_true", help="also time the floor on the large cases (slow)")
     bench.add_argument("--no-long-context", action="store_true", help="skip the S=16384 memory probe")
     bench.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep of the chart")
+    bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
+                       help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
+    bench.add_argument("--no-floor", action="store_true", help="cuda: skip timing the dlight-scheduled floor")
     bench.set_defaults(run=_bench)
+    gpucheck = commands.add_parser("gpucheck", help="on a CUDA device: GPU-marked tests, then bench --target cuda")
+    gpucheck.add_argument("--out", default="bench_results", help="folder for gpu_bench.json")
+    gpucheck.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the GPU tests")
+    gpucheck.set_defaults(run=_gpucheck)
     tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
     tune.add_argument("--op", required=True, choices=TUNABLE_OPS)
     tune.add_argument("--target", default="host",

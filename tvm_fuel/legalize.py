@@ -107,7 +107,10 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
         args["context_lens"] = _checked_context_lens(bb, args)
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
     out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
-    gvar = bb.add_func(func, f"fuel_{name}_kernel")
+    # the kernel's symbol is its (unique) global var's name: two instances of one template in a
+    # module would otherwise share the template's name
+    gvar = bb.add_func(func.without_attr("global_symbol"), f"fuel_{name}_kernel")
+    bb.update_func(gvar, func.with_attr("global_symbol", gvar.name_hint))
     return relax.call_tir(gvar, inputs, out_ty=out_ty)
 
 

@@ -11,31 +11,12 @@ from dataclasses import asdict, replace
 import tvm
 from tvm import relax, tirx
 
-from ...config import AttnConfig
 from ...op import SPECS
-from ..base import KernelRule, Knobs, static_dims
-from ..workload import KernelSpec, Workload
+from ..base import KernelRule, Knobs, dense_workload, paged_workload
+from ..workload import Workload
 from .backward import flash_backward
 from .forward import STREAMING_ROWS, dense_forward, paged_forward
 from .tiles import CpuTiles, cores, streaming_space, tile_space, tiles_for
-
-
-def _dense_spec(op: str, call: relax.Call, *, return_lse: bool = False) -> KernelSpec | None:
-    """The spec of a dense attention call (forward or backward); None if a dim it needs is symbolic."""
-    args = SPECS[op].split_args(call)
-    q, k = static_dims(args["q"]), static_dims(args["k"])
-    if q is None or k is None or None in (q[1], q[3], k[1]):
-        return None  # heads and head dim must be static
-    mask, mask_dtype, broadcast = args["attn_mask"], None, ()
-    if mask is not None:
-        dims = static_dims(mask)
-        if dims is None:
-            return None
-        mask_dtype, broadcast = str(mask.ty.dtype), tuple(d == 1 for d in dims)
-    return KernelSpec(
-        dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=k[1], head_dim=q[3],
-        cfg=AttnConfig.from_attrs(SPECS[op].label, call.attrs), has_alibi=args["alibi_slopes"] is not None,
-        mask_dtype=mask_dtype, mask_broadcast=broadcast, return_lse=return_lse)
 
 
 def _rows(workload: Workload) -> int | None:
@@ -65,11 +46,7 @@ class _DenseRule(_CpuRule):
     def _dense_workload(self, call: relax.Call, target: tvm.target.Target, **extra) -> Workload | None:
         if not self.is_target_available(target):
             return None
-        spec = _dense_spec(self.op, call, return_lse=bool(call.attrs.get("return_lse", False)))
-        if spec is None:
-            return None
-        q, k = static_dims(call.args[0]), static_dims(call.args[1])
-        return Workload(self.op, spec, (("B", q[0]), ("Sq", q[2]), ("Sk", k[2])), **extra)
+        return dense_workload(self.op, call, return_lse=bool(call.attrs.get("return_lse", False)), **extra)
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return tile_space(target, rows=_rows(workload))
@@ -130,17 +107,7 @@ class PagedAttention(_CpuRule):
     def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
         if not self.is_target_available(target):
             return None
-        args = SPECS[self.op].split_args(call)
-        q, cache, table = static_dims(args["q"]), static_dims(args["k_cache"]), static_dims(args["block_table"])
-        if q is None or cache is None or table is None or None in (q[1], q[3], cache[1], cache[2]):
-            return None
-        spec = KernelSpec(
-            dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=cache[2], head_dim=q[3],
-            cfg=AttnConfig.from_attrs(SPECS[self.op].label, call.attrs),
-            has_alibi=args["alibi_slopes"] is not None, block_size=cache[1],
-            table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype))
-        return Workload(self.op, spec, (("B", q[0]), ("Sq", q[2]), ("num_blocks", cache[0]),
-                                        ("max_blocks", table[1])))
+        return paged_workload(call)
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         spec = workload.spec

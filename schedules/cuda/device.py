@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 F32 = "float32"
@@ -102,6 +103,32 @@ class TileOps:
     @cached_property
     def threads(self) -> int:
         return self.launch.threads
+
+    def copy(self, rows: int, width: int, padded: int):
+        """Macro ``copy(dst, valid, src, tx)``: dst[r, c] = src(r, c) for the ``rows`` x ``width``
+        elements of a tile whose row r is ``valid(r)``, zero elsewhere up to ``padded`` columns.
+
+        ``valid`` and ``src`` are Python functions of the tile row (and column) returning TIR
+        expressions: each caller says where its rows come from (dense rows, pages of a cache).
+        A thread moves 16 bytes per step where the width allows.
+        """
+        NT = self.threads
+        VW = next(w for w in (16 // (2 if self.dtype in HALF_TYPES else 4), 4, 2, 1) if width % w == 0)
+        CH = padded // VW  # vector chunks per row
+        zero = T.Cast(self.dtype, 0)
+
+        @T.macro
+        def copy(dst, valid, src, tx):
+            for i in range((rows * CH + NT - 1) // NT):
+                if i * NT + tx < rows * CH:
+                    if tirx.all(valid((i * NT + tx) // CH), (i * NT + tx) % CH * VW < width):
+                        for j in T.vectorized(VW):
+                            dst[(i * NT + tx) // CH, (i * NT + tx) % CH * VW + j] = src((i * NT + tx) // CH, (i * NT + tx) % CH * VW + j)
+                    else:
+                        for j in T.vectorized(VW):
+                            dst[(i * NT + tx) // CH, (i * NT + tx) % CH * VW + j] = zero
+
+        return copy
 
     def gemm(self, M: int, N: int, K: int, *, a_trans: bool = False, b_trans: bool = False):
         """Macro ``gemm(C, A, B, tx)``: C[M, N] = A @ B in float32, all operands in shared memory.

@@ -51,14 +51,12 @@ class _Body:
         pv = ops.gemm(BQ, DP, BK) if ops.tensor_cores else None
         self.ops, self.owned = ops, _ceil(BQ * DP, NT)
 
+        copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP)
+
         @T.macro
         def load_queries(Qs, q, b, g, r0, rows, tx):
-            for i in range(_ceil(BQ * DP, NT)):
-                if i * NT + tx < BQ * DP:
-                    if tirx.all(r0 + (i * NT + tx) // DP < rows, (i * NT + tx) % DP < D):
-                        Qs[(i * NT + tx) // DP, (i * NT + tx) % DP] = q[b, row_head(g, r0 + (i * NT + tx) // DP, group), row_position(r0 + (i * NT + tx) // DP, group), (i * NT + tx) % DP]
-                    else:
-                        Qs[(i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, 0)
+            copy_queries(Qs, lambda r: r0 + r < rows,
+                         lambda r, c: q[b, row_head(g, r0 + r, group), row_position(r0 + r, group), c], tx)
 
         @T.macro
         def load_keys(Ks, Vs, pages, k, v, table, b, g, kt, kv_len, num_blocks, tx):
@@ -72,18 +70,11 @@ class _Body:
                         else:
                             pages[i * NT + tx] = T.int64(0)
                 ops.sync()
-            for i in range(_ceil(BK * DP, NT)):
-                if i * NT + tx < BK * DP:
-                    if tirx.all(kt * BK + (i * NT + tx) // DP < kv_len, (i * NT + tx) % DP < D):
-                        if paged:
-                            Ks[(i * NT + tx) // DP, (i * NT + tx) % DP] = k[pages[(i * NT + tx) // DP], (kt * BK + (i * NT + tx) // DP) % BS, g, (i * NT + tx) % DP]
-                            Vs[(i * NT + tx) // DP, (i * NT + tx) % DP] = v[pages[(i * NT + tx) // DP], (kt * BK + (i * NT + tx) // DP) % BS, g, (i * NT + tx) % DP]
-                        else:
-                            Ks[(i * NT + tx) // DP, (i * NT + tx) % DP] = k[b, g, kt * BK + (i * NT + tx) // DP, (i * NT + tx) % DP]
-                            Vs[(i * NT + tx) // DP, (i * NT + tx) % DP] = v[b, g, kt * BK + (i * NT + tx) // DP, (i * NT + tx) % DP]
-                    else:
-                        Ks[(i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, 0)
-                        Vs[(i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, 0)
+                copy_keys(Ks, lambda r: kt * BK + r < kv_len, lambda r, c: k[pages[r], (kt * BK + r) % BS, g, c], tx)
+                copy_keys(Vs, lambda r: kt * BK + r < kv_len, lambda r, c: v[pages[r], (kt * BK + r) % BS, g, c], tx)
+            else:
+                copy_keys(Ks, lambda r: kt * BK + r < kv_len, lambda r, c: k[b, g, kt * BK + r, c], tx)
+                copy_keys(Vs, lambda r: kt * BK + r < kv_len, lambda r, c: v[b, g, kt * BK + r, c], tx)
 
         def logit(S, r, c, alibi, mask, b, h, pos, key, kv_len, delta, check):
             s = sem.softcap(cfg, S[r, c] * T.float32(scale))
@@ -96,32 +87,54 @@ class _Body:
             return logit(S, r, c, alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key0 + c,
                          kv_len, delta, check)
 
+        # RT threads share a row of the softmax update (a power of two within a warp, combined by
+        # shuffles), so every thread is busy and a warp reads S without bank conflicts
+        RT = NT // BQ if NT % BQ == 0 and 1 < NT // BQ <= 32 and BK % (NT // BQ) == 0 else 1
+        SLOTS = _ceil(BQ * RT, NT)  # (row, part) slots per thread
+        SHUFFLES = RT.bit_length() - 1  # xor-shuffle steps over the RT lanes of a row
+
+        def slot_row(i, tx):
+            return (i * NT + tx) // RT
+
+        def slot_part(i, tx):
+            return (i * NT + tx) % RT
+
+        def warp_max(x, lanes):
+            return T.max(x, T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x, lanes, 32, 32))
+
+        def warp_sum(x, lanes):
+            return x + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x, lanes, 32, 32)
+
         @T.macro
         def softmax_rows(S, P, m, l, alpha, shift, alibi, mask, b, g, r0, rows, key0, kv_len, delta, check, tx):
-            # The online-softmax update: the thread owning a row keeps its max m and sum l in
-            # registers and publishes alpha (the rescale of O) and the new max; then every thread
-            # writes its elements of P = exp(logit - max). A conditional loop never reads and
-            # writes the same shared buffer (TVM's sync planner cannot put a barrier there).
-            row = T.alloc_buffer((BK,), F32, scope=local)
+            # The online-softmax update: the RT threads of a row find its new max and sum (keeping
+            # m and l in registers) and publish alpha (the rescale of O) and the new max; then every
+            # thread writes its elements of P = exp(logit - max). Shuffles run on every lane (padded
+            # rows contribute -inf); no conditional loop reads and writes one shared buffer (TVM's
+            # sync planner cannot put a barrier there).
+            part = T.alloc_buffer((BK // RT,), F32, scope=local)
             top = T.alloc_buffer((1,), F32, scope=local)
             total = T.alloc_buffer((1,), F32, scope=local)
-            for i in range(_ceil(BQ, NT)):
-                if i * NT + tx < BQ:
-                    if r0 + i * NT + tx < rows:
-                        top[0] = m[i]
-                        for c in range(BK):
-                            row[c] = row_logit(S, alibi, mask, b, g, r0, i * NT + tx, c, key0, kv_len, delta, check)
-                            top[0] = T.max(top[0], row[c])
-                        total[0] = T.float32(0)
-                        for c in range(BK):
-                            total[0] = total[0] + T.exp(row[c] - sem.safe_row_max(top[0]))
-                        alpha[i * NT + tx] = T.exp(m[i] - sem.safe_row_max(top[0]))
-                        shift[i * NT + tx] = sem.safe_row_max(top[0])
-                        l[i] = l[i] * T.exp(m[i] - sem.safe_row_max(top[0])) + total[0]
-                        m[i] = top[0]
-                    else:
-                        alpha[i * NT + tx] = T.float32(0)
-                        shift[i * NT + tx] = T.float32(0)
+            for i in range(SLOTS):
+                if i * NT + tx < BQ * RT:
+                    top[0] = m[i]
+                    for c in range(BK // RT):
+                        part[c] = T.if_then_else(r0 + slot_row(i, tx) < rows, row_logit(S, alibi, mask, b, g, r0, slot_row(i, tx), c * RT + slot_part(i, tx), key0, kv_len, delta, check), T.float32(float("-inf")))
+                        top[0] = T.max(top[0], part[c])
+                    if RT > 1:
+                        for n in T.unroll(SHUFFLES):
+                            top[0] = warp_max(top[0], T.shift_left(1, n))
+                    total[0] = T.float32(0)
+                    for c in range(BK // RT):
+                        total[0] = total[0] + T.exp(part[c] - sem.safe_row_max(top[0]))
+                    if RT > 1:
+                        for n in T.unroll(SHUFFLES):
+                            total[0] = warp_sum(total[0], T.shift_left(1, n))
+                    if slot_part(i, tx) == 0:
+                        alpha[slot_row(i, tx)] = T.exp(m[i] - sem.safe_row_max(top[0]))
+                        shift[slot_row(i, tx)] = sem.safe_row_max(top[0])
+                    l[i] = l[i] * T.exp(m[i] - sem.safe_row_max(top[0])) + total[0]
+                    m[i] = top[0]
             ops.sync()
             for i in range(_ceil(BQ * BK, NT)):
                 if i * NT + tx < BQ * BK:
@@ -138,11 +151,11 @@ class _Body:
             Vs = T.alloc_buffer((BK, DP), dtype, scope=launch.shared)
             # S and P in static shared memory: TVM's sync planner tells them apart from the dynamic
             # tiles, so the passes reading one and writing the other need no extra barriers
-            S = T.alloc_buffer((BQ, BK), F32, scope=launch.small_shared)
+            S = T.alloc_buffer((BQ, BK + 4), F32, scope=launch.small_shared)  # +4: fewer bank conflicts
             P = T.alloc_buffer((BQ, BK), dtype, scope=launch.small_shared)
             PV = T.alloc_buffer((BQ, DP) if ops.tensor_cores else (1, 1), F32, scope=launch.shared)
-            m = T.alloc_buffer((_ceil(BQ, NT),), F32, scope=local)  # max and sum of the rows this thread owns
-            l = T.alloc_buffer((_ceil(BQ, NT),), F32, scope=local)
+            m = T.alloc_buffer((SLOTS,), F32, scope=local)  # max and sum of the rows this thread works on
+            l = T.alloc_buffer((SLOTS,), F32, scope=local)
             row_max = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)  # published after the last tile
             row_sum = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
             alpha = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
@@ -150,7 +163,7 @@ class _Body:
             pages = T.alloc_buffer((BK,) if paged else (1,), "int64", scope=launch.small_shared)
             O = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
             load_queries(Qs, q, b, g, r0, rows, tx)
-            for i in range(_ceil(BQ, NT)):
+            for i in range(SLOTS):
                 m[i] = T.float32(float("-inf"))
                 l[i] = T.float32(0)
             for i in range(_ceil(BQ * DP, NT)):
@@ -185,10 +198,10 @@ class _Body:
                             O[i] = O[i] * alpha[(i * NT + tx) // DP]
                             for c in range(BK):
                                 O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, Vs[c, (i * NT + tx) % DP])
-            for i in range(_ceil(BQ, NT)):
-                if i * NT + tx < BQ:
-                    row_max[i * NT + tx] = m[i]
-                    row_sum[i * NT + tx] = l[i]
+            for i in range(SLOTS):
+                if tirx.all(i * NT + tx < BQ * RT, slot_part(i, tx) == 0):
+                    row_max[slot_row(i, tx)] = m[i]
+                    row_sum[slot_row(i, tx)] = l[i]
             ops.sync()
             for i in range(_ceil(BQ * DP, NT)):
                 if i * NT + tx < BQ * DP:

@@ -41,18 +41,21 @@ class CudaTiles:
 
 
 def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
-    """(static, dynamic) shared-memory bytes of a forward block: S (float32), P, row state and
+    """(static, dynamic) shared-memory bytes of a forward block: S (float32, rows padded), P, row state and
     page ids static; Q, K, V tiles and, on tensor cores, P@V (float32) dynamic."""
     BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
-    static = 4 * BQ * BK + e * BQ * BK + 4 * 4 * BQ + 8 * BK
+    static = 4 * BQ * (BK + 4) + e * BQ * BK + 4 * 4 * BQ + 8 * BK
     dynamic = e * (BQ * DP + 2 * BK * DP) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
     return static, dynamic
 
 
-def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> int:
-    """K, V, Q, dO, P, dS tiles (input dtype), S/dP and a [block, D] product (float32), row state."""
+def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
+    """(static, dynamic) bytes of a backward block: P, dS (input dtype) and the rows' lse and D
+    static; Q, dO, K, V tiles dynamic, plus on tensor cores S, dP and a [block, D] float32 product."""
     BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
-    return e * (2 * BK * DP + 2 * BQ * DP + 2 * BQ * BK) + 4 * (2 * BQ * BK + max(BQ, BK) * DP + 2 * BQ)
+    static = 2 * e * BQ * BK + 8 * BQ
+    dynamic = e * (2 * BQ + 2 * BK) * DP + ((8 * BQ * BK + 4 * max(BQ, BK) * DP) if dtype in HALF_TYPES else 0)
+    return static, dynamic
 
 
 def streaming_multiprocessors(arch: str) -> int:

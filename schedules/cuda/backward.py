@@ -1,0 +1,344 @@
+"""CUDA flash attention backward (FlashAttention-2 structure): three kernels in one PrimFunc.
+
+1. ``D = rowsum(do * out)`` per query row (one thread per row) into a float32 scratch
+   [B, Hq, Sq] (only when dq or dk is wanted).
+2. dk / dv: one thread block per (key tile of ``block_k`` keys, batch x KV head). The block loads
+   its K and V tile once and keeps dK and dV of the tile in registers (thread ``tx`` owns the
+   elements ``i * threads + tx`` of [block_k, D]) while it walks every query head of the GQA
+   group and every query tile of that head that can see the key tile. A query tile is
+   ``block_q`` positions of one head. Per tile: P is recomputed from the forward's lse,
+   ``dS = P * (dP - D) * softcap'``, and ``dV += P^T dO``, ``dK += dS^T Q`` (scale applied once
+   when dK is written).
+3. dq: a separate, deterministic kernel (no atomics), one block per (query tile, batch x query
+   head), walking the key tiles its rows can see and accumulating ``dQ += dS K`` in registers.
+
+On tensor cores (float16/bfloat16) the five GEMMs are WMMA tile GEMMs through shared memory:
+S = Q K^T and dP = dO V^T (float32, dynamic shared), P and dS written in the input dtype to
+static shared memory, and P^T dO, dS^T Q, dS K (float32, dynamic shared) added into the
+registers. On the SIMT path (float32, and the llvm emulation) S and dP are computed per element
+straight from the tiles and P^T dO, dS^T Q, dS K are accumulated straight into the registers, so
+no float32 product tile is staged at all.
+
+Shared memory per block (e = bytes of the input dtype, DP = head dim padded to 16):
+    tensor cores  static  2 * e * BQ * BK + 8 * BQ               (P, dS, lse and D rows)
+                  dynamic e * (2 * BQ + 2 * BK) * DP + 8 * BQ * BK + 4 * max(BQ, BK) * DP
+                          (Q, dO, K, V; S, dP; one float32 product tile)
+    SIMT          static  2 * e * BQ * BK + 8 * BQ,  dynamic e * (2 * BQ + 2 * BK) * DP
+(the dq kernel needs no P and only a [BQ, DP] product tile: at most the above). No buffer grows
+with Sq * Sk; positions past a sequence are never written.
+
+Contents:
+    flash_backward -- PrimFunc(q, k, v, do, [alibi_slopes], [attn_mask], out, lse, [dq], [dk], [dv])
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from ..common import (KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, query_tile_range,
+                      shape_vars, visible)
+from .device import F32, Launch, TileOps, padded_dim
+from .tiles import CudaTiles
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Body:
+    """The macros of the backward blocks, specialised to a spec, tiles, launch and grads."""
+
+    def __init__(self, spec: KernelSpec, tiles: CudaTiles, launch: Launch, grads: tuple[str, ...]):
+        ops = TileOps(launch, spec.dtype)
+        cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
+        BQ, BK, DP, NT = tiles.block_q, tiles.block_k, padded_dim(D), launch.threads
+        scale = spec.scale
+        local, shared, small = launch.local, launch.shared, launch.small_shared
+        tc = ops.tensor_cores
+        want_dk, want_dv = "dk" in grads, "dv" in grads
+        capped = cfg.softcap > 0
+        if tc:
+            qk = ops.gemm(BQ, BK, DP, b_trans=True)  # S = Q K^T and dP = dO V^T
+            key_grad = ops.gemm(BK, DP, BQ, a_trans=True)  # P^T dO and dS^T Q
+            query_grad = ops.gemm(BQ, DP, BK)  # dS K
+        self.ops = ops
+
+        def owned(n: int):
+            # SIMT: the loop over the accumulator elements a thread owns, unrolled on the device so
+            # they stay in registers (the emulation's single thread owns every element: serial)
+            return T.serial(n) if launch.emulate else T.unroll(n)
+
+        @T.macro
+        def row_dots(do, out, row_dot, rows, Hq, Sq, bx, tx):
+            # D[b, h, i] = sum_d do * out, one thread per row
+            acc = T.alloc_buffer((1,), F32, scope=local)
+            e = T.Cast("int64", bx) * NT + tx
+            if e < rows:
+                acc[0] = T.float32(0)
+                for d in range(D):
+                    acc[0] = acc[0] + T.Cast(F32, do[e // Sq // Hq, e // Sq % Hq, e % Sq, d]) * T.Cast(F32, out[e // Sq // Hq, e // Sq % Hq, e % Sq, d])
+                row_dot[e // Sq // Hq, e // Sq % Hq, e % Sq] = acc[0]
+
+        copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP)
+
+        @T.macro
+        def load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, h, i0, Sq, with_d, tx):
+            # the Q and dO rows i0 .. i0 + BQ - 1 of head h (zero past Sq and in the padding
+            # columns), their lse and D (-inf and 0 past Sq: P and dS vanish there)
+            copy_queries(Qs, lambda r: i0 + r < Sq, lambda r, c: q[b, h, i0 + r, c], tx)
+            copy_queries(dOs, lambda r: i0 + r < Sq, lambda r, c: do[b, h, i0 + r, c], tx)
+            for i in range(_ceil(BQ, NT)):
+                if i * NT + tx < BQ:
+                    if i0 + i * NT + tx < Sq:
+                        lse_r[i * NT + tx] = lse[b, h, i0 + i * NT + tx]
+                        if with_d:
+                            D_r[i * NT + tx] = row_dot[b, h, i0 + i * NT + tx]
+                    else:
+                        lse_r[i * NT + tx] = T.float32(float("-inf"))
+                        if with_d:
+                            D_r[i * NT + tx] = T.float32(0)
+
+        @T.macro
+        def load_keys(Ks, Vs, k, v, b, g, j0, Sk, tx):
+            # the K and V rows j0 .. j0 + BK - 1 of KV head g (zero past Sk and in the padding columns)
+            copy_keys(Ks, lambda r: j0 + r < Sk, lambda r, c: k[b, g, j0 + r, c], tx)
+            copy_keys(Vs, lambda r: j0 + r < Sk, lambda r, c: v[b, g, j0 + r, c], tx)
+
+        @T.macro
+        def scores(P, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, with_p, with_ds, tx):
+            # P = exp(logit - lse) (0 where the key is dropped) and dS = P * (dP - D) * softcap',
+            # both in the input dtype; each thread computes its elements in registers and writes
+            # them once (never read back in the same pass: no in-place shared update).
+            s = T.alloc_buffer((1,), F32, scope=local)
+            dp = T.alloc_buffer((1,), F32, scope=local)
+            cap = T.alloc_buffer((1,), F32, scope=local)
+            p = T.alloc_buffer((1,), F32, scope=local)
+            for i in range(_ceil(BQ * BK, NT)):
+                if i * NT + tx < BQ * BK:
+                    if i0 + (i * NT + tx) // BK < Sq:
+                        if tc:
+                            s[0] = S[(i * NT + tx) // BK, (i * NT + tx) % BK]
+                        else:
+                            s[0] = T.float32(0)
+                            for d in range(D):
+                                s[0] = s[0] + T.Cast(F32, Qs[(i * NT + tx) // BK, d]) * T.Cast(F32, Ks[(i * NT + tx) % BK, d])
+                        cap[0] = sem.softcap(cfg, s[0] * T.float32(scale))
+                        p[0] = T.Select(
+                            visible(spec, mask, b, h, i0 + (i * NT + tx) // BK, j0 + (i * NT + tx) % BK, Sk, Sk - Sq),
+                            sem.probability(biased(spec, cap[0], alibi, mask, b, h, i0 + (i * NT + tx) // BK,
+                                                   j0 + (i * NT + tx) % BK, Sk - Sq), lse_r[(i * NT + tx) // BK]),
+                            T.float32(0))
+                        if with_p:
+                            P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0])
+                        if with_ds:
+                            if tc:
+                                dp[0] = dP[(i * NT + tx) // BK, (i * NT + tx) % BK]
+                            else:
+                                dp[0] = T.float32(0)
+                                for d in range(D):
+                                    dp[0] = dp[0] + T.Cast(F32, dOs[(i * NT + tx) // BK, d]) * T.Cast(F32, Vs[(i * NT + tx) % BK, d])
+                            if capped:
+                                dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0] * (dp[0] - D_r[(i * NT + tx) // BK]) * sem.softcap_grad(cfg, cap[0]))
+                            else:
+                                dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0] * (dp[0] - D_r[(i * NT + tx) // BK]))
+                    else:
+                        if with_p:
+                            P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, 0)
+                        if with_ds:
+                            dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, 0)
+
+        @T.macro
+        def add_product(acc, G, rows, tx):
+            # registers += the float32 product tile G [rows, DP] (tensor-core path)
+            for i in range(_ceil(rows * DP, NT)):
+                if i * NT + tx < rows * DP:
+                    acc[i] = acc[i] + G[(i * NT + tx) // DP, (i * NT + tx) % DP]
+
+        @T.macro
+        def add_key_grad(acc, A, X, tx):
+            # SIMT: registers of [BK, DP] += A^T X with A [BQ, BK] (P or dS) and X [BQ, DP] (dO or Q)
+            for i in owned(_ceil(BK * DP, NT)):
+                if i * NT + tx < BK * DP:
+                    for r in range(BQ):
+                        acc[i] = acc[i] + T.Cast(F32, A[r, (i * NT + tx) // DP]) * T.Cast(F32, X[r, (i * NT + tx) % DP])
+
+        @T.macro
+        def add_query_grad(acc, dS, Ks, tx):
+            # SIMT: registers of [BQ, DP] += dS K with dS [BQ, BK] and K [BK, DP]
+            for i in owned(_ceil(BQ * DP, NT)):
+                if i * NT + tx < BQ * DP:
+                    for c in range(BK):
+                        acc[i] = acc[i] + T.Cast(F32, dS[(i * NT + tx) // DP, c]) * T.Cast(F32, Ks[c, (i * NT + tx) % DP])
+
+        @T.macro
+        def key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
+            Ks = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            Vs = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            Qs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            dOs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            # WMMA outputs (dynamic: the stores go through address_of)
+            S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
+            dP = T.alloc_buffer((BQ, BK) if tc and want_dk else (1, 1), F32, scope=shared)
+            G = T.alloc_buffer((BK, DP) if tc else (1, 1), F32, scope=shared)
+            # written by the element pass that reads S and dP: static shared (told apart by the
+            # sync planner)
+            P = T.alloc_buffer((BQ, BK) if want_dv else (1, 1), dtype, scope=small)
+            dS = T.alloc_buffer((BQ, BK) if want_dk else (1, 1), dtype, scope=small)
+            lse_r = T.alloc_buffer((BQ,), F32, scope=small)
+            D_r = T.alloc_buffer((BQ,) if want_dk else (1,), F32, scope=small)
+            dK = T.alloc_buffer((_ceil(BK * DP, NT),) if want_dk else (1,), F32, scope=local)
+            dV = T.alloc_buffer((_ceil(BK * DP, NT),) if want_dv else (1,), F32, scope=local)
+            for i in range(_ceil(BK * DP, NT)):
+                if want_dk:
+                    dK[i] = T.float32(0)
+                if want_dv:
+                    dV[i] = T.float32(0)
+            load_keys(Ks, Vs, k, v, b, g, j0, Sk, tx)
+            qlo, qhi = query_tile_range(cfg, key_first=j0, key_last=T.min(j0 + BK, Sk) - 1, num_queries=Sq,
+                                        delta=Sk - Sq, block_q=BQ)
+            for hr in range(group):
+                for qt in range(qlo, qhi):
+                    ops.sync()  # the previous tile's readers are done with Q, dO, P, dS, G
+                    load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g * group + hr, qt * BQ, Sq, want_dk, tx)
+                    ops.sync()
+                    if tc:
+                        qk(S, Qs, Ks, tx)
+                        if want_dk:
+                            qk(dP, dOs, Vs, tx)
+                        ops.sync()
+                    scores(P, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, g * group + hr, qt * BQ, j0,
+                           Sq, Sk, want_dv, want_dk, tx)
+                    ops.sync()
+                    if want_dv:
+                        if tc:
+                            key_grad(G, P, dOs, tx)
+                            ops.sync()
+                            add_product(dV, G, BK, tx)
+                            if want_dk:
+                                ops.sync()  # G is reused for dS^T Q
+                        else:
+                            add_key_grad(dV, P, dOs, tx)
+                    if want_dk:
+                        if tc:
+                            key_grad(G, dS, Qs, tx)
+                            ops.sync()
+                            add_product(dK, G, BK, tx)
+                        else:
+                            add_key_grad(dK, dS, Qs, tx)
+            for i in range(_ceil(BK * DP, NT)):
+                if i * NT + tx < BK * DP:
+                    if tirx.all(j0 + (i * NT + tx) // DP < Sk, (i * NT + tx) % DP < D):
+                        if want_dk:
+                            dk[b, g, j0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, dK[i] * T.float32(scale))
+                        if want_dv:
+                            dv[b, g, j0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, dV[i])
+
+        @T.macro
+        def query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
+            Qs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            dOs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            Ks = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            Vs = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
+            dP = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
+            G = T.alloc_buffer((BQ, DP) if tc else (1, 1), F32, scope=shared)
+            dS = T.alloc_buffer((BQ, BK), dtype, scope=small)
+            lse_r = T.alloc_buffer((BQ,), F32, scope=small)
+            D_r = T.alloc_buffer((BQ,), F32, scope=small)
+            dQ = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
+            for i in range(_ceil(BQ * DP, NT)):
+                dQ[i] = T.float32(0)
+            load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, h, i0, Sq, True, tx)
+            lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
+                                    block_k=BK)
+            for kt in range(lo, hi):
+                ops.sync()  # the previous tile's readers are done with K, V, dS, G
+                load_keys(Ks, Vs, k, v, b, h // group, kt * BK, Sk, tx)
+                ops.sync()
+                if tc:
+                    qk(S, Qs, Ks, tx)
+                    qk(dP, dOs, Vs, tx)
+                    ops.sync()
+                scores(dS, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, kt * BK, Sq, Sk, False,
+                       True, tx)
+                ops.sync()
+                if tc:
+                    query_grad(G, dS, Ks, tx)
+                    ops.sync()
+                    add_product(dQ, G, BQ, tx)
+                else:
+                    add_query_grad(dQ, dS, Ks, tx)
+            for i in range(_ceil(BQ * DP, NT)):
+                if i * NT + tx < BQ * DP:
+                    if tirx.all(i0 + (i * NT + tx) // DP < Sq, (i * NT + tx) % DP < D):
+                        dq[b, h, i0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, dQ[i] * T.float32(scale))
+
+        self.row_dots, self.key_block, self.query_block = row_dots, key_block, query_block
+
+
+def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...], launch: Launch | None = None,
+                   dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """The backward kernels producing ``grads`` (a subset of dq, dk, dv, in that order) over
+    q, do [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D]; ``launch`` defaults to ``tiles.threads``
+    threads per block; ``dims`` fixes B, Sq, Sk (symbolic where absent)."""
+    if not grads or any(g not in ("dq", "dk", "dv") for g in grads):
+        raise ValueError(f"flash_backward: grads must be a non-empty subset of dq, dk, dv, got {grads!r}")
+    launch = launch or Launch(tiles.threads)
+    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    body = _Body(spec, tiles, launch, grads)
+    dtype, Hq, Hkv, D = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+    BQ, BK, NT = tiles.block_q, tiles.block_k, launch.threads
+    want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
+    want_ds = want_dq or want_dk
+    has_mask = len(spec.mask_broadcast) > 0
+    mask_dtype = spec.mask_dtype or "bool"
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_backward_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
+                                      alibi_h: T.handle, mask_h: T.handle, out_h: T.handle, lse_h: T.handle,
+                                      dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
+        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
+        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
+        do = T.match_buffer(do_h, (B, Hq, Sq, D), dtype)
+        alibi = T.match_buffer(alibi_h, (Hq,), F32)
+        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
+        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
+        dq = T.match_buffer(dq_h, (B, Hq, Sq, D), dtype)
+        dk = T.match_buffer(dk_h, (B, Hkv, Sk, D), dtype)
+        dv = T.match_buffer(dv_h, (B, Hkv, Sk, D), dtype)
+        row_dot = T.alloc_buffer((B, Hq, Sq) if want_ds else (1, 1, 1), F32)
+        # 1. D = rowsum(do * out)
+        if want_ds:
+            for bx in launch.grid((B * Hq * Sq + NT - 1) // NT, "x"):
+                for tx in launch.block():
+                    body.row_dots(do, out, row_dot, B * Hq * Sq, Hq, Sq, bx, tx)
+        # 2. dk, dv: one block per (key tile, batch x KV head)
+        if want_dk or want_dv:
+            for bx in launch.grid((Sk + BK - 1) // BK, "x"):
+                for by in launch.grid(B * Hkv, "y"):
+                    for tx in launch.block():
+                        body.key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, T.Cast("int64", by // Hkv),
+                                       T.Cast("int64", by % Hkv), T.Cast("int64", bx) * BK, Sq, Sk, tx)
+        # 3. dq: one block per (query tile, batch x query head)
+        if want_dq:
+            for bx in launch.grid((Sq + BQ - 1) // BQ, "x"):
+                for by in launch.grid(B * Hq, "y"):
+                    for tx in launch.block():
+                        body.query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, T.Cast("int64", by // Hq),
+                                         T.Cast("int64", by % Hq), T.Cast("int64", bx) * BQ, Sq, Sk, tx)
+    # fmt: on
+
+    unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}
+    if not spec.has_alibi:
+        unused.add("alibi")
+    if not has_mask:
+        unused.add("mask")
+    return finish(drop_params(fuel_flash_attn_backward_cuda, unused))

@@ -1,0 +1,206 @@
+"""Rules that put the CUDA kernels in place of the floor for fuel calls on cuda targets.
+
+A rule serves sm_80 and newer (WMMA for float16/bfloat16, bfloat16 needs sm_80) and declines
+(the floor, scheduled by dlight, then serves the call) when no tile shape fits the architecture's
+shared memory. ``emulated=True`` gives the same rules for llvm targets, building each kernel's
+one-thread emulation (``Launch.emulated``): how the tests check the CUDA kernels' numerics on
+machines without a GPU.
+
+Contents:
+    CudaFlashForward, CudaFlashBackward, CudaPagedAttention -- one rule per kernel pattern
+    cuda_rules(emulated=False)
+    arch_of, shared_memory_fits
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, replace
+
+import tvm
+from tvm import relax, tirx
+
+from ...op import SPECS
+from ..base import KernelRule, Knobs, dense_workload, paged_workload
+from ..workload import Workload
+from .device import HALF_TYPES, SHARED_MEMORY_LIMIT, Launch, padded_dim
+from .forward import dense_forward, paged_forward
+from .tiles import CudaTiles, backward_smem, forward_smem, streaming_multiprocessors
+
+STATIC_SHARED_LIMIT = 48 * 1024
+EMULATED_ARCH = "sm_90"  # the architecture whose limits the emulated kernels obey
+
+
+def arch_of(target: tvm.target.Target) -> str | None:
+    """``sm_XY`` of a cuda target (None when it has no arch or is older than sm_80)."""
+    arch = str(target.attrs.get("arch", "") or "")
+    match = re.fullmatch(r"sm_(\d+)a?", arch)
+    return f"sm_{match.group(1)}" if match and int(match.group(1)) >= 80 else None
+
+
+def shared_memory_fits(static: int, dynamic: int, arch: str) -> bool:
+    limit = SHARED_MEMORY_LIMIT.get(arch, min(SHARED_MEMORY_LIMIT.values()))
+    return static <= STATIC_SHARED_LIMIT and static + dynamic <= limit
+
+
+class _CudaRule(KernelRule):
+    smem = staticmethod(forward_smem)
+
+    def __init__(self, *, emulated: bool = False):
+        self.emulated = emulated
+        self.target_kinds = ("llvm",) if emulated else ("cuda",)
+
+    def is_target_available(self, target: tvm.target.Target) -> bool:
+        return super().is_target_available(target) and (self.emulated or arch_of(target) is not None)
+
+    def _arch(self, target: tvm.target.Target) -> str:
+        return EMULATED_ARCH if self.emulated else arch_of(target)
+
+    def launch(self, knobs: Knobs) -> Launch:
+        return Launch.emulated() if self.emulated else Launch(knobs["threads"])
+
+    def check_knobs(self, workload: Workload, knobs: Knobs) -> str | None:
+        try:
+            tiles = CudaTiles(**knobs)
+        except (TypeError, ValueError) as err:
+            return str(err)
+        if workload.spec.dtype in HALF_TYPES and not tiles.fits_tensor_cores():
+            return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
+        return None
+
+    def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
+        """The first candidate tile shape whose shared memory fits the target."""
+        spec, arch = workload.spec, self._arch(target)
+        for tiles in candidates:
+            if self.check_knobs(workload, asdict(tiles)) is None and shared_memory_fits(
+                    *self.smem(spec.dtype, spec.head_dim, tiles), arch):
+                return tiles
+        return None
+
+    def _candidates(self, workload: Workload) -> list[CudaTiles]:
+        half = workload.spec.dtype in HALF_TYPES
+        shapes = [(64, 64), (64, 32), (32, 32), (16, 16)] if half else [(32, 32), (32, 16), (16, 16)]
+        return [CudaTiles(block_q=bq, block_k=bk) for bq, bk in shapes]
+
+    def _splits(self, workload: Workload, target: tvm.target.Target, tiles: CudaTiles, keys: int | None,
+                rows: int | None) -> int:
+        """Split-KV: enough blocks for every SM twice over when (batch x heads x row tiles) is short."""
+        batch = workload.dim["B"]
+        if batch is None or keys is None or rows is None:
+            return 1
+        blocks = batch * workload.spec.num_kv_heads * -(-rows // tiles.block_q)
+        want = -(-2 * streaming_multiprocessors(self._arch(target)) // blocks)
+        return max(1, min(16, want, -(-keys // (4 * tiles.block_k))))  # >= 4 key tiles per split
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        tiles = self._fitting(workload, target, self._candidates(workload))
+        if tiles is None:
+            raise ValueError(f"{self.op}: no tile shape fits the shared memory of {self._arch(target)}")
+        return asdict(self._tuned_defaults(workload, target, tiles))
+
+    def _tuned_defaults(self, workload: Workload, target: tvm.target.Target, tiles: CudaTiles) -> CudaTiles:
+        return tiles
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        default = self.default_knobs(workload, target)
+        space = {"block_q": (16, 32, 64, 128), "block_k": (16, 32, 64), "splits": (1, 2, 4, 8, 16),
+                 "threads": (64, 128, 256)}
+        return {name: tuple(sorted(set(values) | {default[name]})) for name, values in space.items()}
+
+    def _serves(self, workload: Workload | None, target: tvm.target.Target) -> Workload | None:
+        if workload is None or self._fitting(workload, target, self._candidates(workload)) is None:
+            return None
+        return workload
+
+
+class CudaFlashForward(_CudaRule):
+    """flash_attn on cuda: Q tiles per block, K/V tiles through shared memory, online softmax."""
+
+    op = "flash_attn"
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        if not self.is_target_available(target):
+            return None
+        return self._serves(dense_workload(self.op, call, return_lse=bool(call.attrs.get("return_lse", False))),
+                            target)
+
+    def _tuned_defaults(self, workload, target, tiles):
+        sq = workload.dim["Sq"]
+        rows = None if sq is None else sq * workload.spec.group
+        return replace(tiles, splits=self._splits(workload, target, tiles, workload.dim["Sk"], rows))
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return dense_forward(workload.spec, CudaTiles(**knobs), launch=self.launch(knobs),
+                             dims=workload.dim if static else None)
+
+
+class CudaPagedAttention(_CudaRule):
+    """paged_attn on cuda: key tiles read through the block table, live blocks only, split-KV."""
+
+    op = "paged_attn"
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        if not self.is_target_available(target):
+            return None
+        return self._serves(paged_workload(call), target)
+
+    def _candidates(self, workload: Workload) -> list[CudaTiles]:
+        sq = workload.dim["Sq"]
+        rows = None if sq is None else sq * workload.spec.group
+        if rows is not None and rows <= 16:  # decode: one 16-row tile holds every query head of the group
+            return [CudaTiles(block_q=16, block_k=bk) for bk in (64, 32, 16)]
+        return super()._candidates(workload)
+
+    def _tuned_defaults(self, workload, target, tiles):
+        sq, max_blocks = workload.dim["Sq"], workload.dim["max_blocks"]
+        rows = None if sq is None else sq * workload.spec.group
+        keys = None if max_blocks is None else max_blocks * workload.spec.block_size
+        return replace(tiles, splits=self._splits(workload, target, tiles, keys, rows))
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return paged_forward(workload.spec, CudaTiles(**knobs), launch=self.launch(knobs),
+                             dims=workload.dim if static else None)
+
+
+class CudaFlashBackward(_CudaRule):
+    """flash_attn_backward (and single-gradient forms) on cuda: FlashAttention-2 backward with a
+    separate deterministic dQ pass. Takes the forward's out and lse (``needs_forward_state``)."""
+
+    needs_forward_state = True
+    smem = staticmethod(backward_smem)
+
+    def __init__(self, op: str, *, emulated: bool = False):
+        super().__init__(emulated=emulated)
+        self.op = op
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        if not self.is_target_available(target):
+            return None
+        return self._serves(dense_workload(self.op, call, grads=SPECS[self.op].grads), target)
+
+    def _tuned_defaults(self, workload, target, tiles):
+        # each thread holds its share of dK and dV (or dQ) in registers: 256 threads keep a
+        # 64 x 128 tile pair of half-precision inputs free of spills
+        wide = workload.spec.dtype in HALF_TYPES and padded_dim(workload.spec.head_dim) > 64
+        return replace(tiles, threads=256) if wide and tiles.block_k * padded_dim(workload.spec.head_dim) >= 4096 else tiles
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return {name: values for name, values in super().knob_space(workload, target).items() if name != "splits"}
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        from .backward import flash_backward
+
+        return flash_backward(workload.spec, CudaTiles(**knobs), grads=workload.grads, launch=self.launch(knobs),
+                              dims=workload.dim if static else None)
+
+
+def cuda_rules(*, emulated: bool = False) -> tuple[KernelRule, ...]:
+    """The CUDA rules in priority order (``emulated``: their llvm emulation, for tests)."""
+    return (CudaFlashForward(emulated=emulated), CudaPagedAttention(emulated=emulated),
+            *(CudaFlashBackward(op, emulated=emulated) for op in (
+                "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")))
+
+
+RULES = cuda_rules()
+
+__all__ = ["RULES", "cuda_rules", "arch_of", "shared_memory_fits", "padded_dim"]

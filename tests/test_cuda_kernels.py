@@ -1,0 +1,192 @@
+"""The CUDA performance path.
+
+Without a GPU (CI): every kernel is built for sm_80 and sm_90, the emitted CUDA C is compiled
+with nvcc to a cubin, and the source is checked: each fuel kernel is a device kernel (an unbound
+PrimFunc would silently become host code), its shared memory fits the architecture, no global
+buffer grows with Sq * Sk, and float16/bfloat16 kernels use tensor-core (WMMA) instructions.
+The kernels' numerics without a GPU: the ``kernels`` fixture's "cuda-emulated" runs every
+numeric test of test_flash_attn/test_paged_attn/test_backward through their llvm emulation.
+
+On a GPU (``-m gpu``; skipped without a device): the kernels against the reference and the floor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from helpers import _flatten, assert_close, build, buffers_growing_with, randn
+from tvm import tirx
+
+import tvm_fuel
+from tvm_fuel import cuda, op, reference
+from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
+from tvm_fuel.schedules.cuda.rules import STATIC_SHARED_LIMIT
+
+ARCHS = ("sm_80", "sm_90")
+SQ, SK = tirx.Var("sq", "int64"), tirx.Var("sk", "int64")
+needs_nvcc = pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
+
+
+def _target(arch: str) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "cuda", "arch": arch})
+
+
+def _flash(dtype, sq=SQ, sk=SK, d=128, **options):
+    params = dict(q=((2, 8, sq, d), dtype), k=((2, 2, sk, d), dtype), v=((2, 2, sk, d), dtype),
+                  slopes=((8,), "float32"), mask=((sq, sk), "bool"))
+    return build(lambda q, k, v, slopes, mask: op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options),
+                 params)
+
+
+def _backward(dtype, name="flash_attn_backward", sq=SQ, sk=SK, d=64):
+    params = dict(q=((2, 6, sq, d), dtype), k=((2, 2, sk, d), dtype), v=((2, 2, sk, d), dtype),
+                  do=((2, 6, sq, d), dtype))
+    return build(lambda **a: getattr(op, name)(**a, causal=True, softcap=5.0), params)
+
+
+def _paged(dtype, sq=1, d=128):
+    nb, mb = tirx.Var("num_blocks", "int64"), tirx.Var("max_blocks", "int64")
+    params = dict(q=((4, 32, sq, d), dtype), k_cache=((nb, 16, 8, d), dtype), v_cache=((nb, 16, 8, d), dtype),
+                  block_table=((4, mb), "int32"), context_lens=((4,), "int32"))
+    return build(lambda **a: op.paged_attn(**a, causal=True), params)
+
+
+CASES = {
+    "flash_attn": lambda dtype: _flash(dtype, causal=True, softcap=5.0),
+    "flash_attn_window": lambda dtype: _flash(dtype, d=40, window_size=(64, 0)),
+    "flash_attn_backward": lambda dtype: _backward(dtype),
+    "flash_attn_backward_q": lambda dtype: _backward(dtype, "flash_attn_backward_q", d=128),
+    "flash_attn_backward_k": lambda dtype: _backward(dtype, "flash_attn_backward_k"),
+    "flash_attn_backward_v": lambda dtype: _backward(dtype, "flash_attn_backward_v"),
+    "paged_decode": lambda dtype: _paged(dtype),
+    "paged_multi_query": lambda dtype: _paged(dtype, sq=5, d=64),
+}
+
+
+def _kernel_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    return {gv.name_hint: f for gv, f in mod.functions.items()
+            if isinstance(f, tirx.PrimFunc) and f.attrs is not None and "fuel.workload" in f.attrs}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
+    if dtype == "bfloat16" and case not in ("flash_attn", "flash_attn_backward", "paged_decode"):
+        pytest.skip("bfloat16 takes the float16 code path; three ops suffice")
+    target = _target(arch)
+    legalized = tvm_fuel.build.legalize(CASES[case](dtype), target, kernels="tuned")
+    kernels = _kernel_funcs(legalized)
+    leftover = [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
+                and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+    assert kernels and not leftover, f"floor used for {leftover}"
+    for name, func in kernels.items():
+        assert buffers_growing_with(func, "sq", "sk") == [], f"{name} holds an [Sq, Sk] buffer"
+    source = cuda.cuda_source(tvm.compile(legalized, target=target))
+    defined = cuda.kernel_names(source)
+    for name in kernels:  # every fuel kernel is a device kernel, not host code
+        assert any(kernel.startswith(f"{name}_kernel") for kernel in defined), (name, defined)
+    assert cuda.compile_cubin(source, arch)
+    for kernel, (static, dynamic) in cuda.shared_memory(legalized, target).items():
+        assert static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch], (kernel, static, dynamic)
+    if dtype != "float32":  # half precision runs its GEMMs on tensor cores
+        assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
+
+
+def test_rules_decline_old_architectures_and_unfit_tiles():
+    mod = _flash("float16")
+    for target in (tvm.target.Target({"kind": "cuda", "arch": "sm_75"}), tvm.target.Target({"kind": "cuda"})):
+        legalized = tvm_fuel.build.legalize(mod, target, kernels="tuned")
+        assert not _kernel_funcs(legalized), "sm_75 has no bfloat16 WMMA: the floor (dlight) serves it"
+    # head dim 1024 in float32 fits no tile shape in shared memory: the floor serves it
+    big = build(lambda q, k, v: op.flash_attn(q, k, v),
+                dict(q=((1, 2, 64, 1024), "float32"), k=((1, 2, 64, 1024), "float32"),
+                     v=((1, 2, 64, 1024), "float32")))
+    assert not _kernel_funcs(tvm_fuel.build.legalize(big, _target("sm_80"), kernels="tuned"))
+
+
+def test_split_kv_for_long_decode_contexts():
+    mod = build(lambda **a: op.paged_attn(**a),
+                dict(q=((1, 8, 1, 128), "float16"), k_cache=((600, 16, 1, 128), "float16"),
+                     v_cache=((600, 16, 1, 128), "float16"), block_table=((1, 512), "int32"),
+                     context_lens=((1,), "int32")))
+    legalized = tvm_fuel.build.legalize(mod, _target("sm_90"), kernels="tuned")
+    (kernel,) = _kernel_funcs(legalized).values()
+    source = cuda.cuda_source(tvm.compile(legalized, target=_target("sm_90")))
+    assert len(cuda.kernel_names(source)) == 2, "one attention kernel and the lse merge"
+    assert "B1 Sq1" in str(kernel.attrs["fuel.workload"])
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU
+
+def _has_gpu() -> bool:
+    try:
+        return tvm.cuda(0).exist
+    except Exception:  # noqa: BLE001 (no CUDA runtime at all)
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA device")
+
+
+def _run_on_gpu(mod, arrays, kernels):
+    target = _target(f"sm_{''.join(tvm.cuda(0).compute_version.split('.'))}")
+    vm = tvm.relax.VirtualMachine(tvm_fuel.compile(mod, target, kernels=kernels), tvm.cuda(0))
+    return _flatten(vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device=tvm.cuda(0)) for a in arrays]))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=5.0), dict(window_size=(16, 0))])
+@pytest.mark.parametrize("sq,sk,d", [(1, 97, 64), (97, 97, 128), (17, 300, 40)])
+def test_gpu_flash_attn(sq, sk, d, options, dtype):
+    rng = np.random.default_rng(0)
+    q, k, v = randn(rng, (2, 6, sq, d), dtype), randn(rng, (2, 2, sk, d), dtype), randn(rng, (2, 2, sk, d), dtype)
+    params = {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v).items()}
+    mod = build(lambda **a: op.flash_attn(**a, return_lse=True, **options), params)
+    out, lse = _run_on_gpu(mod, [q, k, v], "tuned")
+    want, want_lse = reference.flash_attn(q, k, v, return_lse=True, **options)
+    assert_close(out, want, dtype, scale=4, what="out")
+    np.testing.assert_allclose(lse, want_lse, atol=2e-2, rtol=2e-3)
+    floor, _ = _run_on_gpu(mod, [q, k, v], "decomposed")
+    assert_close(out, floor.astype(np.float64), dtype, scale=4, what="out vs floor")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("name", ["flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
+                                  "flash_attn_backward_v"])
+def test_gpu_flash_attn_backward(name, dtype):
+    rng = np.random.default_rng(1)
+    q, k, v, do = (randn(rng, s, dtype) for s in ((1, 6, 97, 64), (1, 2, 130, 64), (1, 2, 130, 64), (1, 6, 97, 64)))
+    params = {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v, do=do).items()}
+    mod = build(lambda **a: getattr(op, name)(**a, causal=True, softcap=5.0), params)
+    got = _run_on_gpu(mod, [q, k, v, do], "tuned")
+    want = dict(zip(("dq", "dk", "dv"), reference.flash_attn_backward(q, k, v, do, causal=True, softcap=5.0)))
+    wanted = [g for g in ("dq", "dk", "dv") if name == "flash_attn_backward" or name.endswith("_" + g[1])]
+    for grad, array in zip(wanted, got):
+        assert_close(array, want[grad], dtype, scale=20, what=grad)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sq,lens", [(1, (1, 17, 300, 2048)), (4, (4, 97, 64, 1000))])
+def test_gpu_paged_attn(sq, lens, dtype):
+    rng = np.random.default_rng(2)
+    bs, hkv, d, mb = 16, 2, 128, 128
+    q = randn(rng, (4, 14, sq, d), dtype)
+    k_cache, v_cache = randn(rng, (600, bs, hkv, d), dtype), randn(rng, (600, bs, hkv, d), dtype)
+    table = rng.permutation(600)[: 4 * mb].reshape(4, mb).astype("int32")
+    context = np.array(lens, "int32")
+    params = dict(q=(q.shape, dtype), k_cache=(k_cache.shape, dtype), v_cache=(v_cache.shape, dtype),
+                  block_table=(table.shape, "int32"), context_lens=(context.shape, "int32"))
+    mod = build(lambda **a: op.paged_attn(**a, causal=True), params)
+    (out,) = _run_on_gpu(mod, [q, k_cache, v_cache, table, context], "tuned")
+    want = reference.paged_attn(q, k_cache, v_cache, table, context, causal=True)
+    assert_close(out, want, dtype, scale=4, what="paged out")

@@ -1,0 +1,120 @@
+"""Inspecting CUDA builds without a GPU: the emitted source, nvcc, shared memory per kernel.
+
+Without a CUDA driver ``tvm.compile`` only emits CUDA C (TVM compiles it when the module is
+loaded on a GPU), so invalid code would go unnoticed. These helpers compile the source with nvcc
+and read what each kernel uses, for the tests and ``python -m tvm_fuel gpucheck``.
+
+Contents:
+    cuda_source        -- the CUDA C of a built module (Executable or runtime.Module)
+    kernel_names       -- the ``__global__`` kernels of a source
+    compile_cubin      -- nvcc the source for an architecture (raises with nvcc's message)
+    shared_memory      -- (static, dynamic) shared-memory bytes of every kernel of a build
+    nvcc_available
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from typing import Any
+
+import tvm
+from tvm import tirx
+from tvm.ir.instrument import pass_instrument
+
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "bool": 1, "int8": 1, "uint8": 1}
+
+
+def cuda_source(built: Any) -> str:
+    """The CUDA C of ``built`` (what ``tvm.compile`` returns); '' when it holds no CUDA module
+    (an unbound PrimFunc silently becomes host code, so callers assert on this)."""
+    module = getattr(built, "mod", built)
+
+    def find(mod):
+        if mod.kind == "cuda":
+            return mod
+        for child in mod.imports:
+            found = find(child)
+            if found is not None:
+                return found
+        return None
+
+    cuda = find(module)
+    return "" if cuda is None else cuda.inspect_source()
+
+
+def kernel_names(source: str) -> list[str]:
+    """Names of the ``__global__`` functions defined in ``source``."""
+    return sorted(set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source)))
+
+
+def nvcc_available() -> bool:
+    return shutil.which("nvcc") is not None
+
+
+def compile_cubin(source: str, arch: str) -> bytes:
+    """The cubin nvcc makes of ``source`` for ``arch`` (e.g. "sm_90")."""
+    from tvm.support import nvcc
+
+    with tvm.target.Target({"kind": "cuda", "arch": arch}):  # nvcc reads the arch from the target scope
+        return nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")
+
+
+def _sizes(stmt) -> list[tuple[str, int, str]]:
+    """(kernel, bytes, scope) of every shared allocation under each outermost blockIdx launch."""
+    found: list[tuple[str, int, str]] = []
+    kernels = [0]
+
+    def visit(node, kernel):
+        if isinstance(node, tirx.AttrStmt) and node.attr_key == "thread_extent" and kernel is None:
+            if str(getattr(node.node, "thread_tag", "")).startswith("blockIdx"):
+                kernel, kernels[0] = f"kernel{kernels[0]}", kernels[0] + 1
+                found.append((kernel, 0, "shared"))
+        if isinstance(node, tirx.AllocBuffer) and kernel is not None:
+            scope = node.buffer.scope()
+            if scope in ("shared", "shared.dyn"):
+                size = 1
+                for dim in node.buffer.shape:
+                    size *= int(dim)
+                found.append((kernel, size * _BYTES.get(str(node.buffer.dtype), 4), scope))
+        for child in _children(node):
+            visit(child, kernel)
+
+    visit(stmt, None)
+    return found
+
+
+def _children(node):
+    if isinstance(node, tirx.SeqStmt):
+        return list(node.seq)
+    kids = []
+    for name in ("body", "then_case", "else_case"):
+        child = getattr(node, name, None)
+        if isinstance(child, tirx.Stmt):
+            kids.append(child)
+    return kids
+
+
+def shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target) -> dict[str, tuple[int, int]]:
+    """``{"<func>/kernel<i>": (static bytes, dynamic bytes)}`` for every CUDA kernel of ``mod``:
+    the shared allocations TVM lowers each kernel with (dynamic ones before they are merged,
+    so an upper bound)."""
+    seen: dict[str, tirx.PrimFunc] = {}
+
+    @pass_instrument
+    class Capture:
+        def run_before_pass(self, module, info):
+            if info.name.endswith("ThreadSync") and not seen:
+                seen.update({gv.name_hint: f for gv, f in module.functions.items() if isinstance(f, tirx.PrimFunc)})
+
+    with tvm.transform.PassContext(instruments=[Capture()]):
+        tvm.compile(mod, target=target)
+    usage: dict[str, tuple[int, int]] = {}
+    for name, func in seen.items():
+        for kernel, size, scope in _sizes(func.body):
+            static, dynamic = usage.get(f"{name}/{kernel}", (0, 0))
+            usage[f"{name}/{kernel}"] = (static + size, dynamic) if scope == "shared" else (static, dynamic + size)
+    return usage
+
+
+__all__ = ["cuda_source", "kernel_names", "compile_cubin", "shared_memory", "nvcc_available"]
