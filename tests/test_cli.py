@@ -34,3 +34,16 @@ def test_logs_reports_a_module_file(tmp_path, capsys):
     assert main(["logs", "--no-shipped", "--module", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "fuel_flash_attn_kernel" in printed and " fallback " in printed
+
+
+def test_cuda_commands_without_a_device_say_so(capsys):
+    from tvm_fuel.gpu import has_gpu
+
+    if has_gpu():
+        pytest.skip("this machine has a CUDA device")
+    assert main(["bench", "--target", "cuda"]) == 2
+    assert main(["gpucheck"]) == 2
+    assert main(["tune", "--op", "paged_attn", "--target", '{"kind": "cuda", "arch": "sm_90"}', "--trials", "1",
+                 "--work-dir", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "needs a CUDA device" in err

@@ -165,4 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_argument("--module", metavar="FILE", help="report on this Relax module (TVMScript, as mod.script() prints)")
     logs.set_defaults(run=_logs)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError) as err:  # bad options or a missing device: one line, not a traceback
+        print(f"python -m tvm_fuel {args.command}: {err}", file=sys.stderr)
+        return 2

@@ -260,6 +260,12 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
         raise ValueError(f"tvm_fuel.tune: trials must be >= 0, got {trials}")
     if (rpc_tracker is None) != (rpc_key is None):
         raise ValueError("tvm_fuel.tune: rpc_tracker and rpc_key go together")
+    if target.kind.name == "cuda" and rpc_tracker is None:
+        from ..gpu import has_gpu
+
+        if not has_gpu():
+            raise ValueError("tvm_fuel.tune: measuring cuda kernels needs a CUDA device on this machine, or "
+                             "rpc_tracker/rpc_key of RPC servers that have one")
     workloads = workloads_of(mod, target, ops) if isinstance(mod, tvm.IRModule) else list(mod)
     if not workloads:
         raise ValueError(f"tvm_fuel.tune: no static fuel call served by a {target.kind.name} kernel to tune")
@@ -327,6 +333,9 @@ def _tune_family(workloads, target, folder, log_dir, database, builder, runner, 
             rule = rule_for(result.workload.op, target)
             _verify(result, context.mod, rule.default_knobs(result.workload, target), database, target, builder,
                     runner, top=verify_top, rounds=verify_rounds)
+            if result.hand_picked_s is None or result.best_s is None:
+                log(f"[{time.perf_counter() - start:6.0f}s] {result.workload.describe()}: no candidate was measured")
+                continue
             log(f"[{time.perf_counter() - start:6.0f}s] verified side by side ({verify_rounds} rounds): "
                 f"{result.workload.describe()}: hand-picked {result.hand_picked_s * 1e3:.2f} ms, "
                 f"best {result.best_s * 1e3:.2f} ms ({result.rate(result.best_s)}), {result.speedup:.2f}x, "
