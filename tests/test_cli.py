@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tvm_fuel.cli import main
 
 
