@@ -12,6 +12,8 @@ On a GPU (``-m gpu``; skipped without a device): the kernels against the referen
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -93,6 +95,18 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
         assert static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch], (kernel, static, dynamic)
     if dtype != "float32":  # half precision runs its GEMMs on tensor cores
         assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
+    assert _wmma_strides_fit(source)
+
+
+def _wmma_strides_fit(source: str) -> bool:
+    """Every WMMA store into a static shared array uses a row stride that tiles the array (a stride
+    the array was not laid out with writes rows in the wrong place and past its end)."""
+
+    sizes = {name: int(n) for name, n in re.findall(r"__shared__ alignas\(\d+\) float (\w+)\[(\d+)\];", source)}
+    for name, stride in re.findall(r"store_matrix_sync\(\(&\((\w+)\[[^;]*?, (\d+), nvcuda::wmma::mem_row_major", source):
+        if name in sizes and sizes[name] % int(stride):
+            return False
+    return True
 
 
 def test_rules_decline_old_architectures_and_unfit_tiles():

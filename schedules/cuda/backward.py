@@ -67,11 +67,6 @@ class _Body:
             query_grad = ops.gemm(BQ, DP, BK)  # dS K
         self.ops = ops
 
-        def owned(n: int):
-            # SIMT: the loop over the accumulator elements a thread owns, unrolled on the device so
-            # they stay in registers (the emulation's single thread owns every element: serial)
-            return T.serial(n) if launch.emulate else T.unroll(n)
-
         @T.macro
         def row_dots(do, out, row_dot, rows, Hq, Sq, bx, tx):
             # D[b, h, i] = sum_d do * out, one thread per row
@@ -161,7 +156,7 @@ class _Body:
         @T.macro
         def add_key_grad(acc, A, X, tx):
             # SIMT: registers of [BK, DP] += A^T X with A [BQ, BK] (P or dS) and X [BQ, DP] (dO or Q)
-            for i in owned(_ceil(BK * DP, NT)):
+            for i in launch.owned(_ceil(BK * DP, NT)):
                 if i * NT + tx < BK * DP:
                     for r in range(BQ):
                         acc[i] = acc[i] + T.Cast(F32, A[r, (i * NT + tx) // DP]) * T.Cast(F32, X[r, (i * NT + tx) % DP])
@@ -169,7 +164,7 @@ class _Body:
         @T.macro
         def add_query_grad(acc, dS, Ks, tx):
             # SIMT: registers of [BQ, DP] += dS K with dS [BQ, BK] and K [BK, DP]
-            for i in owned(_ceil(BQ * DP, NT)):
+            for i in launch.owned(_ceil(BQ * DP, NT)):
                 if i * NT + tx < BQ * DP:
                     for c in range(BK):
                         acc[i] = acc[i] + T.Cast(F32, dS[(i * NT + tx) // DP, c]) * T.Cast(F32, Ks[c, (i * NT + tx) % DP])
@@ -323,17 +318,19 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
         # 2. dk, dv: one block per (key tile, batch x KV head)
         if want_dk or want_dv:
             for bx in launch.grid((Sk + BK - 1) // BK, "x"):
-                for by in launch.grid(B * Hkv, "y"):
-                    for tx in launch.block():
-                        body.key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, T.Cast("int64", by // Hkv),
-                                       T.Cast("int64", by % Hkv), T.Cast("int64", bx) * BK, Sq, Sk, tx)
+                for by in launch.grid(B, "y"):
+                    for bz in launch.grid(Hkv, "z"):
+                        for tx in launch.block():
+                            body.key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, T.Cast("int64", by),
+                                           T.Cast("int64", bz), T.Cast("int64", bx) * BK, Sq, Sk, tx)
         # 3. dq: one block per (query tile, batch x query head)
         if want_dq:
             for bx in launch.grid((Sq + BQ - 1) // BQ, "x"):
-                for by in launch.grid(B * Hq, "y"):
-                    for tx in launch.block():
-                        body.query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, T.Cast("int64", by // Hq),
-                                         T.Cast("int64", by % Hq), T.Cast("int64", bx) * BQ, Sq, Sk, tx)
+                for by in launch.grid(B, "y"):
+                    for bz in launch.grid(Hq, "z"):
+                        for tx in launch.block():
+                            body.query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, T.Cast("int64", by),
+                                             T.Cast("int64", bz), T.Cast("int64", bx) * BQ, Sq, Sk, tx)
     # fmt: on
 
     unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}

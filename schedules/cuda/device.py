@@ -81,6 +81,11 @@ class Launch:
         """Loop over the threads of a block (its variable is the thread index)."""
         return T.serial(1) if self.emulate else T.thread_binding(self.threads, thread="threadIdx.x")
 
+    def owned(self, n: int):
+        """Loop over the ``n`` accumulator elements a thread owns: unrolled on the device, so they
+        stay in registers (the emulation's single thread owns every element: serial)."""
+        return T.serial(n) if self.emulate else T.unroll(n)
+
     def uses_tensor_cores(self, dtype: str) -> bool:
         return not self.emulate and dtype in HALF_TYPES
 
@@ -174,6 +179,15 @@ class TileOps:
             ld = A.shape[1]
             return A.access_ptr("r", offset=(kk * MMA * ld + strip * MMA) if a_trans else (strip * MMA * ld + kk * MMA))
 
+        def c_ptr(C, strip, n):
+            # static shared C: access_ptr marks the whole rest of C written, so TVM's buffer
+            # compaction keeps a padded row stride (the stride the store is given). Dynamic C shares
+            # the merged allocation with half tiles, where access_ptr's element type check fails:
+            # those are never padded.
+            if C.scope() == "shared.dyn":
+                return T.address_of(C[strip * MMA, n * MMA])
+            return C.access_ptr("w", offset=strip * MMA * C.shape[1] + n * MMA)
+
         def b_ptr(B, kk, n):
             ld = B.shape[1]
             return B.access_ptr("r", offset=(n * MMA * ld + kk * MMA) if b_trans else (kk * MMA * ld + n * MMA))
@@ -195,9 +209,7 @@ class TileOps:
                                                               b_layout))
                             T.evaluate(T.tvm_mma_sync(fc.data, n, fa.data, 0, fb.data, 0, fc.data, n))
                     for n in range(NF):
-                        # address_of, not access_ptr: C shares the dynamic allocation with half tiles
                         T.evaluate(T.tvm_store_matrix_sync(fc.data, MMA, MMA, MMA, n,
-                                                           T.address_of(C[(si * W + tx // WARP) * MMA, n * MMA]), C.shape[1],
-                                                           "row_major"))
+                                                           c_ptr(C, si * W + tx // WARP, n), C.shape[1], "row_major"))
 
         return gemm

@@ -188,12 +188,12 @@ class _Body:
                 if ops.tensor_cores:
                     pv(PV, P, Vs, tx)
                     ops.sync()
-                    for i in range(_ceil(BQ * DP, NT)):
+                    for i in launch.owned(_ceil(BQ * DP, NT)):
                         if i * NT + tx < BQ * DP:
                             O[i] = O[i] * alpha[(i * NT + tx) // DP] + PV[(i * NT + tx) // DP, (i * NT + tx) % DP]
                 else:
                     # SIMT: each thread multiplies straight into the elements of O it owns
-                    for i in range(_ceil(BQ * DP, NT)):
+                    for i in launch.owned(_ceil(BQ * DP, NT)):
                         if i * NT + tx < BQ * DP:
                             O[i] = O[i] * alpha[(i * NT + tx) // DP]
                             for c in range(BK):
@@ -267,12 +267,14 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
         lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
         part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
         part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
+        # grid as FlashAttention-2's: x row tiles, y batch, z KV heads x splits (each within CUDA's limits)
         for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
-            for by in launch.grid(B * Hkv, "y"):
-                for bz in launch.grid(SPLITS, "z"):
+            for by in launch.grid(B, "y"):
+                for bz in launch.grid(Hkv * SPLITS, "z"):
                     for tx in launch.block():
-                        body.attend(q, k, v, k, alibi, mask, out, lse, part_o, part_lse, T.Cast("int64", by // Hkv),
-                                    T.Cast("int64", by % Hkv), T.Cast("int64", bx) * BQ, bz, Sq * group, Sq, Sk, Sk, tx)
+                        body.attend(q, k, v, k, alibi, mask, out, lse, part_o, part_lse, T.Cast("int64", by),
+                                    T.Cast("int64", bz // SPLITS), T.Cast("int64", bx) * BQ, bz % SPLITS, Sq * group,
+                                    Sq, Sk, Sk, tx)
         if SPLITS > 1:
             for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
                 for tx in launch.block():
@@ -309,14 +311,14 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
         part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
         part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
         for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
-            for by in launch.grid(B * Hkv, "y"):
-                for bz in launch.grid(SPLITS, "z"):
+            for by in launch.grid(B, "y"):
+                for bz in launch.grid(Hkv * SPLITS, "z"):
                     for tx in launch.block():
                         # a device kernel cannot assert: a length past the table's capacity is clamped
                         body.attend(q, k_cache, v_cache, table, alibi, alibi, out, out, part_o, part_lse,
-                                    T.Cast("int64", by // Hkv), T.Cast("int64", by % Hkv), T.Cast("int64", bx) * BQ,
-                                    bz, Sq * group, Sq,
-                                    T.max(T.min(T.Cast("int64", lens[by // Hkv]), max_blocks * BS), T.int64(0)),
+                                    T.Cast("int64", by), T.Cast("int64", bz // SPLITS), T.Cast("int64", bx) * BQ,
+                                    bz % SPLITS, Sq * group, Sq,
+                                    T.max(T.min(T.Cast("int64", lens[by]), max_blocks * BS), T.int64(0)),
                                     num_blocks, tx)
         if SPLITS > 1:
             for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
