@@ -59,6 +59,7 @@ class _Body:
         scale = spec.scale
         local, shared, small = launch.local, launch.shared, launch.small_shared
         tc = ops.tensor_cores
+        PAD = ops.pad
         want_dk, want_dv = "dk" in grads, "dv" in grads
         capped = cfg.softcap > 0
         if tc:
@@ -171,18 +172,18 @@ class _Body:
 
         @T.macro
         def key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
-            Ks = T.alloc_buffer((BK, DP), dtype, scope=shared)
-            Vs = T.alloc_buffer((BK, DP), dtype, scope=shared)
-            Qs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
-            dOs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
+            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
+            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
+            dOs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
             # WMMA outputs (dynamic: the stores go through address_of)
             S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
             dP = T.alloc_buffer((BQ, BK) if tc and want_dk else (1, 1), F32, scope=shared)
             G = T.alloc_buffer((BK, DP) if tc else (1, 1), F32, scope=shared)
             # written by the element pass that reads S and dP: static shared (told apart by the
             # sync planner)
-            P = T.alloc_buffer((BQ, BK) if want_dv else (1, 1), dtype, scope=small)
-            dS = T.alloc_buffer((BQ, BK) if want_dk else (1, 1), dtype, scope=small)
+            P = T.alloc_buffer((BQ, BK + PAD) if want_dv else (1, 1), dtype, scope=small)
+            dS = T.alloc_buffer((BQ, BK + PAD) if want_dk else (1, 1), dtype, scope=small)
             lse_r = T.alloc_buffer((BQ,), F32, scope=small)
             D_r = T.alloc_buffer((BQ,) if want_dk else (1,), F32, scope=small)
             dK = T.alloc_buffer((_ceil(BK * DP, NT),) if want_dk else (1,), F32, scope=local)
@@ -234,14 +235,14 @@ class _Body:
 
         @T.macro
         def query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
-            Qs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
-            dOs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
-            Ks = T.alloc_buffer((BK, DP), dtype, scope=shared)
-            Vs = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
+            dOs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
+            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
+            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
             S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
             dP = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
             G = T.alloc_buffer((BQ, DP) if tc else (1, 1), F32, scope=shared)
-            dS = T.alloc_buffer((BQ, BK), dtype, scope=small)
+            dS = T.alloc_buffer((BQ, BK + PAD), dtype, scope=small)
             lse_r = T.alloc_buffer((BQ,), F32, scope=small)
             D_r = T.alloc_buffer((BQ,), F32, scope=small)
             dQ = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)

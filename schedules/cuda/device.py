@@ -31,6 +31,7 @@ F32 = "float32"
 HALF_TYPES = ("float16", "bfloat16")
 WARP = 32
 MMA = 16  # WMMA tile edge (m16n16k16)
+TILE_PAD = 8  # columns added to the half-precision tiles on tensor cores (16 bytes: rows stay aligned)
 
 # opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table)
 SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
@@ -96,6 +97,9 @@ class TileOps:
     def __init__(self, launch: Launch, dtype: str):
         self.launch, self.dtype = launch, dtype
         self.tensor_cores = launch.uses_tensor_cores(dtype)
+        # extra columns of the half tiles WMMA reads: rows 2 * (n + 8) bytes apart start in
+        # different banks (n a multiple of 64 would put every row in the same ones)
+        self.pad = TILE_PAD if self.tensor_cores else 0
 
         @T.macro
         def sync():

@@ -49,7 +49,8 @@ class _Body:
         local = launch.local
         qk = ops.gemm(BQ, BK, DP, b_trans=True)
         pv = ops.gemm(BQ, DP, BK) if ops.tensor_cores else None
-        self.ops, self.owned = ops, _ceil(BQ * DP, NT)
+        PAD = ops.pad
+        self.ops = ops
 
         copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP)
 
@@ -146,13 +147,13 @@ class _Body:
         @T.macro
         def attend(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
                    num_blocks, tx):
-            Qs = T.alloc_buffer((BQ, DP), dtype, scope=launch.shared)
-            Ks = T.alloc_buffer((BK, DP), dtype, scope=launch.shared)
-            Vs = T.alloc_buffer((BK, DP), dtype, scope=launch.shared)
+            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=launch.shared)
+            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=launch.shared)
+            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=launch.shared)
             # S and P in static shared memory: TVM's sync planner tells them apart from the dynamic
             # tiles, so the passes reading one and writing the other need no extra barriers
             S = T.alloc_buffer((BQ, BK + 4), F32, scope=launch.small_shared)  # +4: fewer bank conflicts
-            P = T.alloc_buffer((BQ, BK), dtype, scope=launch.small_shared)
+            P = T.alloc_buffer((BQ, BK + PAD), dtype, scope=launch.small_shared)
             PV = T.alloc_buffer((BQ, DP) if ops.tensor_cores else (1, 1), F32, scope=launch.shared)
             m = T.alloc_buffer((SLOTS,), F32, scope=local)  # max and sum of the rows this thread works on
             l = T.alloc_buffer((SLOTS,), F32, scope=local)

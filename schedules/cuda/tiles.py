@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .device import F32, HALF_TYPES, MMA, padded_dim
+from .device import F32, HALF_TYPES, MMA, TILE_PAD, padded_dim
 
 
 def _bytes(dtype: str) -> int:
@@ -44,8 +44,9 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
     """(static, dynamic) shared-memory bytes of a forward block: S (float32, rows padded), P, row state and
     page ids static; Q, K, V tiles and, on tensor cores, P@V (float32) dynamic."""
     BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
-    static = 4 * BQ * (BK + 4) + e * BQ * BK + 4 * 4 * BQ + 8 * BK
-    dynamic = e * (BQ * DP + 2 * BK * DP) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
+    pad = TILE_PAD if dtype in HALF_TYPES else 0
+    static = 4 * BQ * (BK + 4) + e * BQ * (BK + pad) + 4 * 4 * BQ + 8 * BK
+    dynamic = e * (BQ + 2 * BK) * (DP + pad) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
     return static, dynamic
 
 
@@ -53,8 +54,9 @@ def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int
     """(static, dynamic) bytes of a backward block: P, dS (input dtype) and the rows' lse and D
     static; Q, dO, K, V tiles dynamic, plus on tensor cores S, dP and a [block, D] float32 product."""
     BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
-    static = 2 * e * BQ * BK + 8 * BQ
-    dynamic = e * (2 * BQ + 2 * BK) * DP + ((8 * BQ * BK + 4 * max(BQ, BK) * DP) if dtype in HALF_TYPES else 0)
+    pad = TILE_PAD if dtype in HALF_TYPES else 0
+    static = 2 * e * BQ * (BK + pad) + 8 * BQ
+    dynamic = e * (2 * BQ + 2 * BK) * (DP + pad) + ((8 * BQ * BK + 4 * max(BQ, BK) * DP) if dtype in HALF_TYPES else 0)
     return static, dynamic
 
 
