@@ -239,7 +239,23 @@ class _Body:
                     if e % D == 0:
                         lse[e // D // Sq // Hq, e // D // Sq % Hq, e // D % Sq] = sem.log_sum_exp(sem.safe_row_max(top[0]), weight[0])
 
-        self.attend, self.merge = attend, merge
+        @T.macro
+        def launch_grid(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, B, Hq, Sq, kv_len, num_blocks):
+            # grid as FlashAttention-2's: x row tiles, y batch, z KV heads x splits (each within
+            # CUDA's limits); then the split-KV merge
+            for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
+                for by in launch.grid(B, "y"):
+                    for bz in launch.grid(spec.num_kv_heads * SPLITS, "z"):
+                        for tx in launch.block():
+                            attend(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, T.Cast("int64", by),
+                                   T.Cast("int64", bz // SPLITS), T.Cast("int64", bx) * BQ, bz % SPLITS, Sq * group,
+                                   Sq, kv_len(by), num_blocks, tx)
+            if SPLITS > 1:
+                for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
+                    for tx in launch.block():
+                        merge(out, lse, part_o, part_lse, B, Hq, Sq, tx, bx)
+
+        self.launch_grid = launch_grid
 
 
 def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None = None,
@@ -250,7 +266,7 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     body = _Body(spec, tiles, launch, paged=False)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, NT, SPLITS = tiles.block_q, launch.threads, tiles.splits
+    SPLITS = tiles.splits
     mask_dtype = spec.mask_dtype or "bool"
     has_mask = len(spec.mask_broadcast) > 0
 
@@ -268,18 +284,7 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
         lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
         part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
         part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
-        # grid as FlashAttention-2's: x row tiles, y batch, z KV heads x splits (each within CUDA's limits)
-        for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
-            for by in launch.grid(B, "y"):
-                for bz in launch.grid(Hkv * SPLITS, "z"):
-                    for tx in launch.block():
-                        body.attend(q, k, v, k, alibi, mask, out, lse, part_o, part_lse, T.Cast("int64", by),
-                                    T.Cast("int64", bz // SPLITS), T.Cast("int64", bx) * BQ, bz % SPLITS, Sq * group,
-                                    Sq, Sk, Sk, tx)
-        if SPLITS > 1:
-            for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
-                for tx in launch.block():
-                    body.merge(out, lse, part_o, part_lse, B, Hq, Sq, tx, bx)
+        body.launch_grid(q, k, v, k, alibi, mask, out, lse, part_o, part_lse, B, Hq, Sq, lambda b: Sk, Sk)
     # fmt: on
 
     unused = ({"alibi"} if not spec.has_alibi else set()) | ({"mask"} if not has_mask else set())
@@ -295,7 +300,7 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
     body = _Body(spec, tiles, launch, paged=True)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, NT, SPLITS, BS = tiles.block_q, launch.threads, tiles.splits, spec.block_size
+    SPLITS, BS = tiles.splits, spec.block_size
 
     # fmt: off
     @T.prim_func
@@ -311,20 +316,9 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
         out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
         part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
         part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
-        for bx in launch.grid((Sq * group + BQ - 1) // BQ, "x"):
-            for by in launch.grid(B, "y"):
-                for bz in launch.grid(Hkv * SPLITS, "z"):
-                    for tx in launch.block():
-                        # a device kernel cannot assert: a length past the table's capacity is clamped
-                        body.attend(q, k_cache, v_cache, table, alibi, alibi, out, out, part_o, part_lse,
-                                    T.Cast("int64", by), T.Cast("int64", bz // SPLITS), T.Cast("int64", bx) * BQ,
-                                    bz % SPLITS, Sq * group, Sq,
-                                    T.max(T.min(T.Cast("int64", lens[by]), max_blocks * BS), T.int64(0)),
-                                    num_blocks, tx)
-        if SPLITS > 1:
-            for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
-                for tx in launch.block():
-                    body.merge(out, out, part_o, part_lse, B, Hq, Sq, tx, bx)
+        # a device kernel cannot assert: a length past the table's capacity is clamped
+        body.launch_grid(q, k_cache, v_cache, table, alibi, alibi, out, out, part_o, part_lse, B, Hq, Sq,
+                         lambda b: T.max(T.min(T.Cast("int64", lens[b]), max_blocks * BS), T.int64(0)), num_blocks)
     # fmt: on
 
     return finish(drop_params(fuel_paged_attn_cuda, set() if spec.has_alibi else {"alibi"}))

@@ -179,10 +179,10 @@ class CudaFlashBackward(_CudaRule):
         return self._serves(dense_workload(self.op, call, grads=SPECS[self.op].grads), target)
 
     def _tuned_defaults(self, workload, target, tiles):
-        # each thread holds its share of dK and dV (or dQ) in registers: 256 threads keep a
-        # 64 x 128 tile pair of half-precision inputs free of spills
-        wide = workload.spec.dtype in HALF_TYPES and padded_dim(workload.spec.head_dim) > 64
-        return replace(tiles, threads=256) if wide and tiles.block_k * padded_dim(workload.spec.head_dim) >= 4096 else tiles
+        # each thread holds 2 * block_k * D / threads accumulators (its share of dK and dV): more
+        # than 64 spill on tensor-core kernels (ptxas), so such tiles run 256 threads
+        per_thread = 2 * tiles.block_k * padded_dim(workload.spec.head_dim) // tiles.threads
+        return replace(tiles, threads=256) if workload.spec.dtype in HALF_TYPES and per_thread > 64 else tiles
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return {name: values for name, values in super().knob_space(workload, target).items() if name != "splits"}
@@ -203,4 +203,4 @@ def cuda_rules(*, emulated: bool = False) -> tuple[KernelRule, ...]:
 
 RULES = cuda_rules()
 
-__all__ = ["RULES", "cuda_rules", "arch_of", "shared_memory_fits", "padded_dim"]
+__all__ = ["RULES", "STATIC_SHARED_LIMIT", "cuda_rules", "arch_of", "shared_memory_fits"]

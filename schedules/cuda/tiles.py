@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .device import F32, HALF_TYPES, MMA, TILE_PAD, padded_dim
+from .device import HALF_TYPES, MMA, TILE_PAD, padded_dim
 
 
 def _bytes(dtype: str) -> int:
@@ -65,4 +65,4 @@ def streaming_multiprocessors(arch: str) -> int:
     return {"sm_80": 108, "sm_90": 132}.get(arch, 80)
 
 
-__all__ = ["CudaTiles", "forward_smem", "backward_smem", "streaming_multiprocessors", "F32"]
+__all__ = ["CudaTiles", "forward_smem", "backward_smem", "streaming_multiprocessors"]
