@@ -9,13 +9,14 @@ Contents:
     reference  -- numpy references of every op (the oracle)
     compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
                   with the knobs of matching tuning records)
+    transform  -- Relax passes: ShareForwardState, gradient (flash_attn's gradient is registered)
     tune       -- MetaSchedule auto-tuning of the kernels' knobs (tvm_fuel.tuning)
     tuning_report -- which kernels of a module use a tuning record
     host_target   -- llvm for this machine's CPU
     AttnConfig -- the validated attention options
 """
 
-from . import op, reference
+from . import op, reference, transform
 from .build import compile, host_target  # noqa: A004  (mirrors tvm.compile)
 from .config import AttnConfig
 from .registry import register as _register
@@ -38,5 +39,5 @@ def tuning_report(*args, **kwargs):
     return _report(*args, **kwargs)
 
 
-__all__ = ["op", "reference", "compile", "host_target", "tune", "tuning_report", "AttnConfig"]
+__all__ = ["op", "reference", "transform", "compile", "host_target", "tune", "tuning_report", "AttnConfig"]
 __version__ = "0.1.0"

@@ -11,9 +11,11 @@ import types
 
 import tvm
 from tvm.ir import Op
+from tvm.relax.op.base import register_gradient
 from tvm.relax.transform.legalize_ops.common import register_legalize
 
 from . import op as _op
+from .grad import GRADIENTS
 from .infer import INFER
 from .legalize import LEGALIZE
 from .op import SPECS, OpSpec
@@ -49,6 +51,7 @@ def register() -> None:
         tvm.ir.register_op_attr(spec.op_name, "FInferType", INFER[name])
         tvm.ir.register_op_attr(spec.op_name, "FPurity", True)
         register_legalize(spec.op_name, LEGALIZE[name])
+        register_gradient(spec.op_name, GRADIENTS[name])
     import tvm.relax.script as relax_script
     import tvm.relax.script.parser as relax_parser
 

@@ -1,0 +1,90 @@
+"""Gradients of the fuel ops for ``relax.transform.Gradient`` (the ``FPrimalGradient`` attribute).
+
+``flash_attn``'s gradient emits ``flash_attn_backward`` with the forward's ``out`` and, when the
+forward returns it, ``lse``: the backward kernels then neither recompute the forward nor its
+softmax statistics. Run ``tvm_fuel.transform.ShareForwardState()`` before ``Gradient`` so a
+``flash_attn`` without ``return_lse`` returns it too (its users see the same output). ALiBi
+slopes and masks get no gradient. ``paged_attn`` (inference over a cache) and ``softmax_backward``
+have no gradient: ``Gradient`` reports the op by name.
+
+Contents:
+    GRADIENTS -- op name -> its ``FPrimalGradient`` (registered on ``import tvm_fuel``)
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.op.grad import no_grad
+
+from . import op
+from .op import SPECS
+
+_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap")
+
+
+def _options(call: relax.Call) -> dict:
+    attrs = {name: call.attrs[name] for name in _OPTIONS}
+    attrs["window_size"] = tuple(int(x) for x in attrs["window_size"])
+    attrs["causal"] = bool(attrs["causal"])
+    attrs["softcap"] = float(attrs["softcap"])
+    scale = attrs["softmax_scale"]
+    attrs["softmax_scale"] = None if scale is None else float(scale)
+    return attrs
+
+
+def _bound(ctx: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
+    """What a variable of the adjoint function is bound to (following variables)."""
+    while isinstance(expr, relax.Var):
+        value = ctx.lookup_binding(expr)
+        if value is None:
+            break
+        expr = value
+    return expr
+
+
+def _is_zeros(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:
+    """Whether ``expr`` is the zero adjoint Gradient gives an output nobody differentiates."""
+    expr = _bound(ctx, expr)
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in (
+        "relax.zeros", "relax.zeros_like")
+
+
+def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                         ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    args = SPECS["flash_attn"].split_args(orig_call)
+    if bool(orig_call.attrs["return_lse"]):
+        out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
+        dout, dlse = relax.TupleGetItem(output_grad, 0), relax.TupleGetItem(output_grad, 1)
+        bound = _bound(ctx, output_grad)
+        if isinstance(bound, relax.Tuple):
+            dout, dlse = bound.fields
+        if not _is_zeros(ctx, dlse):
+            raise ValueError("fuel.flash_attn: the gradient through lse is not supported: the loss may use "
+                             "out, not lse")
+    else:
+        out, lse, dout = orig_var, None, output_grad
+    grads = ctx.emit(op.flash_attn_backward(args["q"], args["k"], args["v"], dout, args["alibi_slopes"],
+                                            args["attn_mask"], out=out, lse=lse, **_options(orig_call)))
+    result = [relax.TupleGetItem(grads, i) for i in range(3)]
+    result += [no_grad(args[name]) for name in ("alibi_slopes", "attn_mask") if args[name] is not None]
+    return result
+
+
+def _not_differentiable(why: str):
+    def gradient(orig_var, orig_call, output_grad, ctx):
+        raise ValueError(why)
+
+    return gradient
+
+
+# op name -> FPrimalGradient (registered with the ops by tvm_fuel.registry)
+GRADIENTS = {
+    "flash_attn": _flash_attn_gradient,
+    "paged_attn": _not_differentiable(
+        "fuel.paged_attn is not differentiable: it attends over an inference KV cache; differentiate "
+        "flash_attn (training) instead"),
+    **{name: _not_differentiable(f"fuel.{name} has no gradient (no double backward)")
+       for name in ("flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")},
+    "softmax_backward": _not_differentiable("fuel.softmax_backward has no gradient (no double backward)"),
+}
