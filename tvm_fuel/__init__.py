@@ -10,6 +10,7 @@ Contents:
     compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
                   with the knobs of matching tuning records)
     transform  -- Relax passes: ShareForwardState, gradient (flash_attn's gradient is registered)
+    nn         -- FlashAttention, PagedAttention modules for tvm.relax.frontend.nn (import tvm_fuel.nn)
     tune       -- MetaSchedule auto-tuning of the kernels' knobs (tvm_fuel.tuning)
     tuning_report -- which kernels of a module use a tuning record
     host_target   -- llvm for this machine's CPU

@@ -1,0 +1,83 @@
+"""The fuel ops as ``tvm.relax.frontend.nn`` modules, used the way TVM's built-in layers are.
+
+Both modules are stateless (no parameters): projections, RoPE and the cache belong to the model.
+
+Contents:
+    FlashAttention -- ``flash_attn`` over [B, Hq, Sq, D] / [B, Hkv, Sk, D] tensors
+    PagedAttention -- ``paged_attn`` over a paged KV cache and its block table
+
+Example
+-------
+>>> from tvm.relax.frontend import nn
+>>> import tvm_fuel.nn
+>>> class Block(nn.Module):
+...     def __init__(self):
+...         self.attn = tvm_fuel.nn.FlashAttention(causal=True)
+...     def forward(self, q, k, v):
+...         return self.attn(q, k, v)
+>>> spec = {"forward": {"q": nn.spec.Tensor((1, 8, 16, 64), "float32"),
+...                     "k": nn.spec.Tensor((1, 2, 16, 64), "float32"),
+...                     "v": nn.spec.Tensor((1, 2, 16, 64), "float32")}}
+>>> mod, _ = Block().export_tvm(spec)
+"""
+
+from __future__ import annotations
+
+from tvm.relax.frontend import nn
+
+from . import op
+from .config import AttnConfig
+
+
+def _expr(tensor: nn.Tensor | None):
+    return None if tensor is None else tensor._expr  # noqa: SLF001 (nn.Tensor's Relax expression)
+
+
+class FlashAttention(nn.Module):
+    """``out = flash_attn(q, k, v, [alibi_slopes], [attn_mask])`` (``return_lse``: ``(out, lse)``).
+
+    Parameters (keyword-only)
+    ----------
+    softmax_scale, causal, window_size, softcap : as ``tvm_fuel.op.flash_attn`` (validated here).
+    return_lse : bool
+        Also return the log-sum-exp [B, Hq, Sq] (float32).
+
+    Inputs: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (float32, float16 or bfloat16, Hq a multiple
+    of Hkv); alibi_slopes [Hq] float32 and attn_mask (broadcastable to [B, Hq, Sq, Sk]) optional.
+    """
+
+    def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
+                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False):
+        self.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                            softcap=softcap)
+        AttnConfig.create("tvm_fuel.nn.FlashAttention", **self.options)  # bad options fail here, by name
+        self.return_lse = return_lse
+
+    def forward(self, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, alibi_slopes: nn.Tensor | None = None,
+                attn_mask: nn.Tensor | None = None):
+        call = op.flash_attn(_expr(q), _expr(k), _expr(v), _expr(alibi_slopes), _expr(attn_mask),
+                             return_lse=self.return_lse, **self.options)
+        return nn.wrap_nested(call, name="flash_attn")
+
+
+class PagedAttention(nn.Module):
+    """``out = paged_attn(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes])``.
+
+    Parameters (keyword-only): softmax_scale, causal, window_size, softcap as ``tvm_fuel.op.paged_attn``.
+
+    Inputs: q [B, Hq, Sq, D] (the last Sq positions of each context), k_cache and v_cache
+    [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] and context_lens [B] (int32 or
+    int64), alibi_slopes [Hq] float32 optional. Returns out [B, Hq, Sq, D].
+    """
+
+    def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
+                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+        self.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                            softcap=softcap)
+        AttnConfig.create("tvm_fuel.nn.PagedAttention", **self.options)
+
+    def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, block_table: nn.Tensor,
+                context_lens: nn.Tensor, alibi_slopes: nn.Tensor | None = None) -> nn.Tensor:
+        call = op.paged_attn(_expr(q), _expr(k_cache), _expr(v_cache), _expr(block_table), _expr(context_lens),
+                             _expr(alibi_slopes), **self.options)
+        return nn.wrap_nested(call, name="paged_attn")
