@@ -11,6 +11,7 @@ Contents:
                   with the knobs of matching tuning records)
     transform  -- Relax passes: ShareForwardState, gradient (flash_attn's gradient is registered)
     nn         -- FlashAttention, PagedAttention modules for tvm.relax.frontend.nn (import tvm_fuel.nn)
+    kv_cache   -- PagedKVCache: blocks, appends through the block table, frees (import tvm_fuel.kv_cache)
     tune       -- MetaSchedule auto-tuning of the kernels' knobs (tvm_fuel.tuning)
     tuning_report -- which kernels of a module use a tuning record
     host_target   -- llvm for this machine's CPU

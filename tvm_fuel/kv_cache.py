@@ -1,0 +1,174 @@
+"""A paged KV cache for decode loops, in the layout ``paged_attn`` reads (vLLM's).
+
+The cache owns two tensors ``[num_blocks, block_size, Hkv, D]`` (K and V) on a device, a pool of
+free blocks and each sequence's list of blocks. ``append`` takes new K/V rows of some sequences,
+allocates the blocks they need and writes the rows into their slots with a small compiled kernel
+(the tensors stay on the device); ``block_table`` and ``context_lens`` are the arguments
+``paged_attn`` takes for a batch of sequences; ``free`` returns a sequence's blocks to the pool.
+
+Contents:
+    PagedKVCache
+
+Example
+-------
+>>> import numpy as np, tvm_fuel
+>>> cache = tvm_fuel.kv_cache.PagedKVCache(num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
+>>> seq = cache.add_sequence()
+>>> k = v = np.zeros((1, 2, 17, 64), "float32")        # [B, Hkv, T, D]: 17 new tokens of one sequence
+>>> cache.append([seq], k, v)
+>>> cache.context_lens([seq]).numpy()
+array([17], dtype=int32)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import tvm
+from tvm.script import tirx as T
+
+
+@functools.lru_cache(maxsize=None)
+def _append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
+    """PrimFunc(k_cache, v_cache, k_new, v_new, slots): cache[slot[b, t] // bs, slot % bs] = new[b, :, t]."""
+    threads = 256
+
+    @T.prim_func
+    def fuel_kv_append(k_cache_h: T.handle, v_cache_h: T.handle, k_new_h: T.handle, v_new_h: T.handle,
+                       slots_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        num_blocks, block_size, batch, tokens = T.int64(), T.int64(), T.int64(), T.int64()
+        k_cache = T.match_buffer(k_cache_h, (num_blocks, block_size, heads, head_dim), dtype)
+        v_cache = T.match_buffer(v_cache_h, (num_blocks, block_size, heads, head_dim), dtype)
+        k_new = T.match_buffer(k_new_h, (batch, heads, tokens, head_dim), dtype)
+        v_new = T.match_buffer(v_new_h, (batch, heads, tokens, head_dim), dtype)
+        slots = T.match_buffer(slots_h, (batch, tokens), "int64")
+        if gpu:
+            for bx in T.thread_binding(T.Cast("int32", (batch * tokens * heads * head_dim + threads - 1) // threads),
+                                       thread="blockIdx.x"):
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    e: T.int64 = T.Cast("int64", bx) * threads + tx
+                    if e < batch * tokens * heads * head_dim:
+                        k_cache[slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] // block_size, slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] % block_size, e // head_dim % heads, e % head_dim] = k_new[e // (tokens * heads * head_dim), e // head_dim % heads, e // (heads * head_dim) % tokens, e % head_dim]
+                        v_cache[slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] // block_size, slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] % block_size, e // head_dim % heads, e % head_dim] = v_new[e // (tokens * heads * head_dim), e // head_dim % heads, e // (heads * head_dim) % tokens, e % head_dim]
+        else:
+            for b, t in T.grid(batch, tokens):
+                for h, d in T.grid(heads, head_dim):
+                    k_cache[slots[b, t] // block_size, slots[b, t] % block_size, h, d] = k_new[b, h, t, d]
+                    v_cache[slots[b, t] // block_size, slots[b, t] % block_size, h, d] = v_new[b, h, t, d]
+
+    return fuel_kv_append
+
+
+class PagedKVCache:
+    """K and V caches ``[num_blocks, block_size, Hkv, D]`` with a block pool and per-sequence tables.
+
+    Parameters (keyword-only)
+    ----------
+    num_blocks, block_size, num_kv_heads, head_dim : int
+        The cache's shape (block_size: tokens per block).
+    dtype : str
+        float32, float16 or bfloat16.
+    device : tvm.runtime.Device
+        Where the tensors live (``tvm.cpu()`` or ``tvm.cuda()``).
+    target : str, dict or Target, optional
+        What the append kernel is built for (default: llvm, or sm of the device for CUDA).
+    """
+
+    def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str = "float32", device=None, target=None):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"PagedKVCache: dtype must be float32, float16 or bfloat16, got {dtype!r}")
+        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = num_blocks, block_size, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.device = device or tvm.cpu()
+        gpu = self.device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
+        if target is None:
+            target = ({"kind": "cuda", "arch": "sm_" + self.device.compute_version.replace(".", "")} if gpu
+                      else {"kind": "llvm"})
+        from .build import as_target
+
+        self._append = tvm.compile(_append_kernel(dtype, num_kv_heads, head_dim, gpu), target=as_target(target))
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = tvm.runtime.empty(shape, dtype, self.device)
+        self.v_cache = tvm.runtime.empty(shape, dtype, self.device)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._blocks: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def add_sequence(self) -> int:
+        """A new, empty sequence; returns its id."""
+        seq = self._next_id
+        self._next_id += 1
+        self._blocks[seq], self._lens[seq] = [], 0
+        return seq
+
+    def free(self, seq: int) -> None:
+        """Return the sequence's blocks to the pool and forget it."""
+        self._check([seq], "free")
+        self._free.extend(reversed(self._blocks.pop(seq)))
+        del self._lens[seq]
+
+    def append(self, seqs: list[int], k, v) -> None:
+        """Write ``k``, ``v`` [B, Hkv, T, D] (numpy or tvm tensors, B = len(seqs)) as the next T
+        tokens of each sequence, allocating blocks as they fill."""
+        self._check(seqs, "append")
+        k_new, v_new = (x if isinstance(x, tvm.runtime.Tensor) else tvm.runtime.tensor(np.ascontiguousarray(x),
+                                                                                          device=self.device)
+                        for x in (k, v))
+        want = (len(seqs), self.num_kv_heads, None, self.head_dim)
+        for name, x in (("k", k_new), ("v", v_new)):
+            shape = tuple(x.shape)
+            if len(shape) != 4 or shape[0] != want[0] or shape[1] != want[1] or shape[3] != want[3] or str(
+                    x.dtype) != self.dtype:
+                raise ValueError(f"PagedKVCache.append: {name} must be [B={want[0]}, Hkv={want[1]}, T, D={want[3]}] "
+                                 f"{self.dtype}, got {list(shape)} {x.dtype}")
+        tokens = int(k_new.shape[2])
+        if tuple(v_new.shape) != tuple(k_new.shape):
+            raise ValueError(f"PagedKVCache.append: v {list(v_new.shape)} must match k {list(k_new.shape)}")
+        needed = sum(-(-(self._lens[s] + tokens) // self.block_size) - len(self._blocks[s]) for s in seqs)
+        if needed > len(self._free):
+            raise ValueError(f"PagedKVCache.append: needs {needed} more blocks, {len(self._free)} free "
+                             f"(free finished sequences or make the cache larger)")
+        slots = np.empty((len(seqs), tokens), "int64")
+        for row, seq in enumerate(seqs):
+            blocks, start = self._blocks[seq], self._lens[seq]
+            while len(blocks) * self.block_size < start + tokens:
+                blocks.append(self._free.pop())
+            positions = np.arange(start, start + tokens)
+            slots[row] = np.asarray(blocks, "int64")[positions // self.block_size] * self.block_size + (
+                positions % self.block_size)
+            self._lens[seq] = start + tokens
+        self._append(self.k_cache, self.v_cache, k_new, v_new, tvm.runtime.tensor(slots, device=self.device))
+
+    def block_table(self, seqs: list[int], max_blocks: int | None = None) -> tvm.runtime.Tensor:
+        """[B, max_blocks] int32: each sequence's blocks, padded with -1 (never read: past its length)."""
+        self._check(seqs, "block_table")
+        width = max_blocks or max(1, max(len(self._blocks[s]) for s in seqs))
+        table = np.full((len(seqs), width), -1, "int32")
+        for row, seq in enumerate(seqs):
+            blocks = self._blocks[seq]
+            if len(blocks) > width:
+                raise ValueError(f"PagedKVCache.block_table: sequence {seq} holds {len(blocks)} blocks > max_blocks {width}")
+            table[row, :len(blocks)] = blocks
+        return tvm.runtime.tensor(table, device=self.device)
+
+    def context_lens(self, seqs: list[int]) -> tvm.runtime.Tensor:
+        """[B] int32: each sequence's token count."""
+        self._check(seqs, "context_lens")
+        return tvm.runtime.tensor(np.array([self._lens[s] for s in seqs], "int32"), device=self.device)
+
+    def _check(self, seqs, what: str) -> None:
+        unknown = [s for s in seqs if s not in self._blocks]
+        if unknown:
+            raise KeyError(f"PagedKVCache.{what}: unknown sequence ids {unknown} (add_sequence first)")
