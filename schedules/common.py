@@ -9,7 +9,7 @@ Contents:
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
     row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased   -- the element-wise mask and logit transform (via tvm_fuel.semantics)
-    mask_shape, mask_at, drop_params, finish
+    mask_shape, mask_at, param_buffers, drop_params, finish
 """
 
 from __future__ import annotations
@@ -106,6 +106,28 @@ def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
     if spec.mask_dtype is not None and spec.mask_dtype != "bool":
         capped = capped + mask_at(mask, b, h, i, j).astype(F32)
     return capped
+
+
+def param_buffers(spec: KernelSpec, dims: dict, **handles) -> tuple:
+    """The buffers of a kernel's parameters, in the order of ``handles`` (name -> handle), for
+    the runtime ``dims`` (B, Sq and Sk; paged: B, Sq, num_blocks, max_blocks). Called inside a
+    ``@T.prim_func`` body: every target's kernels of an op share one signature."""
+    dtype, Hq, Hkv, D = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+    B, Sq = dims["B"], dims["Sq"]
+    has_mask = len(spec.mask_broadcast) > 0
+    layouts = {
+        "q": ((B, Hq, Sq, D), dtype), "do": ((B, Hq, Sq, D), dtype), "out": ((B, Hq, Sq, D), dtype),
+        "dq": ((B, Hq, Sq, D), dtype), "lse": ((B, Hq, Sq), F32), "alibi": ((Hq,), F32),
+    }
+    if "Sk" in dims:
+        kv = ((B, Hkv, dims["Sk"], D), dtype)
+        layouts.update(k=kv, v=kv, dk=kv, dv=kv, mask=(mask_shape(spec, B, Sq, dims["Sk"]) if has_mask else (1,),
+                                                     spec.mask_dtype or "bool"))
+    else:
+        cache = ((dims["num_blocks"], spec.block_size, Hkv, D), dtype)
+        layouts.update(k_cache=cache, v_cache=cache, table=((B, dims["max_blocks"]), spec.table_dtype),
+                       lens=((B,), spec.lens_dtype))
+    return tuple(T.match_buffer(handle, *layouts[name]) for name, handle in handles.items())
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

@@ -24,7 +24,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (F32, KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head,
+from ..common import (param_buffers, F32, KernelSpec, biased, drop_params, finish, key_tile_range, row_head,
                       row_position, shape_vars, tile_is_interior, visible)
 from .common import prefetch
 from .micro import Micro
@@ -115,7 +115,6 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     cfg = spec.cfg
-    mask_dtype = spec.mask_dtype or "bool"
     has_mask = len(spec.mask_broadcast) > 0
 
     # fmt: off
@@ -123,13 +122,9 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
                             out_h: T.handle, lse_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
-        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
-        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
-        alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
-        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
-        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
+        q, k, v, alibi, mask, out, lse = param_buffers(
+            spec, dict(B=B, Sq=Sq, Sk=Sk),
+            q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         # K and V are packed once into float32 key tiles shared by every task of the KV head:
@@ -311,13 +306,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
                             lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
-        k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
-        v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)
-        table = T.match_buffer(table_h, (B, max_blocks), spec.table_dtype)
-        lens = T.match_buffer(lens_h, (B,), spec.lens_dtype)
-        alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        q, k_cache, v_cache, table, lens, alibi, out = param_buffers(
+            spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
+            q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         for task in T.parallel(B * (Hkv // HT) * n_row_tiles):

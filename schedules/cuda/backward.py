@@ -39,7 +39,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, query_tile_range,
+from ..common import (param_buffers, KernelSpec, biased, drop_params, finish, key_tile_range, query_tile_range,
                       shape_vars, visible)
 from .device import F32, Launch, TileOps, padded_dim
 from .tiles import CudaTiles
@@ -291,7 +291,6 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
     has_mask = len(spec.mask_broadcast) > 0
-    mask_dtype = spec.mask_dtype or "bool"
 
     # fmt: off
     @T.prim_func
@@ -299,17 +298,9 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
                                       alibi_h: T.handle, mask_h: T.handle, out_h: T.handle, lse_h: T.handle,
                                       dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
-        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
-        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
-        do = T.match_buffer(do_h, (B, Hq, Sq, D), dtype)
-        alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
-        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
-        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
-        dq = T.match_buffer(dq_h, (B, Hq, Sq, D), dtype)
-        dk = T.match_buffer(dk_h, (B, Hkv, Sk, D), dtype)
-        dv = T.match_buffer(dv_h, (B, Hkv, Sk, D), dtype)
+        q, k, v, do, alibi, mask, out, lse, dq, dk, dv = param_buffers(
+            spec, dict(B=B, Sq=Sq, Sk=Sk),
+            q=q_h, k=k_h, v=v_h, do=do_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, dq=dq_h, dk=dk_h, dv=dv_h)
         row_dot = T.alloc_buffer((B, Hq, Sq) if want_ds else (1, 1, 1), F32)
         # 1. D = rowsum(do * out)
         if want_ds:

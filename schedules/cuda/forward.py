@@ -27,7 +27,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (KernelSpec, biased, drop_params, finish, key_tile_range, mask_shape, row_head, row_position,
+from ..common import (param_buffers, KernelSpec, biased, drop_params, finish, key_tile_range, row_head, row_position,
                       shape_vars, tile_is_interior, visible)
 from .device import F32, Launch, TileOps, padded_dim
 from .tiles import CudaTiles
@@ -267,7 +267,6 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     body = _Body(spec, tiles, launch, paged=False)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     SPLITS = tiles.splits
-    mask_dtype = spec.mask_dtype or "bool"
     has_mask = len(spec.mask_broadcast) > 0
 
     # fmt: off
@@ -275,13 +274,9 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     def fuel_flash_attn_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
                              out_h: T.handle, lse_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
-        k = T.match_buffer(k_h, (B, Hkv, Sk, D), dtype)
-        v = T.match_buffer(v_h, (B, Hkv, Sk, D), dtype)
-        alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        mask = T.match_buffer(mask_h, mask_shape(spec, B, Sq, Sk) if has_mask else (1,), mask_dtype)
-        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
-        lse = T.match_buffer(lse_h, (B, Hq, Sq), F32)
+        q, k, v, alibi, mask, out, lse = param_buffers(
+            spec, dict(B=B, Sq=Sq, Sk=Sk),
+            q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
         part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
         part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
         body.launch_grid(q, k, v, k, alibi, mask, out, lse, part_o, part_lse, B, Hq, Sq, lambda b: Sk, Sk)
@@ -307,13 +302,9 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     def fuel_paged_attn_cuda(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
                              lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (B, Hq, Sq, D), dtype)
-        k_cache = T.match_buffer(k_cache_h, (num_blocks, BS, Hkv, D), dtype)
-        v_cache = T.match_buffer(v_cache_h, (num_blocks, BS, Hkv, D), dtype)
-        table = T.match_buffer(table_h, (B, max_blocks), spec.table_dtype)
-        lens = T.match_buffer(lens_h, (B,), spec.lens_dtype)
-        alibi = T.match_buffer(alibi_h, (Hq,), F32)
-        out = T.match_buffer(out_h, (B, Hq, Sq, D), dtype)
+        q, k_cache, v_cache, table, lens, alibi, out = param_buffers(
+            spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
+            q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
         part_o = T.alloc_buffer((B, Hq, Sq, SPLITS, D) if SPLITS > 1 else (1, 1, 1, 1, 1), F32)
         part_lse = T.alloc_buffer((B, Hq, Sq, SPLITS) if SPLITS > 1 else (1, 1, 1, 1), F32)
         # a device kernel cannot assert: a length past the table's capacity is clamped
