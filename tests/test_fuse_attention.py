@@ -80,3 +80,59 @@ def test_a_torch_sdpa_block_imported_through_fx(causal):
     want = Block()(*map(torch.from_numpy, arrays)).numpy()
     np.testing.assert_allclose(_run(fused, arrays), want, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(_run(mod, arrays), want, atol=2e-5, rtol=2e-5)
+
+
+def _exported(block, arrays):
+    torch = pytest.importorskip("torch")
+    from torch.export import export
+    from tvm.relax.frontend.torch import from_exported_program
+
+    return from_exported_program(export(block, tuple(map(torch.from_numpy, arrays))))
+
+
+def _blocks():
+    torch = pytest.importorskip("torch")
+
+    class Sdpa(torch.nn.Module):
+        def __init__(self, causal=False):
+            super().__init__()
+            self.causal = causal
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+    class ByHand(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v
+
+    class ByHandMasked(torch.nn.Module):
+        def forward(self, q, k, v):
+            scores = q @ k.transpose(-2, -1) * 0.25
+            return torch.softmax(scores + torch.ones_like(scores).triu(1) * -1e4, dim=-1) @ v
+
+    return torch, Sdpa, ByHand, ByHandMasked
+
+
+@pytest.mark.parametrize("which", ["sdpa", "by_hand"])
+def test_exported_programs_are_fused(which):
+    torch, Sdpa, ByHand, _ = _blocks()
+    block = Sdpa() if which == "sdpa" else ByHand()
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal(s).astype("float32") for s in ((2, 4, 13, 16), (2, 4, 9, 16), (2, 4, 9, 16))]
+    mod = _exported(block, arrays)
+    fused = FuseAttention()(mod)
+    assert "relax.fuel.flash_attn" in _ops(fused) and "relax.nn.softmax" not in _ops(fused)
+    want = block(*map(torch.from_numpy, arrays)).numpy()
+    run = lambda m: relax.VirtualMachine(tvm_fuel.compile(m, HOST, kernels="tuned"), tvm.cpu())["main"](  # noqa: E731
+        *map(tvm.runtime.tensor, arrays))[0].numpy()
+    np.testing.assert_allclose(run(fused), want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(run(mod), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("which", ["causal_sdpa", "masked_by_hand"])
+def test_masked_exported_programs_are_left_untouched(which):
+    torch, Sdpa, _, ByHandMasked = _blocks()
+    block = Sdpa(causal=True) if which == "causal_sdpa" else ByHandMasked()
+    arrays = [np.ones((2, 4, 9, 16), "float32")] * 3
+    fused = FuseAttention()(_exported(block, arrays))
+    assert "relax.fuel.flash_attn" not in _ops(fused) and "relax.nn.softmax" in _ops(fused)

@@ -1,8 +1,8 @@
 """Relax passes around the fuel ops.
 
 Contents:
-    FuseAttention     -- R.nn.attention (what the FX importer makes of scaled_dot_product_attention)
-                         -> flash_attn, where the semantics match exactly
+    FuseAttention     -- R.nn.attention (FX import) and unfused softmax(Q K^T) V graphs (exported
+                         programs) -> flash_attn, where the semantics match exactly
     ShareForwardState -- flash_attn returns its lse too, so its gradient reuses out and lse
     gradient          -- ShareForwardState, then relax.transform.Gradient
 """
@@ -68,10 +68,118 @@ class _FuseNnAttention(PyExprMutator):
         return options
 
 
+def _op_name(expr) -> str | None:
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
+
+
+def _scalar(expr) -> float | None:
+    """The value of a scalar float constant (None if ``expr`` is not one)."""
+    if not isinstance(expr, tvm.ir.expr.Constant):
+        return None
+    value = expr.value.numpy()
+    return float(value.reshape(())) if value.size == 1 and value.dtype.kind == "f" else None
+
+
+@mutator
+class _FuseUnfused(PyExprMutator):
+    """``reshape(matmul(P, V))`` with ``P = softmax(scale * Q @ K^T)`` as frontends write it out
+    (batched 3-D matmuls over merged [B * H] dims, scale constants on q, k or the scores, the
+    fully-masked-row guard of PyTorch's SDPA decomposition) -> ``flash_attn``."""
+
+    def _bound(self, expr):
+        while isinstance(expr, relax.Var):
+            value = self.lookup_binding(expr)
+            if value is None:
+                break
+            expr = value
+        return expr
+
+    def _peel(self, expr, scale: list[float] | None = None):
+        """Strip reshapes and broadcasts that keep the element count, and, where ``scale`` collects
+        them, multiplies by a scalar constant."""
+        while True:
+            bound = self._bound(expr)
+            name = _op_name(bound)
+            if name in ("relax.reshape", "relax.broadcast_to") and _numel(bound.args[0]) == _numel(bound):
+                expr = bound.args[0]
+            elif name == "relax.multiply" and scale is not None and _scalar(self._bound(bound.args[1])) is not None:
+                scale.append(_scalar(self._bound(bound.args[1])))
+                expr = bound.args[0]
+            elif name == "relax.divide" and scale is not None and _scalar(self._bound(bound.args[1])):
+                scale.append(1.0 / _scalar(self._bound(bound.args[1])))
+                expr = bound.args[0]
+            else:
+                return expr, bound
+
+    def _softmax_input(self, bound):
+        """X of ``softmax(X, axis=-1)``, or of PyTorch's guard ``where(row fully masked, 0, softmax(X))``."""
+        if _op_name(bound) == "relax.where":
+            zeros = self._bound(bound.args[1])
+            if not (_op_name(zeros) in ("relax.full_like", "relax.zeros_like")
+                    and (len(zeros.args) < 2 or _scalar(self._bound(zeros.args[1])) == 0.0)):
+                return None
+            bound = self._bound(bound.args[2])  # the guard only zeroes fully masked rows, as fuel does
+        if _op_name(bound) != "relax.nn.softmax" or int(bound.attrs.axis) not in (-1, 3):
+            return None
+        return bound.args[0]
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
+        call = super().visit_call_(call)
+        if _op_name(call) != "relax.reshape" or len(call.ty.shape.values) != 4:
+            return call
+        matmul = self._bound(call.args[0])
+        if _op_name(matmul) != "relax.matmul":
+            return call
+        scale: list[float] = []
+        v, _ = self._peel(matmul.args[1])
+        _, probs = self._peel(matmul.args[0])
+        scores = self._softmax_input(probs)
+        if scores is None:
+            return call
+        s_var, s_bound = self._peel(scores, scale)
+        if _op_name(s_bound) != "relax.matmul":
+            return call
+        q, _ = self._peel(s_bound.args[0], scale)
+        k_t, k_t_bound = self._peel(s_bound.args[1], scale)
+        if _op_name(k_t_bound) != "relax.permute_dims" or [int(a) for a in k_t_bound.attrs.axes] != [0, 1, 3, 2]:
+            return call
+        k, _ = self._peel(k_t_bound.args[0], scale)
+        shapes = [_static(x) if len(x.ty.shape.values) == 4 else None for x in (q, k, v)]
+        out_shape = _static(call)
+        if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != out_shape:
+            return call
+        (b, h, sq, d), (bk, hk, sk, dk), vs = shapes
+        if (bk, hk, sk, dk) != tuple(vs) or (b, h, d) != (bk, hk, dk):
+            return call
+        # every product runs over the same (batch, head) pairs: operands are [B, H, m, n] or [B*H, m, n]
+        expected = ((s_bound.args[0], (sq, d)), (s_bound.args[1], (d, sk)), (scores, (sq, sk)),
+                    (matmul.args[0], (sq, sk)), (matmul.args[1], (sk, d)), (matmul, (sq, d)))
+        if not all(_merged(_static(x), (b, h), tail) for x, tail in expected):
+            return call
+        factor = 1.0
+        for c in scale:
+            factor *= c
+        return op.flash_attn(q, k, v, softmax_scale=factor)
+
+
+def _merged(shape: list, lead: tuple, tail: tuple) -> bool:
+    """``shape`` is ``[*lead, *tail]`` or ``[prod(lead), *tail]``."""
+    return list(shape) in ([*lead, *tail], [lead[0] * lead[1], *tail])
+
+
+def _numel(expr) -> int | None:
+    size = 1
+    for dim in expr.ty.shape.values:
+        if not isinstance(dim, tvm.tirx.IntImm):
+            return None
+        size *= int(dim)
+    return size
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvm_fuel.FuseAttention")
 class FuseAttention:
-    """Replace ``R.nn.attention`` (and ``attention_bias``) calls by ``flash_attn`` where the
-    semantics match exactly.
+    """Replace attention by ``flash_attn`` where the semantics match exactly: ``R.nn.attention``
+    (and ``attention_bias``) calls, and the unfused ``softmax(scale * Q @ K^T) @ V`` graphs.
 
     ``R.nn.attention`` is what TVM's FX importer (``relax.frontend.torch.from_fx``) makes of
     ``scaled_dot_product_attention``. Its [B, S, H, D] operands are permuted to fuel's
@@ -79,10 +187,18 @@ class FuseAttention:
     causal; ``TopLeft`` is causal when Sq == Sk and a right-bounded window when Sq > Sk. Left
     untouched: ``TopLeft`` with Sk > Sq or symbolic lengths, ``window_size`` (TVM's own sliding
     window convention), a value head dim unlike the query's, and a bias that is not a 4-D float.
+
+    The unfused form is what ``relax.frontend.torch.from_exported_program`` makes of a hand-written
+    block or of an unmasked ``scaled_dot_product_attention``: batched matmuls over merged
+    [B * H] dims (every operand's shape is checked), scalar constants on q, k or the scores
+    (their product is the softmax scale), and SDPA's guard that zeroes fully masked rows (fuel
+    does the same). Masked graphs (a causal SDPA's mask construction, additive masks) and GQA
+    broadcasts are left untouched.
     """
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return _rewrite(mod, _FuseNnAttention)
+        fused = _rewrite(_rewrite(mod, _FuseNnAttention), _FuseUnfused)
+        return relax.transform.DeadCodeElimination()(fused)
 
 
 def _rewrite(mod: tvm.IRModule, mutator_class) -> tvm.IRModule:
