@@ -33,10 +33,11 @@ def _options(call: relax.Call) -> dict:
     return attrs
 
 
-def _bound(ctx: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
-    """What a variable of the adjoint function is bound to (following variables)."""
+def bound_value(binder, expr: relax.Expr) -> relax.Expr:
+    """What ``expr`` is bound to, following variables through ``binder.lookup_binding`` (a
+    BlockBuilder, or an expression mutator of the function being rewritten)."""
     while isinstance(expr, relax.Var):
-        value = ctx.lookup_binding(expr)
+        value = binder.lookup_binding(expr)
         if value is None:
             break
         expr = value
@@ -45,7 +46,7 @@ def _bound(ctx: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
 
 def _is_zeros(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:
     """Whether ``expr`` is the zero adjoint Gradient gives an output nobody differentiates."""
-    expr = _bound(ctx, expr)
+    expr = bound_value(ctx, expr)
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in (
         "relax.zeros", "relax.zeros_like")
 
@@ -56,7 +57,7 @@ def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad
     if bool(orig_call.attrs["return_lse"]):
         out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
         dout, dlse = relax.TupleGetItem(output_grad, 0), relax.TupleGetItem(output_grad, 1)
-        bound = _bound(ctx, output_grad)
+        bound = bound_value(ctx, output_grad)
         if isinstance(bound, relax.Tuple):
             dout, dlse = bound.fields
         if not _is_zeros(ctx, dlse):

@@ -16,7 +16,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import op
-from .grad import _options
+from .grad import _options, bound_value
 from .op import SPECS
 
 
@@ -87,12 +87,7 @@ class _FuseUnfused(PyExprMutator):
     fully-masked-row guard of PyTorch's SDPA decomposition) -> ``flash_attn``."""
 
     def _bound(self, expr):
-        while isinstance(expr, relax.Var):
-            value = self.lookup_binding(expr)
-            if value is None:
-                break
-            expr = value
-        return expr
+        return bound_value(self, expr)
 
     def _peel(self, expr, scale: list[float] | None = None):
         """Strip reshapes and broadcasts that keep the element count, and, where ``scale`` collects
