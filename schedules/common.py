@@ -8,7 +8,7 @@ Contents:
     query_tile_range  -- the query tiles that can see a range of keys (backward)
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
     row_head, row_position -- the GQA row packing of the forward kernels
-    visible, biased   -- the element-wise mask and logit transform (via tvm_fuel.semantics)
+    visible, biased, masked_logit -- the element-wise mask and logit transform (via tvm_fuel.semantics)
     mask_shape, mask_at, param_buffers, drop_params, finish
 """
 
@@ -128,6 +128,12 @@ def param_buffers(spec: KernelSpec, dims: dict, **handles) -> tuple:
         layouts.update(k_cache=cache, v_cache=cache, table=((B, dims["max_blocks"]), spec.table_dtype),
                        lens=((B,), spec.lens_dtype))
     return tuple(T.match_buffer(handle, *layouts[name]) for name, handle in handles.items())
+
+
+def masked_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta):
+    """The logit of query (b, h, i) and key j from the (softcapped) score: biased, or -inf where
+    the key is dropped. What every kernel computes per score element."""
+    return sem.masked(visible(spec, mask, b, h, i, j, kv_len, delta), biased(spec, capped, alibi, mask, b, h, i, j, delta))
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

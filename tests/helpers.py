@@ -58,18 +58,26 @@ def legalize_cuda_emulated(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.
             customize_legalize_map=tuned_legalize_map(target, None, rules=cuda_rules(emulated=True)))(mod)
 
 
+def legalize_checked(mod: tvm.IRModule, target, kernels: str, **logs) -> tvm.IRModule:
+    """``mod`` lowered through ``kernels`` (decomposed, tuned or cuda-emulated); a kernel path
+    must not silently run the floor of an op that has a kernel (asserted)."""
+    target = tvm_fuel.build.as_target(target)
+    if kernels == CUDA_EMULATED:
+        legalized = legalize_cuda_emulated(mod, target)
+    else:
+        legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels, **logs)
+    if kernels != "decomposed":
+        floors = [gv.name_hint for gv in legalized.functions if gv.name_hint in FLOORS_WITH_CPU_KERNELS]
+        assert not floors, f"kernels={kernels!r} fell back to the floor for {floors}"
+    return legalized
+
+
 class Runner:
     """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
 
     def __init__(self, mod: tvm.IRModule, target="llvm", *, kernels: str = "decomposed", **logs):
         target = tvm_fuel.build.as_target(target)
-        if kernels == CUDA_EMULATED:
-            legalized = legalize_cuda_emulated(mod, target)
-        else:
-            legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels, **logs)
-        if kernels != "decomposed":  # a kernel test must not silently run the floor of an op that has a kernel
-            floors = [gv.name_hint for gv in legalized.functions if gv.name_hint in FLOORS_WITH_CPU_KERNELS]
-            assert not floors, f"kernels='tuned' fell back to the floor for {floors}"
+        legalized = legalize_checked(mod, target, kernels, **logs)
         self.vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
 
     def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:

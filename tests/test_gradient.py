@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import HOST, CUDA_EMULATED, legalize_cuda_emulated
+from helpers import HOST, legalize_checked
 from tvm import relax
 
 import tvm_fuel
@@ -46,10 +46,7 @@ def _inputs(mod: tvm.IRModule) -> list[np.ndarray]:
 
 
 def _run_adjoint(adjoint: tvm.IRModule, arrays, kernels: str):
-    if kernels == CUDA_EMULATED:
-        executable = tvm.compile(legalize_cuda_emulated(adjoint, HOST), target=HOST)
-    else:
-        executable = tvm_fuel.compile(adjoint, HOST, kernels=kernels)
+    executable = tvm.compile(legalize_checked(adjoint, HOST, kernels), target=HOST)
     loss, grads = relax.VirtualMachine(executable, tvm.cpu())["main_adjoint"](*map(tvm.runtime.tensor, arrays))
     return float(loss.numpy()), [g.numpy() for g in grads]
 

@@ -9,7 +9,8 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 
 Contents:
     attention_flops, kv_bytes -- the work of a case (also the tuner's GFLOP/s and GB/s)
-    FlashCase, PagedCase -- benchmark shapes
+    FlashCase, PagedCase -- benchmark shapes (also the CUDA benchmark's, with a dtype)
+    torch_paged_peer     -- PyTorch's paged decode (gather + SDPA), the peer on CPU and CUDA
     machine_peaks        -- GEMM GFLOP/s and read GB/s of this machine
     measure, measure_side_by_side -- median timings (side by side: in turns)
     run_bench            -- run the default suite, write JSON and PNG, return the report
@@ -61,11 +62,12 @@ class FlashCase:
     D: int
     causal: bool
     backward: bool = False
+    dtype: str = "float32"
 
     @property
     def name(self) -> str:
         return (f"flash_{'bwd' if self.backward else 'fwd'} B{self.B} H{self.H} S{self.S} D{self.D}"
-                f"{' causal' if self.causal else ''}")
+                f"{' causal' if self.causal else ''}{'' if self.dtype == 'float32' else ' ' + self.dtype}")
 
     @property
     def flops(self) -> float:
@@ -81,15 +83,16 @@ class PagedCase:
     block_size: int
     context: int
     capacity: int
+    dtype: str = "float32"
 
     @property
     def name(self) -> str:
         return (f"paged_decode B{self.B} Hq{self.Hq} Hkv{self.Hkv} D{self.D} bs{self.block_size} "
-                f"ctx{self.context}/{self.capacity}")
+                f"ctx{self.context}/{self.capacity}{'' if self.dtype == 'float32' else ' ' + self.dtype}")
 
     @property
     def bytes_read(self) -> float:
-        return kv_bytes(self.B, self.context, self.Hkv, self.D)
+        return kv_bytes(self.B, self.context, self.Hkv, self.D, itemsize=4 if self.dtype == "float32" else 2)
 
     @property
     def flops(self) -> float:
@@ -247,6 +250,19 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
     return results
 
 
+def torch_paged_peer(torch, case: PagedCase, q, k_cache, v_cache, table):
+    """PyTorch's paged decode, vLLM-style: gather each sequence's live blocks, then dense SDPA
+    (``q`` etc. torch tensors on any device; returns the function to time)."""
+    live = -(-case.context // case.block_size)
+
+    def gather_sdpa():
+        k = k_cache[table[:, :live].long()].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
+        v = v_cache[table[:, :live].long()].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return gather_sdpa
+
+
 def _paged_timings(case: PagedCase, target) -> dict:
     rng = np.random.default_rng(0)
     max_blocks = case.capacity // case.block_size
@@ -269,14 +285,7 @@ def _paged_timings(case: PagedCase, target) -> dict:
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
     else:
-        tq, tk, tv, tt = (torch.from_numpy(a) for a in (q, k_cache, v_cache, table))
-        live = -(-case.context // case.block_size)
-
-        def gather_sdpa():  # vLLM-style: gather the live blocks, then dense SDPA
-            k = tk[tt[:, :live]].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
-            v = tv[tt[:, :live]].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
-            return torch.nn.functional.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
-
+        gather_sdpa = torch_paged_peer(torch, case, *(torch.from_numpy(a) for a in (q, k_cache, v_cache, table)))
         with torch.no_grad():
             seconds, runs = measure(gather_sdpa)
         results["torch"] = {"ms": seconds * 1e3, "runs": runs}

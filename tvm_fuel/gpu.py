@@ -10,7 +10,7 @@ decode is reported in GB/s of K/V read and as a fraction of the device's HBM ban
 
 Contents:
     has_gpu, device_arch, use_nvcc_jit
-    GpuFlashCase, GpuPagedCase, default_cuda_suite
+    default_cuda_suite -- the benchmark cases (bench.FlashCase / PagedCase in bfloat16)
     run_cuda_bench -- time the suite; write gpu_bench.json; return the report
     run_gpucheck   -- GPU tests + benchmark; the exit status of the tests
 """
@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ import tvm
 from tvm import relax
 
 from . import op
-from .bench import attention_flops, kv_bytes
+from .bench import FlashCase, PagedCase, torch_paged_peer
 from .build import compile as fuel_compile
 
 # HBM bandwidth of the data-center parts (bytes/s), by a substring of the device name
@@ -58,52 +58,11 @@ def use_nvcc_jit() -> None:
         os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 
 
-@dataclass(frozen=True)
-class GpuFlashCase:
-    B: int = 4
-    H: int = 16
-    S: int = 4096
-    D: int = 128
-    causal: bool = False
-    backward: bool = False
-    dtype: str = "bfloat16"
-
-    @property
-    def name(self) -> str:
-        kind = "flash bwd" if self.backward else "flash fwd"
-        return f"{kind} B{self.B} H{self.H} S{self.S} D{self.D}{' causal' if self.causal else ''} {self.dtype}"
-
-    @property
-    def flops(self) -> float:
-        return attention_flops(self.B, self.H, self.S, self.S, self.D, causal=self.causal, backward=self.backward)
-
-
-@dataclass(frozen=True)
-class GpuPagedCase:
-    B: int = 64
-    Hq: int = 32
-    Hkv: int = 8
-    D: int = 128
-    block_size: int = 16
-    context: int = 4096
-    dtype: str = "bfloat16"
-
-    @property
-    def name(self) -> str:
-        return f"paged decode B{self.B} Hq{self.Hq}/Hkv{self.Hkv} D{self.D} bs{self.block_size} ctx{self.context} {self.dtype}"
-
-    @property
-    def bytes_read(self) -> float:
-        return kv_bytes(self.B, self.context, self.Hkv, self.D, itemsize=2 if self.dtype != "float32" else 4)
-
-    @property
-    def flops(self) -> float:
-        return attention_flops(self.B, self.Hq, 1, self.context, self.D, causal=False, backward=False)
-
-
 def default_cuda_suite() -> list:
-    return [GpuFlashCase(), GpuFlashCase(causal=True), GpuFlashCase(backward=True),
-            GpuFlashCase(causal=True, backward=True), GpuPagedCase(), GpuPagedCase(context=1024)]
+    """The issue's H200 targets: bf16 flash forward/backward at 4k tokens, paged decode B64."""
+    flash = [FlashCase(4, 16, 4096, 128, causal, backward, dtype="bfloat16")
+             for backward in (False, True) for causal in (False, True)]
+    return flash + [PagedCase(64, 32, 8, 128, 16, context, 4096, dtype="bfloat16") for context in (4096, 1024)]
 
 
 def _np_dtype(dtype: str):
@@ -121,8 +80,8 @@ def _module(make, params: dict) -> tvm.IRModule:
 
 
 def _case_inputs(case, rng) -> tuple[tvm.IRModule, list[np.ndarray]]:
-    if isinstance(case, GpuPagedCase):
-        max_blocks = -(-case.context // case.block_size)
+    if isinstance(case, PagedCase):
+        max_blocks = case.capacity // case.block_size
         num_blocks = case.B * max_blocks
         arrays = [rng.standard_normal((case.B, case.Hq, 1, case.D)),
                   rng.standard_normal((num_blocks, case.block_size, case.Hkv, case.D)),
@@ -167,14 +126,8 @@ def _time_torch(case, arrays) -> dict:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[case.dtype]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     t = [torch.from_numpy(np.asarray(a, np.float32)).cuda().to(dtype) for a in arrays[:3]]
-    if isinstance(case, GpuPagedCase):
-        table = torch.from_numpy(arrays[3]).cuda().long()
-        live = -(-case.context // case.block_size)
-
-        def run():  # vLLM-style reference path: gather the live blocks, then dense SDPA
-            k = t[1][table[:, :live]].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
-            v = t[2][table[:, :live]].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
-            return sdpa(t[0], k, v, enable_gqa=True)
+    if isinstance(case, PagedCase):
+        run = torch_paged_peer(torch, case, *t, torch.from_numpy(arrays[3]).cuda())
     elif case.backward:
         q, k, v = (x.requires_grad_(True) for x in t)
         out = sdpa(q, k, v, is_causal=case.causal)
@@ -228,7 +181,7 @@ def run_cuda_bench(*, out_dir: str | Path = "bench_results", cases=None, floor: 
         for entry in results.values():
             if "ms" in entry:
                 entry["tflops"] = case.flops / entry["ms"] / 1e9
-                if isinstance(case, GpuPagedCase):
+                if isinstance(case, PagedCase):
                     entry["gbps"] = case.bytes_read / entry["ms"] / 1e6
                     entry["hbm_fraction"] = entry["gbps"] * 1e9 / hbm if hbm else None
         row = {"name": case.name, "shape": asdict(case), "results": results}

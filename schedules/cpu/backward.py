@@ -25,7 +25,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import param_buffers, F32, KernelSpec, biased, drop_params, finish, query_tile_range, shape_vars, visible
+from ..common import (F32, biased, drop_params, finish, KernelSpec, param_buffers, query_tile_range, shape_vars,
+                      visible)
 from .micro import Micro
 from .tiles import CpuTiles
 

@@ -24,8 +24,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (param_buffers, F32, KernelSpec, biased, drop_params, finish, key_tile_range, row_head,
-                      row_position, shape_vars, tile_is_interior, visible)
+from ..common import (F32, drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
+                      row_position, shape_vars, tile_is_interior)
 from .common import prefetch
 from .micro import Micro
 from .tiles import CpuTiles
@@ -68,9 +68,7 @@ class _Body:
             for r in range(BQ):
                 if r0 + r < rows:
                     for c in T.vectorized(BK):
-                        S[r, c] = sem.masked(
-                            visible(spec, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta),
-                            biased(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, delta))
+                        S[r, c] = masked_logit(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta)
 
         @T.macro
         def normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,

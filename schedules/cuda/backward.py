@@ -39,7 +39,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (param_buffers, KernelSpec, biased, drop_params, finish, key_tile_range, query_tile_range,
+from ..common import (biased, drop_params, finish, KernelSpec, key_tile_range, param_buffers, query_tile_range,
                       shape_vars, visible)
 from .device import F32, Launch, TileOps, padded_dim
 from .tiles import CudaTiles

@@ -27,8 +27,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (param_buffers, KernelSpec, biased, drop_params, finish, key_tile_range, row_head, row_position,
-                      shape_vars, tile_is_interior, visible)
+from ..common import (drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
+                      row_position, shape_vars, tile_is_interior)
 from .device import F32, Launch, TileOps, padded_dim
 from .tiles import CudaTiles
 
@@ -80,9 +80,8 @@ class _Body:
         def logit(S, r, c, alibi, mask, b, h, pos, key, kv_len, delta, check):
             s = sem.softcap(cfg, S[r, c] * T.float32(scale))
             if spec.elementwise_logits:
-                return sem.masked(visible(spec, mask, b, h, pos, key, kv_len, delta),
-                                  biased(spec, s, alibi, mask, b, h, pos, key, delta))
-            return T.Select(check, sem.masked(visible(spec, mask, b, h, pos, key, kv_len, delta), s), s)
+                return masked_logit(spec, s, alibi, mask, b, h, pos, key, kv_len, delta)
+            return T.Select(check, masked_logit(spec, s, alibi, mask, b, h, pos, key, kv_len, delta), s)
 
         def row_logit(S, alibi, mask, b, g, r0, r, c, key0, kv_len, delta, check):
             return logit(S, r, c, alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key0 + c,
@@ -107,12 +106,12 @@ class _Body:
             return x + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x, lanes, 32, 32)
 
         @T.macro
-        def softmax_rows(S, P, m, l, alpha, shift, alibi, mask, b, g, r0, rows, key0, kv_len, delta, check, tx):
-            # The online-softmax update: the RT threads of a row find its new max and sum (keeping
-            # m and l in registers) and publish alpha (the rescale of O) and the new max; then every
-            # thread writes its elements of P = exp(logit - max). Shuffles run on every lane (padded
-            # rows contribute -inf); no conditional loop reads and writes one shared buffer (TVM's
-            # sync planner cannot put a barrier there).
+        def softmax_rows(S, P, m, l, alpha, alibi, mask, b, g, r0, rows, key0, kv_len, delta, check, tx):
+            # The online-softmax update: the RT threads of a row find its new max and sum from the
+            # logits they hold in registers (m and l stay in registers too), write their elements
+            # of P = exp(logit - new max) and publish alpha (the rescale of O). Shuffles run on
+            # every lane (padded rows contribute -inf, so their P is 0). S and P are distinct
+            # static buffers: TVM's sync planner needs no barrier inside this conditional loop.
             part = T.alloc_buffer((BK // RT,), F32, scope=local)
             top = T.alloc_buffer((1,), F32, scope=local)
             total = T.alloc_buffer((1,), F32, scope=local)
@@ -127,22 +126,16 @@ class _Body:
                             top[0] = warp_max(top[0], T.shift_left(1, n))
                     total[0] = T.float32(0)
                     for c in range(BK // RT):
-                        total[0] = total[0] + T.exp(part[c] - sem.safe_row_max(top[0]))
+                        part[c] = T.exp(part[c] - sem.safe_row_max(top[0]))
+                        P[slot_row(i, tx), c * RT + slot_part(i, tx)] = T.Cast(dtype, part[c])
+                        total[0] = total[0] + part[c]
                     if RT > 1:
                         for n in T.unroll(SHUFFLES):
                             total[0] = warp_sum(total[0], T.shift_left(1, n))
                     if slot_part(i, tx) == 0:
                         alpha[slot_row(i, tx)] = T.exp(m[i] - sem.safe_row_max(top[0]))
-                        shift[slot_row(i, tx)] = sem.safe_row_max(top[0])
                     l[i] = l[i] * T.exp(m[i] - sem.safe_row_max(top[0])) + total[0]
                     m[i] = top[0]
-            ops.sync()
-            for i in range(_ceil(BQ * BK, NT)):
-                if i * NT + tx < BQ * BK:
-                    if r0 + (i * NT + tx) // BK < rows:
-                        P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, T.exp(row_logit(S, alibi, mask, b, g, r0, (i * NT + tx) // BK, (i * NT + tx) % BK, key0, kv_len, delta, check) - shift[(i * NT + tx) // BK]))
-                    else:
-                        P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, 0)
 
         @T.macro
         def attend(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
@@ -160,7 +153,6 @@ class _Body:
             row_max = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)  # published after the last tile
             row_sum = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
             alpha = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
-            shift = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
             pages = T.alloc_buffer((BK,) if paged else (1,), "int64", scope=launch.small_shared)
             O = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
             load_queries(Qs, q, b, g, r0, rows, tx)
@@ -181,7 +173,7 @@ class _Body:
                 ops.sync()
                 qk(S, Qs, Ks, tx)
                 ops.sync()
-                softmax_rows(S, P, m, l, alpha, shift, alibi, mask, b, g, r0, rows, kt * BK, kv_len, delta,
+                softmax_rows(S, P, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, kv_len, delta,
                              T.bool(True) if spec.elementwise_logits else tirx.Not(tile_is_interior(
                                  cfg, key_start=kt * BK, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len,
                                  delta=delta, block_k=BK)), tx)

@@ -45,7 +45,7 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
     page ids static; Q, K, V tiles and, on tensor cores, P@V (float32) dynamic."""
     BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
     pad = TILE_PAD if dtype in HALF_TYPES else 0
-    static = 4 * BQ * (BK + 4) + e * BQ * (BK + pad) + 4 * 4 * BQ + 8 * BK
+    static = 4 * BQ * (BK + 4) + e * BQ * (BK + pad) + 4 * 3 * BQ + 8 * BK
     dynamic = e * (BQ + 2 * BK) * (DP + pad) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
     return static, dynamic
 
