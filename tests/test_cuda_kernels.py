@@ -86,12 +86,14 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     assert kernels and not leftover, f"floor used for {leftover}"
     for name, func in kernels.items():
         assert buffers_growing_with(func, "sq", "sk") == [], f"{name} holds an [Sq, Sk] buffer"
-    source = cuda.cuda_source(tvm.compile(legalized, target=target))
+    built, usage = cuda.build_with_shared_memory(legalized, target)
+    source = cuda.cuda_source(built)
     defined = cuda.kernel_names(source)
     for name in kernels:  # every fuel kernel is a device kernel, not host code
         assert any(kernel.startswith(f"{name}_kernel") for kernel in defined), (name, defined)
     assert cuda.compile_cubin(source, arch)
-    for kernel, (static, dynamic) in cuda.shared_memory(legalized, target).items():
+    assert usage
+    for kernel, (static, dynamic) in usage.items():
         assert static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch], (kernel, static, dynamic)
     if dtype != "float32":  # half precision runs its GEMMs on tensor cores
         assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
@@ -184,7 +186,7 @@ def test_gpu_flash_attn_backward(name, dtype):
     want = dict(zip(("dq", "dk", "dv"), reference.flash_attn_backward(q, k, v, do, causal=True, softcap=5.0)))
     wanted = [g for g in ("dq", "dk", "dv") if name == "flash_attn_backward" or name.endswith("_" + g[1])]
     for grad, array in zip(wanted, got):
-        assert_close(array, want[grad], dtype, scale=20, what=grad)
+        assert_close(array, want[grad], dtype, scale=4, what=grad)  # as test_backward
 
 
 @pytest.mark.gpu

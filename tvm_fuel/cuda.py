@@ -9,6 +9,7 @@ Contents:
     kernel_names       -- the ``__global__`` kernels of a source
     compile_cubin      -- nvcc the source for an architecture (raises with nvcc's message)
     shared_memory      -- (static, dynamic) shared-memory bytes of every kernel of a build
+    build_with_shared_memory -- the build and those bytes, from one compile
     nvcc_available
 """
 
@@ -95,10 +96,10 @@ def _children(node):
     return kids
 
 
-def shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target) -> dict[str, tuple[int, int]]:
-    """``{"<func>/kernel<i>": (static bytes, dynamic bytes)}`` for every CUDA kernel of ``mod``:
-    the shared allocations TVM lowers each kernel with (dynamic ones before they are merged,
-    so an upper bound)."""
+def build_with_shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target):
+    """(what ``tvm.compile`` returns, ``{"<func>/kernel<i>": (static bytes, dynamic bytes)}``):
+    one build, and the shared allocations TVM lowers each CUDA kernel with (dynamic ones before
+    they are merged, so an upper bound)."""
     seen: dict[str, tirx.PrimFunc] = {}
 
     @pass_instrument
@@ -108,13 +109,18 @@ def shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target) 
                 seen.update({gv.name_hint: f for gv, f in module.functions.items() if isinstance(f, tirx.PrimFunc)})
 
     with tvm.transform.PassContext(instruments=[Capture()]):
-        tvm.compile(mod, target=target)
+        built = tvm.compile(mod, target=target)
     usage: dict[str, tuple[int, int]] = {}
     for name, func in seen.items():
         for kernel, size, scope in _sizes(func.body):
             static, dynamic = usage.get(f"{name}/{kernel}", (0, 0))
             usage[f"{name}/{kernel}"] = (static + size, dynamic) if scope == "shared" else (static, dynamic + size)
-    return usage
+    return built, usage
 
 
-__all__ = ["cuda_source", "kernel_names", "compile_cubin", "shared_memory", "nvcc_available"]
+def shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target) -> dict[str, tuple[int, int]]:
+    """``{"<func>/kernel<i>": (static bytes, dynamic bytes)}`` for every CUDA kernel of ``mod``."""
+    return build_with_shared_memory(mod, target)[1]
+
+
+__all__ = ["cuda_source", "kernel_names", "compile_cubin", "shared_memory", "build_with_shared_memory", "nvcc_available"]
