@@ -11,7 +11,7 @@ from tvm import relax
 
 import tvm_fuel
 from tvm_fuel import cuda, op, reference
-from tvm_fuel.kv_cache import PagedKVCache, _append_kernel
+from tvm_fuel.kv_cache import PagedKVCache, append_kernel
 
 HKV, D, BS = 2, 16, 4
 
@@ -60,7 +60,7 @@ def test_free_returns_blocks_and_errors_name_the_call():
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.append([a], np.zeros((1, HKV, 9, D), "float32"), np.zeros((1, HKV, 9, D), "float32"))
     assert cache.free_blocks == 0
-    with pytest.raises(ValueError, match="PagedKVCache.append: needs 1 more blocks, 0 free"):
+    with pytest.raises(ValueError, match="PagedKVCache.reserve: needs 1 more blocks, 0 free"):
         cache.append([b], np.zeros((1, HKV, 1, D), "float32"), np.zeros((1, HKV, 1, D), "float32"))
     cache.free(a)
     assert cache.free_blocks == 3
@@ -72,7 +72,28 @@ def test_free_returns_blocks_and_errors_name_the_call():
 
 
 @pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
-def test_the_append_kernel_builds_for_cuda():
+def test_theappend_kernel_builds_for_cuda():
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    source = cuda.cuda_source(tvm.compile(_append_kernel("float16", 8, 128, True), target=target))
+    source = cuda.cuda_source(tvm.compile(append_kernel("float16", 8, 128, True), target=target))
     assert cuda.kernel_names(source) and cuda.compile_cubin(source, "sm_90")
+
+
+def test_layers_share_one_table_at_their_page_offset():
+    rng = np.random.default_rng(5)
+    cache = PagedKVCache(num_blocks=4, block_size=BS, num_kv_heads=HKV, head_dim=D, num_layers=2)
+    seq = cache.add_sequence()
+    ks, vs = ([rng.standard_normal((1, HKV, 6, D)).astype("float32") for _ in range(2)] for _ in range(2))
+    cache.append([seq], ks, vs)
+    table = cache.block_table([seq]).numpy()[0]
+    for layer in range(2):
+        pages = cache.k_cache.numpy()[layer * 4:(layer + 1) * 4]
+        np.testing.assert_array_equal(reference.gather_pages(pages, table, 6), ks[layer][0])
+    with pytest.raises(ValueError, match="PagedKVCache.append: k and v must hold 2 layers, got 1 and 1"):
+        cache.append([seq], ks[0], vs[0])
+
+
+def test_the_append_kernel_refuses_a_slot_outside_the_cache():
+    cache = PagedKVCache(num_blocks=2, block_size=BS, num_kv_heads=HKV, head_dim=D)
+    rows = tvm.runtime.tensor(np.zeros((1, HKV, 1, D), "float32"))
+    with pytest.raises(Exception, match=r"slots\[b, t\] must be in \[0, num_blocks \* block_size\)"):
+        cache._append(cache.k_cache, cache.v_cache, rows, rows, tvm.runtime.tensor(np.array([[2 * BS]], "int64")))

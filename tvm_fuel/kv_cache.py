@@ -1,13 +1,16 @@
 """A paged KV cache for decode loops, in the layout ``paged_attn`` reads (vLLM's).
 
-The cache owns two tensors ``[num_blocks, block_size, Hkv, D]`` (K and V) on a device, a pool of
-free blocks and each sequence's list of blocks. ``append`` takes new K/V rows of some sequences,
-allocates the blocks they need and writes the rows into their slots with a small compiled kernel
-(the tensors stay on the device); ``block_table`` and ``context_lens`` are the arguments
+The cache owns two tensors ``[num_layers * num_blocks, block_size, Hkv, D]`` (K and V) on a
+device, a pool of free blocks and each sequence's list of blocks. ``append`` takes new K/V rows of
+some sequences, allocates the blocks they need and writes the rows into their slots with a small
+compiled kernel (the tensors stay on the device); models that compute K/V in-graph ``reserve``
+the slots and write them with the same kernel (``append_kernel``, through
+``relax.call_tir_inplace``). ``block_table`` and ``context_lens`` are the arguments
 ``paged_attn`` takes for a batch of sequences; ``free`` returns a sequence's blocks to the pool.
 
 Contents:
-    PagedKVCache
+    PagedKVCache  -- the block pool, tables and tensors
+    append_kernel -- the PrimFunc that writes K/V rows into their slots
 
 Example
 -------
@@ -30,10 +33,15 @@ from tvm.script import tirx as T
 
 
 @functools.lru_cache(maxsize=None)
-def _append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
-    """PrimFunc(k_cache, v_cache, k_new, v_new, slots): cache[slot[b, t] // bs, slot % bs] = new[b, :, t]."""
+def append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
+    """PrimFunc(k_cache, v_cache, k_new, v_new, slots): ``cache[slot // bs, slot % bs] = new[b, :, t]``
+    with ``slot = slots[b, t]``, for k_new and v_new [B, Hkv, T, D] and slots [B, T] int64.
+
+    A slot outside the cache raises on CPU builds and is skipped on GPU builds (device kernels
+    cannot raise): never an out-of-bounds write."""
     threads = 256
 
+    # fmt: off
     @T.prim_func
     def fuel_kv_append(k_cache_h: T.handle, v_cache_h: T.handle, k_new_h: T.handle, v_new_h: T.handle,
                        slots_h: T.handle):
@@ -49,25 +57,40 @@ def _append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
                                        thread="blockIdx.x"):
                 for tx in T.thread_binding(threads, thread="threadIdx.x"):
                     e: T.int64 = T.Cast("int64", bx) * threads + tx
+                    b: T.int64 = e // (tokens * heads * head_dim)
+                    t: T.int64 = e // (heads * head_dim) % tokens
+                    h: T.int64 = e // head_dim % heads
                     if e < batch * tokens * heads * head_dim:
-                        k_cache[slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] // block_size, slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] % block_size, e // head_dim % heads, e % head_dim] = k_new[e // (tokens * heads * head_dim), e // head_dim % heads, e // (heads * head_dim) % tokens, e % head_dim]
-                        v_cache[slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] // block_size, slots[e // (tokens * heads * head_dim), e // (heads * head_dim) % tokens] % block_size, e // head_dim % heads, e % head_dim] = v_new[e // (tokens * heads * head_dim), e // head_dim % heads, e // (heads * head_dim) % tokens, e % head_dim]
+                        slot: T.int64 = slots[b, t]
+                        if slot >= T.int64(0) and slot < num_blocks * block_size:
+                            k_cache[slot // block_size, slot % block_size, h, e % head_dim] = k_new[b, h, t, e % head_dim]
+                            v_cache[slot // block_size, slot % block_size, h, e % head_dim] = v_new[b, h, t, e % head_dim]
         else:
             for b, t in T.grid(batch, tokens):
+                assert slots[b, t] >= T.int64(0) and slots[b, t] < num_blocks * block_size, \
+                    "fuel_kv_append: slots[b, t] must be in [0, num_blocks * block_size) (a slot of the cache)"
                 for h, d in T.grid(heads, head_dim):
                     k_cache[slots[b, t] // block_size, slots[b, t] % block_size, h, d] = k_new[b, h, t, d]
                     v_cache[slots[b, t] // block_size, slots[b, t] % block_size, h, d] = v_new[b, h, t, d]
+    # fmt: on
 
     return fuel_kv_append
 
 
 class PagedKVCache:
-    """K and V caches ``[num_blocks, block_size, Hkv, D]`` with a block pool and per-sequence tables.
+    """K and V caches with a block pool and per-sequence block tables, for every layer of a model.
+
+    Layer ``l``'s pages are rows ``[l * num_blocks, (l + 1) * num_blocks)`` of the two tensors
+    ``[num_layers * num_blocks, block_size, Hkv, D]``: every layer shares one block table (offset
+    by ``l * num_blocks``), so a model takes two cache tensors, whatever its depth, and writes and
+    reads them in place.
 
     Parameters (keyword-only)
     ----------
     num_blocks, block_size, num_kv_heads, head_dim : int
-        The cache's shape (block_size: tokens per block).
+        Blocks per layer, tokens per block, KV heads, head dim.
+    num_layers : int
+        Layers sharing the block tables (default 1).
     dtype : str
         float32, float16 or bfloat16.
     device : tvm.runtime.Device
@@ -76,25 +99,25 @@ class PagedKVCache:
         What the append kernel is built for (default: llvm, or sm of the device for CUDA).
     """
 
-    def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
                  dtype: str = "float32", device=None, target=None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
+                            ("head_dim", head_dim), ("num_layers", num_layers)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
         if dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"PagedKVCache: dtype must be float32, float16 or bfloat16, got {dtype!r}")
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = num_blocks, block_size, num_kv_heads, head_dim
-        self.dtype = dtype
+        self.num_layers, self.dtype = num_layers, dtype
         self.device = device or tvm.cpu()
-        gpu = self.device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
+        self.gpu = self.device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
         if target is None:
-            target = ({"kind": "cuda", "arch": "sm_" + self.device.compute_version.replace(".", "")} if gpu
+            target = ({"kind": "cuda", "arch": "sm_" + self.device.compute_version.replace(".", "")} if self.gpu
                       else {"kind": "llvm"})
         from .build import as_target
 
-        self._append = tvm.compile(_append_kernel(dtype, num_kv_heads, head_dim, gpu), target=as_target(target))
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self._append = tvm.compile(append_kernel(dtype, num_kv_heads, head_dim, self.gpu), target=as_target(target))
+        shape = (num_layers * num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = tvm.runtime.empty(shape, dtype, self.device)
         self.v_cache = tvm.runtime.empty(shape, dtype, self.device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -119,26 +142,17 @@ class PagedKVCache:
         self._free.extend(reversed(self._blocks.pop(seq)))
         del self._lens[seq]
 
-    def append(self, seqs: list[int], k, v) -> None:
-        """Write ``k``, ``v`` [B, Hkv, T, D] (numpy or tvm tensors, B = len(seqs)) as the next T
-        tokens of each sequence, allocating blocks as they fill."""
-        self._check(seqs, "append")
-        k_new, v_new = (x if isinstance(x, tvm.runtime.Tensor) else tvm.runtime.tensor(np.ascontiguousarray(x),
-                                                                                          device=self.device)
-                        for x in (k, v))
-        want = (len(seqs), self.num_kv_heads, None, self.head_dim)
-        for name, x in (("k", k_new), ("v", v_new)):
-            shape = tuple(x.shape)
-            if len(shape) != 4 or shape[0] != want[0] or shape[1] != want[1] or shape[3] != want[3] or str(
-                    x.dtype) != self.dtype:
-                raise ValueError(f"PagedKVCache.append: {name} must be [B={want[0]}, Hkv={want[1]}, T, D={want[3]}] "
-                                 f"{self.dtype}, got {list(shape)} {x.dtype}")
-        tokens = int(k_new.shape[2])
-        if tuple(v_new.shape) != tuple(k_new.shape):
-            raise ValueError(f"PagedKVCache.append: v {list(v_new.shape)} must match k {list(k_new.shape)}")
+    def reserve(self, seqs: list[int], tokens: int) -> tvm.runtime.Tensor:
+        """Make room for the next ``tokens`` tokens of each sequence (allocating blocks as they fill)
+        and count them in its length. Returns their slots ``[B, tokens]`` int64 (``block * block_size
+        + offset``, layer 0; layer ``l`` adds ``l * num_blocks * block_size``), what a model's
+        in-graph append (``append_kernel``) writes to."""
+        self._check(seqs, "reserve")
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"PagedKVCache.reserve: tokens must be a positive int, got {tokens!r}")
         needed = sum(-(-(self._lens[s] + tokens) // self.block_size) - len(self._blocks[s]) for s in seqs)
         if needed > len(self._free):
-            raise ValueError(f"PagedKVCache.append: needs {needed} more blocks, {len(self._free)} free "
+            raise ValueError(f"PagedKVCache.reserve: needs {needed} more blocks, {len(self._free)} free "
                              f"(free finished sequences or make the cache larger)")
         slots = np.empty((len(seqs), tokens), "int64")
         for row, seq in enumerate(seqs):
@@ -149,7 +163,35 @@ class PagedKVCache:
             slots[row] = np.asarray(blocks, "int64")[positions // self.block_size] * self.block_size + (
                 positions % self.block_size)
             self._lens[seq] = start + tokens
-        self._append(self.k_cache, self.v_cache, k_new, v_new, tvm.runtime.tensor(slots, device=self.device))
+        return tvm.runtime.tensor(slots, device=self.device)
+
+    def append(self, seqs: list[int], k, v) -> None:
+        """Write ``k``, ``v`` (numpy or tvm tensors [B, Hkv, T, D], B = len(seqs); a list of
+        num_layers of them when the cache has several layers) as the next T tokens of each sequence."""
+        ks, vs = ([x] if self.num_layers == 1 and not isinstance(x, (list, tuple)) else list(x) for x in (k, v))
+        if len(ks) != self.num_layers or len(vs) != self.num_layers:
+            raise ValueError(f"PagedKVCache.append: k and v must hold {self.num_layers} layers, "
+                             f"got {len(ks)} and {len(vs)}")
+        ks, vs = ([self._rows(x, name, len(seqs)) for x in xs] for name, xs in (("k", ks), ("v", vs)))
+        if any(tuple(x.shape) != tuple(ks[0].shape) for x in ks + vs):
+            raise ValueError(f"PagedKVCache.append: every k and v must be {list(ks[0].shape)}")
+        slots = self.reserve(seqs, int(ks[0].shape[2]))
+        for layer, (k_new, v_new) in enumerate(zip(ks, vs)):
+            self._append(self.k_cache, self.v_cache, k_new, v_new, self._layer_slots(slots, layer))
+
+    def _rows(self, x, name: str, batch: int) -> tvm.runtime.Tensor:
+        x = x if isinstance(x, tvm.runtime.Tensor) else tvm.runtime.tensor(np.ascontiguousarray(x), device=self.device)
+        shape = tuple(x.shape)
+        if (len(shape) != 4 or shape[0] != batch or shape[1] != self.num_kv_heads or shape[3] != self.head_dim
+                or shape[2] < 1 or str(x.dtype) != self.dtype):
+            raise ValueError(f"PagedKVCache.append: {name} must be [B={batch}, Hkv={self.num_kv_heads}, T, "
+                             f"D={self.head_dim}] {self.dtype}, got {list(shape)} {x.dtype}")
+        return x
+
+    def _layer_slots(self, slots: tvm.runtime.Tensor, layer: int) -> tvm.runtime.Tensor:
+        if layer == 0:
+            return slots
+        return tvm.runtime.tensor(slots.numpy() + layer * self.num_blocks * self.block_size, device=self.device)
 
     def block_table(self, seqs: list[int], max_blocks: int | None = None) -> tvm.runtime.Tensor:
         """[B, max_blocks] int32: each sequence's blocks, padded with -1 (never read: past its length)."""

@@ -1,0 +1,144 @@
+"""Greedy generation with the Llama-style decoder over a paged KV cache.
+
+``LlamaEngine`` compiles ``tvm_fuel.models.llama`` for a target (the floor or the tuned kernels),
+holds the weights on the device and a ``PagedKVCache``, and runs the serving loop: each prompt
+is prefilled on its own (``flash_attn``, K/V written into the cache), then all sequences decode
+together, one token per step (``paged_attn`` over each sequence's blocks, whatever its length).
+
+Contents:
+    Generation, LlamaEngine
+
+Example
+-------
+>>> from tvm_fuel.models import llama
+>>> from tvm_fuel.models.engine import LlamaEngine           # doctest: +SKIP
+>>> engine = LlamaEngine(llama.LlamaConfig(), target="llvm", kernels="tuned")
+>>> result = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=8)
+>>> result.tokens         # each sequence's new tokens
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..build import compile as fuel_compile
+from ..kv_cache import PagedKVCache
+from . import llama
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``LlamaEngine.generate`` returns.
+
+    tokens: each sequence's generated tokens (greedy). prefill_logits: each prompt's logits
+    [S, vocab] (float32). decode_logits: per decode step, [B, vocab] for the batch.
+    prefill_s, decode_s: wall-clock seconds of the two phases.
+    """
+
+    tokens: list[list[int]]
+    prefill_logits: list[np.ndarray] = field(repr=False)
+    decode_logits: list[np.ndarray] = field(repr=False)
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.decode_logits) * len(self.tokens) / self.decode_s if self.decode_s else 0.0
+
+
+class LlamaEngine:
+    """The compiled decoder, its weights and a paged KV cache on one device.
+
+    Parameters (keyword-only after ``config``)
+    ----------
+    config : llama.LlamaConfig
+    target : str, dict or Target
+        What to build for (``tvm_fuel.host_target()`` for this CPU's vector width).
+    kernels : "decomposed" or "tuned"
+        The correctness floor or the performance-path kernels (``tvm_fuel.compile``).
+    num_blocks, block_size : int
+        The cache: blocks per layer, tokens per block.
+    seed : int
+        Seed of the random weights.
+    device : tvm.runtime.Device
+        Default ``tvm.cpu()``.
+    """
+
+    def __init__(self, config: llama.LlamaConfig, *, target="llvm", kernels: str = "decomposed",
+                 num_blocks: int = 64, block_size: int = 16, seed: int = 0, device=None):
+        self.config, self.device = config, device or tvm.cpu()
+        gpu = self.device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
+        mod, names = llama.export(config, num_blocks=num_blocks, block_size=block_size, gpu=gpu)
+        start = time.perf_counter()
+        self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), self.device)
+        self.build_s = time.perf_counter() - start
+        self.weights = llama.init_weights(config, names, seed=seed)
+        self._params = [tvm.runtime.tensor(self.weights[name], device=self.device) for name in names]
+        self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=config.num_kv_heads,
+                                  head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
+                                  device=self.device, target=target)
+
+    def _tokens(self, tokens, what: str) -> tvm.runtime.Tensor:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"LlamaEngine.{what}: tokens must be integer ids [B, S] with S >= 1, "
+                             f"got {tokens.dtype} {list(tokens.shape)}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            raise ValueError(f"LlamaEngine.{what}: token ids must be in [0, vocab_size={self.config.vocab_size}), "
+                             f"got {tokens.min()}..{tokens.max()}")
+        return tvm.runtime.tensor(tokens.astype("int32"), device=self.device)
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits [B, S, vocab] of whole sequences [B, S] without the cache (``flash_attn``)."""
+        return self.vm["forward"](self._tokens(tokens, "forward"), *self._params).numpy()
+
+    def prefill(self, seq: int, prompt: list[int]) -> np.ndarray:
+        """Run a prompt of sequence ``seq`` and keep its K/V in the cache; returns logits [S, vocab]."""
+        tokens = self._tokens([prompt], "prefill")
+        slots = self.cache.reserve([seq], len(prompt))
+        logits, _, _ = self.vm["prefill"](tokens, self.cache.k_cache,
+                                          self.cache.v_cache, slots, *self._params)
+        return logits.numpy()[0]
+
+    def decode(self, seqs: list[int], tokens: np.ndarray) -> np.ndarray:
+        """The next T tokens [B, T] of each sequence over its cached context; returns logits [B, T, vocab]."""
+        tokens = self._tokens(tokens, "decode")
+        if tokens.shape[0] != len(seqs):
+            raise ValueError(f"LlamaEngine.decode: tokens must have one row per sequence ({len(seqs)}), "
+                             f"got {tokens.shape[0]}")
+        slots = self.cache.reserve(seqs, int(tokens.shape[1]))
+        logits, _, _ = self.vm["decode"](tokens, self.cache.k_cache, self.cache.v_cache,
+                                         self.cache.block_table(seqs), self.cache.context_lens(seqs), slots,
+                                         *self._params)
+        return logits.numpy()
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int) -> Generation:
+        """Greedy decoding of every prompt for ``max_new_tokens`` tokens; the cache is freed after."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("LlamaEngine.generate: prompts must be a non-empty list of non-empty token lists")
+        if max_new_tokens < 1:
+            raise ValueError(f"LlamaEngine.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        seqs = [self.cache.add_sequence() for _ in prompts]
+        try:
+            start = time.perf_counter()
+            prefill_logits = [self.prefill(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+            prefill_s = time.perf_counter() - start
+            next_tokens = np.array([logits[-1].argmax() for logits in prefill_logits], "int32")
+            generated, decode_logits = [next_tokens], []
+            start = time.perf_counter()
+            for _ in range(max_new_tokens - 1):
+                logits = self.decode(seqs, next_tokens[:, None])[:, -1]
+                decode_logits.append(logits)
+                next_tokens = logits.argmax(-1).astype("int32")
+                generated.append(next_tokens)
+            decode_s = time.perf_counter() - start
+        finally:
+            for seq in seqs:
+                self.cache.free(seq)
+        tokens = np.stack(generated, 1)
+        return Generation([row.tolist() for row in tokens], prefill_logits, decode_logits, prefill_s, decode_s)
