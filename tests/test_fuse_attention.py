@@ -1,5 +1,6 @@
-"""tvm_fuel.transform.FuseAttention: R.nn.attention -> flash_attn where the semantics match exactly
-(outputs equal before and after), left untouched where they do not."""
+"""tvm_fuel.transform.FuseAttention: R.nn.attention and the unfused (masked, GQA) attention of exported
+programs -> flash_attn where the semantics match exactly (outputs equal before and after, and torch's),
+left untouched where they do not."""
 
 from __future__ import annotations
 
@@ -90,38 +91,106 @@ def _exported(block, arrays):
     return from_exported_program(export(block, tuple(map(torch.from_numpy, arrays))))
 
 
-def _blocks():
+def _case(name: str):
+    """(torch block, its inputs) for an exported-program case: q [2, 4, Sq, D], k and v [2, Hkv, Sk, D],
+    then a mask where the block takes one."""
     torch = pytest.importorskip("torch")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rng = np.random.default_rng(sum(map(ord, name)))
 
-    class Sdpa(torch.nn.Module):
-        def __init__(self, causal=False):
-            super().__init__()
-            self.causal = causal
+    def scores(q, k):
+        return q @ k.transpose(-2, -1) * 0.25
 
-        def forward(self, q, k, v):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+    def keep(*shape):  # a bool mask that keeps key 0 of every row: no row is left empty
+        mask = rng.random(shape) > 0.4
+        mask[..., 0] = True
+        return mask
 
-    class ByHand(torch.nn.Module):
-        def forward(self, q, k, v):
-            return torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v
+    cases = {  # name: (forward, (Sq, Sk, D, Hkv), extra inputs)
+        "sdpa": (lambda q, k, v: sdpa(q, k, v), (13, 9, 16, 4), []),
+        "by_hand": (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v, (13, 9, 16, 4), []),
+        "causal_sdpa": (lambda q, k, v: sdpa(q, k, v, is_causal=True), (17, 17, 16, 4), []),
+        # torch's is_causal is top-left: j <= i, a window (-1, Sq - Sk) for fuel when Sq > Sk ...
+        "causal_sdpa_more_queries": (lambda q, k, v: sdpa(q, k, v, is_causal=True), (13, 9, 40, 4), []),
+        # ... and no window at all when Sk > Sq: the mask goes as a tensor
+        "causal_sdpa_more_keys": (lambda q, k, v: sdpa(q, k, v, is_causal=True), (9, 13, 16, 4), []),
+        "gqa_causal_sdpa": (lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True), (17, 17, 16, 2), []),
+        # row 3 keeps no key: SDPA's guard and fuel both output 0 there
+        "sdpa_bool_mask": (lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), (13, 9, 40, 4),
+                           [np.where(np.arange(13)[:, None] == 3, False, rng.random((13, 9)) > 0.4)]),
+        "sdpa_float_mask": (lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), (13, 9, 16, 4),
+                            [rng.standard_normal((2, 1, 13, 9)).astype("float32")]),
+        "masked_by_hand": (lambda q, k, v: torch.softmax(
+            scores(q, k) + torch.ones_like(scores(q, k)).triu(1) * -1e4, dim=-1) @ v, (13, 9, 16, 4), []),
+        "masked_fill_by_hand": (lambda q, k, v, m: torch.softmax(
+            scores(q, k).masked_fill(~m, float("-inf")), dim=-1) @ v, (13, 9, 16, 4), [keep(2, 1, 13, 9)]),
+        "tril_by_hand": (lambda q, k, v: torch.softmax(scores(q, k).masked_fill(
+            ~torch.ones(17, 17, dtype=torch.bool).tril(), float("-inf")), dim=-1) @ v, (17, 17, 16, 4), []),
+        # batched matmuls over [B * H] written out, the bias first and per (batch, head)
+        "merged_bias_first": (lambda q, k, v, b: torch.bmm(torch.softmax(
+            b + torch.bmm(q.reshape(8, 13, 16), k.reshape(8, 9, 16).transpose(1, 2)) * 0.25, dim=-1),
+            v.reshape(8, 9, 16)).reshape(2, 4, 13, 16), (13, 9, 16, 4),
+            [rng.standard_normal((8, 13, 9)).astype("float32")]),
+        # left untouched
+        "softmax_over_queries": (lambda q, k, v: torch.softmax(scores(q, k), dim=-2) @ v, (13, 9, 16, 4), []),
+        # a where() on the probabilities that is not SDPA's empty-row guard
+        "mask_after_softmax": (lambda q, k, v, m: (lambda p: torch.where(~m, torch.zeros_like(p), p))(
+            torch.softmax(scores(q, k), dim=-1)) @ v, (13, 9, 16, 4), [keep(13, 9)]),
+        # an empty row would be uniform, not 0
+        "finite_fill": (lambda q, k, v, m: torch.softmax(
+            scores(q, k).masked_fill(~m, -1e9), dim=-1) @ v, (13, 9, 16, 4), [keep(13, 9)]),
+        "bias_before_scale": (lambda q, k, v, b: torch.softmax(
+            (q @ k.transpose(-2, -1) + b) * 0.25, dim=-1) @ v, (13, 9, 16, 4),
+            [rng.standard_normal((13, 9)).astype("float32")]),
+        # a bias added on a [B, H * Sq, Sk] view of the scores
+        "bias_on_another_view": (lambda q, k, v, b: torch.softmax(
+            (scores(q, k).reshape(2, 52, 9) + b).reshape(2, 4, 13, 9), dim=-1) @ v, (13, 9, 16, 4),
+            [rng.standard_normal((52, 9)).astype("float32")]),
+        # softmax ignores it, and fuel's kernels take no 0-d mask
+        "scalar_bias": (lambda q, k, v: torch.softmax(scores(q, k) + 1.5, dim=-1) @ v, (13, 9, 16, 4), []),
+    }
+    forward, (sq, sk, d, hkv), extra = cases[name]
 
-    class ByHandMasked(torch.nn.Module):
-        def forward(self, q, k, v):
-            scores = q @ k.transpose(-2, -1) * 0.25
-            return torch.softmax(scores + torch.ones_like(scores).triu(1) * -1e4, dim=-1) @ v
+    class Block(torch.nn.Module):
+        def forward(self, *args):
+            return forward(*args)
 
-    return torch, Sdpa, ByHand, ByHandMasked
+    shapes = ((2, 4, sq, d), (2, hkv, sk, d), (2, hkv, sk, d))
+    return Block(), [rng.standard_normal(s).astype("float32") for s in shapes] + extra
 
 
-@pytest.mark.parametrize("which", ["sdpa", "by_hand"])
-def test_exported_programs_are_fused(which):
-    torch, Sdpa, ByHand, _ = _blocks()
-    block = Sdpa() if which == "sdpa" else ByHand()
-    rng = np.random.default_rng(2)
-    arrays = [rng.standard_normal(s).astype("float32") for s in ((2, 4, 13, 16), (2, 4, 9, 16), (2, 4, 9, 16))]
+def _flash_attn_options(mod: tvm.IRModule) -> tuple:
+    """(causal, window_size, has attn_mask) of the one flash_attn ``main`` calls."""
+    calls = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == "relax.fuel.flash_attn" else None)
+    (call,) = calls
+    return bool(call.attrs["causal"]), tuple(int(x) for x in call.attrs["window_size"]), bool(
+        call.attrs["has_attn_mask"])
+
+
+@pytest.mark.parametrize("name,options", [
+    ("sdpa", (False, (-1, -1), False)),
+    ("by_hand", (False, (-1, -1), False)),
+    ("causal_sdpa", (True, (-1, -1), False)),
+    ("causal_sdpa_more_queries", (False, (-1, 4), False)),
+    ("causal_sdpa_more_keys", (False, (-1, -1), True)),
+    ("gqa_causal_sdpa", (True, (-1, -1), False)),
+    ("sdpa_bool_mask", (False, (-1, -1), True)),
+    ("sdpa_float_mask", (False, (-1, -1), True)),
+    ("masked_by_hand", (False, (-1, -1), True)),
+    ("masked_fill_by_hand", (False, (-1, -1), True)),
+    ("tril_by_hand", (True, (-1, -1), False)),
+    ("merged_bias_first", (False, (-1, -1), True)),
+])
+def test_exported_programs_are_fused(name, options):
+    torch = pytest.importorskip("torch")
+    block, arrays = _case(name)
     mod = _exported(block, arrays)
     fused = FuseAttention()(mod)
-    assert "relax.fuel.flash_attn" in _ops(fused) and "relax.nn.softmax" not in _ops(fused)
+    # nothing of the unfused graph is left (a mask built from ones_like(scores) no longer needs them)
+    assert "relax.fuel.flash_attn" in _ops(fused) and not {"relax.nn.softmax", "relax.matmul"} & _ops(fused)
+    assert _flash_attn_options(fused) == options
     want = block(*map(torch.from_numpy, arrays)).numpy()
     run = lambda m: relax.VirtualMachine(tvm_fuel.compile(m, HOST, kernels="tuned"), tvm.cpu())["main"](  # noqa: E731
         *map(tvm.runtime.tensor, arrays))[0].numpy()
@@ -129,10 +198,35 @@ def test_exported_programs_are_fused(which):
     np.testing.assert_allclose(run(mod), want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("which", ["causal_sdpa", "masked_by_hand"])
-def test_masked_exported_programs_are_left_untouched(which):
-    torch, Sdpa, _, ByHandMasked = _blocks()
-    block = Sdpa(causal=True) if which == "causal_sdpa" else ByHandMasked()
-    arrays = [np.ones((2, 4, 9, 16), "float32")] * 3
-    fused = FuseAttention()(_exported(block, arrays))
+@pytest.mark.parametrize("name", ["softmax_over_queries", "mask_after_softmax", "finite_fill", "bias_before_scale",
+                                  "bias_on_another_view", "scalar_bias"])
+def test_inexpressible_exported_programs_are_left_untouched(name):
+    fused = FuseAttention()(_exported(*_case(name)))
     assert "relax.fuel.flash_attn" not in _ops(fused) and "relax.nn.softmax" in _ops(fused)
+
+
+def _merged_block(dropout: bool) -> tvm.IRModule:
+    """softmax(Q K^T / 4) V over merged [B * H] dims, built in Relax: PyTorch's importer drops
+    dropout, so a training-mode R.nn.dropout only comes from Relax itself."""
+    bb = relax.BlockBuilder()
+    q, k, v = (relax.Var(n, relax.TensorType((2, 4, 9, 16), "float32")) for n in "qkv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            def merged(x, *tail):
+                return bb.emit(relax.op.reshape(x, [8, *tail]))
+
+            k_t = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.matmul(merged(q, 9, 16), merged(k_t, 16, 9)))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.multiply(s, relax.const(0.25, "float32")))))
+            if dropout:
+                p = bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(p, 0.1)), 0))
+            out = bb.emit(relax.op.matmul(p, merged(v, 9, 16)))
+            out = bb.emit_output(relax.op.reshape(out, [2, 4, 9, 16]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_dropout_is_left_untouched(dropout):
+    fused = FuseAttention()(_merged_block(dropout))
+    assert ("relax.fuel.flash_attn" in _ops(fused)) != dropout and ("relax.nn.softmax" in _ops(fused)) == dropout

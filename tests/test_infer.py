@@ -95,7 +95,10 @@ BAD_FLASH = [
      ValueError, r"fuel\.flash_attn: argument 'attn_mask' of shape \[2, 8, 17, 96\] does not broadcast to "
                  r"\[B, Hq, Sq, Sk\] = \[2, 8, 17, 97\]"),
     ("mask rank", lambda: op.flash_attn(*_qkv(), attn_mask=_var("m", (1, 2, 8, 17, 97), "bool")),
-     ValueError, r"fuel\.flash_attn: argument 'attn_mask' must have at most 4 dims"),
+     ValueError, r"fuel\.flash_attn: argument 'attn_mask' must have 1 to 4 dims, broadcastable to \[B, Hq, Sq, Sk\], "
+                 r"got 5 dims"),
+    ("scalar mask", lambda: op.flash_attn(*_qkv(), attn_mask=_var("m", (), "float32")),
+     ValueError, r"fuel\.flash_attn: argument 'attn_mask' must have 1 to 4 dims, .* got 0 dims"),
     ("mask dtype", lambda: op.flash_attn(*_qkv(), attn_mask=_var("m", (17, 97), "int8")),
      TypeError, r"fuel\.flash_attn: argument 'attn_mask' must have dtype bool or float32"),
     ("window", lambda: op.flash_attn(*_qkv(), window_size=(-2, 0)),

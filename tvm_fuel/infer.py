@@ -100,8 +100,8 @@ class _Checker:
         ty = self.tensor("attn_mask", layout=None, dtypes=("bool",) + FLOAT_DTYPES)
         if ty is None:
             return
-        if ty.ndim == -1 or ty.ndim > 4:
-            raise ValueError(f"{self.op}: argument 'attn_mask' must have at most 4 dims, broadcastable to "
+        if ty.ndim in (-1, 0) or ty.ndim > 4:  # a 0-d mask would mask every logit alike: surely a mistake
+            raise ValueError(f"{self.op}: argument 'attn_mask' must have 1 to 4 dims, broadcastable to "
                              f"[B, Hq, Sq, Sk], got {'unknown rank' if ty.ndim == -1 else f'{ty.ndim} dims'}")
         dims = self.dims(ty)
         if dims is None or full is None:
