@@ -12,6 +12,8 @@ Contents:
     transform  -- Relax passes: ShareForwardState, gradient (flash_attn's gradient is registered)
     nn         -- FlashAttention, PagedAttention modules for tvm.relax.frontend.nn (import tvm_fuel.nn)
     kv_cache   -- PagedKVCache: blocks, appends through the block table, frees (import tvm_fuel.kv_cache)
+    models     -- end-to-end: a Llama-style decoder served over the paged cache, a training run
+                  through the Gradient pass (import tvm_fuel.models.llama / .engine / .train)
     tune       -- MetaSchedule auto-tuning of the kernels' knobs (tvm_fuel.tuning)
     tuning_report -- which kernels of a module use a tuning record
     host_target   -- llvm for this machine's CPU

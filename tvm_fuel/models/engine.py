@@ -37,7 +37,8 @@ class Generation:
 
     tokens: each sequence's generated tokens (greedy). prefill_logits: each prompt's logits
     [S, vocab] (float32). decode_logits: per decode step, [B, vocab] for the batch.
-    prefill_s, decode_s: wall-clock seconds of the two phases.
+    prefill_s, decode_s: wall-clock seconds of the two phases. attention_s: seconds spent in the
+    attention kernels (``fuel_*`` PrimFuncs) per phase, when ``generate(time_attention=True)``.
     """
 
     tokens: list[list[int]]
@@ -45,6 +46,7 @@ class Generation:
     decode_logits: list[np.ndarray] = field(repr=False)
     prefill_s: float
     decode_s: float
+    attention_s: dict[str, float] | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -112,22 +114,29 @@ class LlamaEngine:
             raise ValueError(f"LlamaEngine.decode: tokens must have one row per sequence ({len(seqs)}), "
                              f"got {tokens.shape[0]}")
         slots = self.cache.reserve(seqs, int(tokens.shape[1]))
-        logits, _, _ = self.vm["decode"](tokens, self.cache.k_cache, self.cache.v_cache,
+        logits, _, _ = self.vm["decode" if tokens.shape[1] == 1 else "extend"](tokens, self.cache.k_cache, self.cache.v_cache,
                                          self.cache.block_table(seqs), self.cache.context_lens(seqs), slots,
                                          *self._params)
         return logits.numpy()
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int) -> Generation:
-        """Greedy decoding of every prompt for ``max_new_tokens`` tokens; the cache is freed after."""
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, time_attention: bool = False) -> Generation:
+        """Greedy decoding of every prompt for ``max_new_tokens`` tokens; the cache is freed after.
+
+        ``time_attention``: also sum the time of the attention kernels per phase (a VM instrument
+        around every call, which slows the run a little: time tokens/s without it)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("LlamaEngine.generate: prompts must be a non-empty list of non-empty token lists")
         if max_new_tokens < 1:
             raise ValueError(f"LlamaEngine.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [self.cache.add_sequence() for _ in prompts]
+        timer = _KernelTimer("fuel_") if time_attention else None
+        if timer:
+            self.vm.set_instrument(timer)
         try:
             start = time.perf_counter()
             prefill_logits = [self.prefill(seq, prompt) for seq, prompt in zip(seqs, prompts)]
             prefill_s = time.perf_counter() - start
+            attention_s = {"prefill": timer.take()} if timer else None
             next_tokens = np.array([logits[-1].argmax() for logits in prefill_logits], "int32")
             generated, decode_logits = [next_tokens], []
             start = time.perf_counter()
@@ -137,8 +146,32 @@ class LlamaEngine:
                 next_tokens = logits.argmax(-1).astype("int32")
                 generated.append(next_tokens)
             decode_s = time.perf_counter() - start
+            if timer:
+                attention_s["decode"] = timer.take()
         finally:
             for seq in seqs:
                 self.cache.free(seq)
+            if timer:
+                self.vm.set_instrument(None)
         tokens = np.stack(generated, 1)
-        return Generation([row.tolist() for row in tokens], prefill_logits, decode_logits, prefill_s, decode_s)
+        return Generation([row.tolist() for row in tokens], prefill_logits, decode_logits, prefill_s, decode_s,
+                          attention_s)
+
+
+class _KernelTimer:
+    """A VM instrument summing the wall time of the calls whose symbol starts with ``prefix``."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.total, self._start = prefix, 0.0, 0.0
+
+    def __call__(self, func, symbol: str, before_run: bool, ret_value, *args) -> int:
+        if symbol.startswith(self.prefix):
+            if before_run:
+                self._start = time.perf_counter()
+            else:
+                self.total += time.perf_counter() - self._start
+        return 0  # VMInstrumentReturnKind.NoOp: run the call as usual
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total

@@ -2,16 +2,17 @@
 
 Llama's architecture (pre-norm RMSNorm, rotary position embedding in the rotate-half form,
 grouped-query attention, SwiGLU MLP, untied LM head), small enough to build and run on a laptop
-CPU in seconds. Three entry points share one layer stack:
+CPU in seconds. Four entry points share one layer stack:
 
 - ``forward(tokens)``: logits of whole sequences, attention through ``flash_attn`` (causal), no
   cache. The oracle the cached paths must reproduce.
 - ``prefill(tokens, k_cache, v_cache, slots)``: the same over a batch of prompts, writing each
   layer's K/V into the paged cache (in place, at ``slots``) for the decode steps that follow.
-- ``decode(tokens, k_cache, v_cache, block_table, context_lens, slots)``: the next T >= 1 tokens
-  of each sequence (T = 1: a decode step; more: a chunk), K/V written at ``slots``, attention
-  through ``paged_attn`` over the cache (the T queries are the last T of ``context_lens``, which
-  already counts them).
+- ``decode(tokens, k_cache, v_cache, block_table, context_lens, slots)``: the next token of each
+  sequence (tokens [B, 1]), K/V written at ``slots``, attention through ``paged_attn`` over the
+  cache (the query is the last token of ``context_lens``, which already counts it).
+- ``extend(...)``: the same for T > 1 new tokens per sequence (a chunk; multi-query ``paged_attn``,
+  bottom-right causal).
 
 The cache is ``tvm_fuel.kv_cache.PagedKVCache``'s layout: K and V ``[num_layers * num_blocks,
 block_size, Hkv, D]``, layer ``l`` in pages ``[l * num_blocks, (l + 1) * num_blocks)``, one block
@@ -222,28 +223,41 @@ class LlamaDecoder(nn.Module):
         logits = self._run(tokens, attend, context_lens)
         return logits, cache.k, cache.v
 
+    def extend(self, tokens: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, block_table: nn.Tensor,
+               context_lens: nn.Tensor, slots: nn.Tensor):
+        """``decode`` for T > 1 new tokens per sequence (a chunk): multi-query ``paged_attn``."""
+        return self.decode(tokens, k_cache, v_cache, block_table, context_lens, slots)
+
     def spec(self, *, num_pages: int, block_size: int) -> dict:
-        """The ``export_tvm`` spec: batch, sequence length and table width symbolic; the cache
-        ``[num_pages, block_size, Hkv, D]`` (num_pages = num_layers * blocks per layer)."""
+        """The ``export_tvm`` spec: batch, sequence length and table width symbolic, but one token
+        per sequence in ``decode`` (the kernels pick their decode form for a static Sq = 1;
+        ``extend`` takes any T); the cache ``[num_pages, block_size, Hkv, D]`` (num_pages =
+        num_layers * blocks per layer)."""
         c = self.config
         tokens = nn.spec.Tensor(["batch", "seq_len"], "int32")
         cache = nn.spec.Tensor([num_pages, block_size, c.num_kv_heads, c.head_dim], c.dtype)
         slots = nn.spec.Tensor(["batch", "seq_len"], "int64")
         plain = {"param_mode": "plain", "effect_mode": "none"}
+
+        def over_cache(seq_len):
+            return {"tokens": nn.spec.Tensor(["batch", seq_len], "int32"), "k_cache": cache, "v_cache": cache,
+                    "block_table": nn.spec.Tensor(["batch", "max_blocks"], "int32"),
+                    "context_lens": nn.spec.Tensor(["batch"], "int32"),
+                    "slots": nn.spec.Tensor(["batch", seq_len], "int64"), "$": plain}
+
         return {
             "forward": {"tokens": tokens, "$": plain},
             "prefill": {"tokens": tokens, "k_cache": cache, "v_cache": cache, "slots": slots, "$": plain},
-            "decode": {"tokens": tokens, "k_cache": cache, "v_cache": cache,
-                       "block_table": nn.spec.Tensor(["batch", "max_blocks"], "int32"),
-                       "context_lens": nn.spec.Tensor(["batch"], "int32"), "slots": slots, "$": plain},
+            "decode": over_cache(1),
+            "extend": over_cache("seq_len"),
         }
 
 
 def export(config: LlamaConfig, *, num_blocks: int = 64, block_size: int = 16,
            gpu: bool = False) -> tuple[tvm.IRModule, list[str]]:
-    """The decoder's Relax module (``forward``, ``prefill``, ``decode``; each takes its inputs and
-    then the weights, in the order of the returned names) for a cache of ``num_blocks`` blocks
-    per layer of ``block_size`` tokens."""
+    """The decoder's Relax module (``forward``, ``prefill``, ``decode``, ``extend``; each takes
+    its inputs and then the weights, in the order of the returned names) for a cache of
+    ``num_blocks`` blocks per layer of ``block_size`` tokens."""
     model = LlamaDecoder(config, gpu=gpu)
     mod, params = model.export_tvm(model.spec(num_pages=config.num_layers * num_blocks, block_size=block_size))
     return mod, [name for name, _ in params]
