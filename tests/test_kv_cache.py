@@ -72,7 +72,7 @@ def test_free_returns_blocks_and_errors_name_the_call():
 
 
 @pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
-def test_theappend_kernel_builds_for_cuda():
+def test_the_append_kernel_builds_for_cuda():
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     source = cuda.cuda_source(tvm.compile(append_kernel("float16", 8, 128, True), target=target))
     assert cuda.kernel_names(source) and cuda.compile_cubin(source, "sm_90")
@@ -86,8 +86,9 @@ def test_layers_share_one_table_at_their_page_offset():
     cache.append([seq], ks, vs)
     table = cache.block_table([seq]).numpy()[0]
     for layer in range(2):
-        pages = cache.k_cache.numpy()[layer * 4:(layer + 1) * 4]
-        np.testing.assert_array_equal(reference.gather_pages(pages, table, 6), ks[layer][0])
+        for tensor, rows in ((cache.k_cache, ks), (cache.v_cache, vs)):
+            pages = tensor.numpy()[layer * 4:(layer + 1) * 4]
+            np.testing.assert_array_equal(reference.gather_pages(pages, table, 6), rows[layer][0])
     with pytest.raises(ValueError, match="PagedKVCache.append: k and v must hold 2 layers, got 1 and 1"):
         cache.append([seq], ks[0], vs[0])
 
@@ -97,3 +98,20 @@ def test_the_append_kernel_refuses_a_slot_outside_the_cache():
     rows = tvm.runtime.tensor(np.zeros((1, HKV, 1, D), "float32"))
     with pytest.raises(Exception, match=r"slots\[b, t\] must be in \[0, num_blocks \* block_size\)"):
         cache._append(cache.k_cache, cache.v_cache, rows, rows, tvm.runtime.tensor(np.array([[2 * BS]], "int64")))
+
+
+def test_repeated_ids_are_refused_and_a_failed_step_rolls_back():
+    cache = PagedKVCache(num_blocks=3, block_size=BS, num_kv_heads=HKV, head_dim=D)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    with pytest.raises(ValueError, match=r"PagedKVCache.reserve: seqs \[0, 0\] repeat a sequence id"):
+        cache.reserve([a, a], 1)
+    with pytest.raises(ValueError, match="PagedKVCache.block_table: seqs must name at least one sequence"):
+        cache.block_table([])
+    cache.reserve([a], 5)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with cache.rollback_on_error([a, b]):
+            cache.reserve([a, b], 3)
+            raise RuntimeError("the step failed")
+    assert (cache.length(a), cache.length(b), cache.free_blocks) == (5, 0, 1)
+    cache.truncate(a, 4)
+    assert (cache.length(a), cache.free_blocks) == (4, 2)

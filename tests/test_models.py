@@ -12,8 +12,8 @@ from helpers import HOST, legalize_checked
 from tvm_fuel.models import llama, peers, train
 from tvm_fuel.models.engine import LlamaEngine
 
-CONFIG = llama.LlamaConfig(vocab_size=97, hidden_size=120, intermediate_size=160, num_heads=3, num_kv_heads=1,
-                           head_dim=40)  # a GQA group of 3, head dim 40
+CONFIG = llama.LlamaConfig(vocab_size=97, hidden_size=120, intermediate_size=160, num_heads=6, num_kv_heads=2,
+                           head_dim=40)  # GQA groups of 3 over 2 KV heads, head dim 40
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,18 +60,22 @@ def test_paged_decode_reproduces_the_full_sequence(kernels):
 
 
 def test_chunked_decode_over_the_cache():
-    """decode with T > 1 new tokens (multi-query paged attention, bottom-right causal)."""
+    """extend: T > 1 new tokens of sequences of different lengths (multi-query paged attention,
+    bottom-right causal per sequence)."""
     engine = _engine("tuned")
     rng = np.random.default_rng(4)
-    prompt, chunk = rng.integers(0, CONFIG.vocab_size, 9), rng.integers(0, CONFIG.vocab_size, (1, 5))
-    seq = engine.cache.add_sequence()
+    prompts, chunk = [rng.integers(0, CONFIG.vocab_size, n) for n in (9, 30)], rng.integers(0, CONFIG.vocab_size, (2, 5))
+    seqs = [engine.cache.add_sequence() for _ in prompts]
     try:
-        engine.prefill(seq, [int(t) for t in prompt])
-        got = engine.decode([seq], chunk)[0]
+        for seq, prompt in zip(seqs, prompts):
+            engine.prefill(seq, [int(t) for t in prompt])
+        got = engine.decode(seqs, chunk)
     finally:
-        engine.cache.free(seq)
-    want = engine.forward(np.concatenate([prompt[None], chunk], 1))[0, 9:]
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        for seq in seqs:
+            engine.cache.free(seq)
+    for row, prompt in enumerate(prompts):
+        want = engine.forward(np.concatenate([prompt, chunk[row]])[None])[0, len(prompt):]
+        np.testing.assert_allclose(got[row], want, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_tokens_are_refused_by_name():
@@ -80,6 +84,16 @@ def test_bad_tokens_are_refused_by_name():
         engine.forward(np.array([[3, 97]]))
     with pytest.raises(ValueError, match="LlamaEngine.generate: prompts must be a non-empty list"):
         engine.generate([[1], []], max_new_tokens=2)
+    seq = engine.cache.add_sequence()
+    try:
+        engine.prefill(seq, [1, 2])
+        with pytest.raises(ValueError, match="LlamaEngine.prefill: sequence .* already holds 2 tokens"):
+            engine.prefill(seq, [3])
+        with pytest.raises(ValueError, match=r"LlamaEngine.decode: token ids must be in \[0, vocab_size=97\)"):
+            engine.decode([seq], [[-1]])
+        assert engine.cache.length(seq) == 2
+    finally:
+        engine.cache.free(seq)
 
 
 @functools.lru_cache(maxsize=None)

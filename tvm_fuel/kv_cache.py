@@ -25,6 +25,7 @@ array([17], dtype=int32)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -142,6 +143,36 @@ class PagedKVCache:
         self._free.extend(reversed(self._blocks.pop(seq)))
         del self._lens[seq]
 
+    def length(self, seq: int) -> int:
+        """The sequence's token count."""
+        self._check([seq], "length")
+        return self._lens[seq]
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Forget the sequence's tokens from ``length`` on, returning the blocks they alone used
+        (a failed step rolls back with it)."""
+        self._check([seq], "truncate")
+        if not 0 <= length <= self._lens[seq]:
+            raise ValueError(f"PagedKVCache.truncate: length must be in [0, {self._lens[seq]}], got {length}")
+        blocks = self._blocks[seq]
+        keep = -(-length // self.block_size)
+        self._free.extend(reversed(blocks[keep:]))
+        del blocks[keep:]
+        self._lens[seq] = length
+
+    @contextlib.contextmanager
+    def rollback_on_error(self, seqs: list[int]):
+        """Within the block, an exception truncates ``seqs`` back to their lengths at entry."""
+        self._check(seqs, "rollback_on_error")
+        lengths = {seq: self._lens[seq] for seq in seqs}
+        try:
+            yield
+        except BaseException:
+            for seq, length in lengths.items():
+                if seq in self._lens:
+                    self.truncate(seq, length)
+            raise
+
     def reserve(self, seqs: list[int], tokens: int) -> tvm.runtime.Tensor:
         """Make room for the next ``tokens`` tokens of each sequence (allocating blocks as they fill)
         and count them in its length. Returns their slots ``[B, tokens]`` int64 (``block * block_size
@@ -168,6 +199,7 @@ class PagedKVCache:
     def append(self, seqs: list[int], k, v) -> None:
         """Write ``k``, ``v`` (numpy or tvm tensors [B, Hkv, T, D], B = len(seqs); a list of
         num_layers of them when the cache has several layers) as the next T tokens of each sequence."""
+        self._check(seqs, "append")
         ks, vs = ([x] if self.num_layers == 1 and not isinstance(x, (list, tuple)) else list(x) for x in (k, v))
         if len(ks) != self.num_layers or len(vs) != self.num_layers:
             raise ValueError(f"PagedKVCache.append: k and v must hold {self.num_layers} layers, "
@@ -175,12 +207,15 @@ class PagedKVCache:
         ks, vs = ([self._rows(x, name, len(seqs)) for x in xs] for name, xs in (("k", ks), ("v", vs)))
         if any(tuple(x.shape) != tuple(ks[0].shape) for x in ks + vs):
             raise ValueError(f"PagedKVCache.append: every k and v must be {list(ks[0].shape)}")
-        slots = self.reserve(seqs, int(ks[0].shape[2]))
-        for layer, (k_new, v_new) in enumerate(zip(ks, vs)):
-            self._append(self.k_cache, self.v_cache, k_new, v_new, self._layer_slots(slots, layer))
+        with self.rollback_on_error(seqs):
+            slots = self.reserve(seqs, int(ks[0].shape[2]))
+            for layer, (k_new, v_new) in enumerate(zip(ks, vs)):
+                self._append(self.k_cache, self.v_cache, k_new, v_new, self._layer_slots(slots, layer))
 
     def _rows(self, x, name: str, batch: int) -> tvm.runtime.Tensor:
         x = x if isinstance(x, tvm.runtime.Tensor) else tvm.runtime.tensor(np.ascontiguousarray(x), device=self.device)
+        if x.device != self.device:
+            raise ValueError(f"PagedKVCache.append: {name} is on {x.device}, the cache on {self.device}")
         shape = tuple(x.shape)
         if (len(shape) != 4 or shape[0] != batch or shape[1] != self.num_kv_heads or shape[3] != self.head_dim
                 or shape[2] < 1 or str(x.dtype) != self.dtype):
@@ -196,7 +231,9 @@ class PagedKVCache:
     def block_table(self, seqs: list[int], max_blocks: int | None = None) -> tvm.runtime.Tensor:
         """[B, max_blocks] int32: each sequence's blocks, padded with -1 (never read: past its length)."""
         self._check(seqs, "block_table")
-        width = max_blocks or max(1, max(len(self._blocks[s]) for s in seqs))
+        width = max(1, max(len(self._blocks[s]) for s in seqs)) if max_blocks is None else max_blocks
+        if width < 1:
+            raise ValueError(f"PagedKVCache.block_table: max_blocks must be >= 1, got {max_blocks}")
         table = np.full((len(seqs), width), -1, "int32")
         for row, seq in enumerate(seqs):
             blocks = self._blocks[seq]
@@ -211,6 +248,10 @@ class PagedKVCache:
         return tvm.runtime.tensor(np.array([self._lens[s] for s in seqs], "int32"), device=self.device)
 
     def _check(self, seqs, what: str) -> None:
+        if not seqs:
+            raise ValueError(f"PagedKVCache.{what}: seqs must name at least one sequence")
         unknown = [s for s in seqs if s not in self._blocks]
         if unknown:
             raise KeyError(f"PagedKVCache.{what}: unknown sequence ids {unknown} (add_sequence first)")
+        if len(set(seqs)) != len(seqs):  # one sequence twice in a batch would get two slots per position
+            raise ValueError(f"PagedKVCache.{what}: seqs {list(seqs)} repeat a sequence id")

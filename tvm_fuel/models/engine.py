@@ -38,7 +38,7 @@ class Generation:
     tokens: each sequence's generated tokens (greedy). prefill_logits: each prompt's logits
     [S, vocab] (float32). decode_logits: per decode step, [B, vocab] for the batch.
     prefill_s, decode_s: wall-clock seconds of the two phases. attention_s: seconds spent in the
-    attention kernels (``fuel_*`` PrimFuncs) per phase, when ``generate(time_attention=True)``.
+    attention ops (flash_attn, paged_attn) per phase, when ``generate(time_attention=True)``.
     """
 
     tokens: list[list[int]]
@@ -74,16 +74,15 @@ class LlamaEngine:
     def __init__(self, config: llama.LlamaConfig, *, target="llvm", kernels: str = "decomposed",
                  num_blocks: int = 64, block_size: int = 16, seed: int = 0, device=None):
         self.config, self.device = config, device or tvm.cpu()
-        gpu = self.device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
-        mod, names = llama.export(config, num_blocks=num_blocks, block_size=block_size, gpu=gpu)
+        self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=config.num_kv_heads,
+                                  head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
+                                  device=self.device, target=target)  # first: bad sizes fail before the build
+        mod, names = llama.export(config, num_blocks=num_blocks, block_size=block_size, gpu=self.cache.gpu)
         start = time.perf_counter()
         self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), self.device)
         self.build_s = time.perf_counter() - start
         self.weights = llama.init_weights(config, names, seed=seed)
         self._params = [tvm.runtime.tensor(self.weights[name], device=self.device) for name in names]
-        self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=config.num_kv_heads,
-                                  head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
-                                  device=self.device, target=target)
 
     def _tokens(self, tokens, what: str) -> tvm.runtime.Tensor:
         tokens = np.asarray(tokens)
@@ -100,36 +99,43 @@ class LlamaEngine:
         return self.vm["forward"](self._tokens(tokens, "forward"), *self._params).numpy()
 
     def prefill(self, seq: int, prompt: list[int]) -> np.ndarray:
-        """Run a prompt of sequence ``seq`` and keep its K/V in the cache; returns logits [S, vocab]."""
+        """Run the prompt of the empty sequence ``seq`` and keep its K/V in the cache; returns
+        logits [S, vocab] float32."""
         tokens = self._tokens([prompt], "prefill")
-        slots = self.cache.reserve([seq], len(prompt))
-        logits, _, _ = self.vm["prefill"](tokens, self.cache.k_cache,
-                                          self.cache.v_cache, slots, *self._params)
+        if self.cache.length(seq):  # prefill's positions start at 0 and it attends to the prompt alone
+            raise ValueError(f"LlamaEngine.prefill: sequence {seq} already holds {self.cache.length(seq)} tokens "
+                             f"(continue it with decode)")
+        with self.cache.rollback_on_error([seq]):
+            slots = self.cache.reserve([seq], len(prompt))
+            logits, _, _ = self.vm["prefill"](tokens, self.cache.k_cache, self.cache.v_cache, slots, *self._params)
         return logits.numpy()[0]
 
     def decode(self, seqs: list[int], tokens: np.ndarray) -> np.ndarray:
-        """The next T tokens [B, T] of each sequence over its cached context; returns logits [B, T, vocab]."""
+        """The next T tokens [B, T] of each sequence over its cached context (``decode`` for T = 1,
+        ``extend`` for a chunk); returns logits [B, T, vocab] float32."""
         tokens = self._tokens(tokens, "decode")
         if tokens.shape[0] != len(seqs):
             raise ValueError(f"LlamaEngine.decode: tokens must have one row per sequence ({len(seqs)}), "
                              f"got {tokens.shape[0]}")
-        slots = self.cache.reserve(seqs, int(tokens.shape[1]))
-        logits, _, _ = self.vm["decode" if tokens.shape[1] == 1 else "extend"](tokens, self.cache.k_cache, self.cache.v_cache,
-                                         self.cache.block_table(seqs), self.cache.context_lens(seqs), slots,
-                                         *self._params)
+        with self.cache.rollback_on_error(seqs):
+            slots = self.cache.reserve(seqs, int(tokens.shape[1]))
+            func = self.vm["decode" if tokens.shape[1] == 1 else "extend"]
+            logits, _, _ = func(tokens, self.cache.k_cache, self.cache.v_cache, self.cache.block_table(seqs),
+                                self.cache.context_lens(seqs), slots, *self._params)
         return logits.numpy()
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, time_attention: bool = False) -> Generation:
         """Greedy decoding of every prompt for ``max_new_tokens`` tokens; the cache is freed after.
 
-        ``time_attention``: also sum the time of the attention kernels per phase (a VM instrument
-        around every call, which slows the run a little: time tokens/s without it)."""
+        ``time_attention``: also sum the time of the attention ops per phase (their kernels and
+        paged_attn's table check, not the K/V append; a VM instrument around every call, which
+        slows the run a little: time tokens/s without it)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("LlamaEngine.generate: prompts must be a non-empty list of non-empty token lists")
         if max_new_tokens < 1:
             raise ValueError(f"LlamaEngine.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [self.cache.add_sequence() for _ in prompts]
-        timer = _KernelTimer("fuel_") if time_attention else None
+        timer = _KernelTimer(("fuel_flash_attn", "fuel_paged_attn")) if time_attention else None
         if timer:
             self.vm.set_instrument(timer)
         try:
@@ -159,13 +165,13 @@ class LlamaEngine:
 
 
 class _KernelTimer:
-    """A VM instrument summing the wall time of the calls whose symbol starts with ``prefix``."""
+    """A VM instrument summing the wall time of the calls whose symbol starts with one of ``prefixes``."""
 
-    def __init__(self, prefix: str):
-        self.prefix, self.total, self._start = prefix, 0.0, 0.0
+    def __init__(self, prefixes: tuple[str, ...]):
+        self.prefixes, self.total, self._start = prefixes, 0.0, 0.0
 
     def __call__(self, func, symbol: str, before_run: bool, ret_value, *args) -> int:
-        if symbol.startswith(self.prefix):
+        if symbol.startswith(self.prefixes):
             if before_run:
                 self._start = time.perf_counter()
             else:

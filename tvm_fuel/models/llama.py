@@ -59,6 +59,10 @@ class LlamaConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig: {name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"LlamaConfig: num_heads {self.num_heads} must be a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")

@@ -47,6 +47,16 @@ class TrainConfig:
     softcap: float = 5.0
     lr: float = 3e-2
 
+    def __post_init__(self):
+        for name in ("batch", "seq_len", "model_dim", "num_heads", "num_kv_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig: {name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"TrainConfig: num_heads {self.num_heads} must be a multiple of num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if self.softcap < 0 or self.lr <= 0:
+            raise ValueError(f"TrainConfig: softcap must be >= 0 and lr > 0, got {self.softcap} and {self.lr}")
+
 
 class AttentionRegressor(nn.Module):
     """y_hat = o_proj(flash_attn(q_proj(x), k_proj(x), v_proj(x), causal, softcap)); loss = mean((y_hat - y)^2)."""
