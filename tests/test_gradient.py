@@ -121,3 +121,30 @@ def test_paged_attn_is_not_differentiable():
         bb.emit_func_output(loss)
     with pytest.raises(Exception, match="fuel.paged_attn is not differentiable"):
         relax.transform.Gradient("main", require_grads=[q])(bb.get())
+
+
+def _softmax_model(axis: int) -> tvm.IRModule:
+    """loss = sum(softmax(x @ m, axis) * w): a softmax of the model's own, outside any fuel op."""
+    bb = relax.BlockBuilder()
+    x, m, w = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in (("x", (3, 17, 8)), ("m", (8, 7)),
+                                                                          ("w", (3, 17, 7))))
+    with bb.function("main", [x, m, w]):
+        with bb.dataflow():
+            probs = bb.emit(relax.op.nn.softmax(relax.op.matmul(x, m), axis=axis))
+            loss = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(probs, w))))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax_gradients_use_softmax_backward(axis):
+    mod = _softmax_model(axis)
+    plain = relax.transform.Gradient("main")(mod)  # TVM's own softmax gradient, written out
+    fused = tvm_fuel.transform.gradient(mod)
+    assert len(_calls(fused["main_adjoint"], "softmax_backward")) == 1
+    assert int(_calls(fused["main_adjoint"], "softmax_backward")[0].attrs["axis"]) == axis
+    arrays = _inputs(mod)
+    want, got = (_run_adjoint(m, arrays, "decomposed") for m in (plain, fused))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)

@@ -9,7 +9,8 @@ Contents:
     reference  -- numpy references of every op (the oracle)
     compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
                   with the knobs of matching tuning records)
-    transform  -- Relax passes: ShareForwardState, gradient (flash_attn's gradient is registered)
+    transform  -- Relax passes: FuseAttention, ShareForwardState, UseSoftmaxBackward, gradient
+                  (flash_attn's gradient is registered)
     nn         -- FlashAttention, PagedAttention modules for tvm.relax.frontend.nn (import tvm_fuel.nn)
     kv_cache   -- PagedKVCache: blocks, appends through the block table, frees (import tvm_fuel.kv_cache)
     models     -- end-to-end: a Llama-style decoder served over the paged cache, a training run

@@ -5,7 +5,8 @@ Contents:
                          (exported programs: causal, bool and additive masks, GQA) -> flash_attn,
                          where the semantics match exactly
     ShareForwardState -- flash_attn returns its lse too, so its gradient reuses out and lse
-    gradient          -- ShareForwardState, then relax.transform.Gradient
+    UseSoftmaxBackward -- the softmax gradient Gradient writes out -> one softmax_backward
+    gradient          -- ShareForwardState, relax.transform.Gradient, then UseSoftmaxBackward
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -433,9 +435,53 @@ class ShareForwardState:
         return _rewrite(mod, _ReturnLse)
 
 
+@mutator
+class _SoftmaxBackward(PyExprMutator):
+    """``(g - sum(g * y, axis, keepdims)) * y`` with ``y = softmax(x, axis)`` (either operand order,
+    as ``relax.transform.Gradient`` writes softmax's gradient) -> ``softmax_backward(y, g, axis)``."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
+        call = super().visit_call_(call)
+        if _op_name(call) != "relax.multiply":
+            return call
+        for diff, probs in (call.args, call.args[::-1]):
+            fused = self._match(diff, probs, call)
+            if fused is not None:
+                return fused
+        return call
+
+    def _match(self, diff, probs, call):
+        softmax, diff = bound_value(self, probs), bound_value(self, diff)
+        if _op_name(softmax) != "relax.nn.softmax" or _op_name(diff) != "relax.subtract":
+            return None
+        dprobs, total = diff.args[0], bound_value(self, diff.args[1])
+        if _op_name(total) != "relax.sum" or not bool(total.attrs.keepdims) or total.attrs.axis is None \
+                or len(total.attrs.axis) != 1:
+            return None
+        product = bound_value(self, total.args[0])
+        if _op_name(product) != "relax.multiply" or not any(
+                a.same_as(dprobs) and b.same_as(probs) for a, b in (product.args, product.args[::-1])):
+            return None
+        axis, rank = int(softmax.attrs.axis), len(probs.ty.shape.values)
+        same_axis = int(total.attrs.axis[0]) % rank == axis % rank
+        same_shape = all(tvm_ffi.structural_equal(x.ty, call.ty) for x in (dprobs, probs))  # no broadcasting
+        return op.softmax_backward(probs, dprobs, axis=axis) if same_axis and same_shape else None
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fuel.UseSoftmaxBackward")
+class UseSoftmaxBackward:
+    """Replace the softmax gradient ``relax.transform.Gradient`` writes out (a multiply, a
+    reduction, a subtract and a multiply) by one ``softmax_backward``, then drop what it leaves.
+    ``gradient`` runs it after ``Gradient``."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        return relax.transform.DeadCodeElimination()(_rewrite(mod, _SoftmaxBackward))
+
+
 def gradient(mod: tvm.IRModule, func_name: str = "main", require_grads: Sequence[relax.Var] | None = None,
              target_index: int = 0) -> tvm.IRModule:
-    """``mod`` with ``<func_name>_adjoint`` added: ``ShareForwardState`` then ``relax.transform.Gradient``.
+    """``mod`` with ``<func_name>_adjoint`` added: ``ShareForwardState``, ``relax.transform.Gradient``,
+    then ``UseSoftmaxBackward`` (softmaxes elsewhere in the model get ``softmax_backward``).
 
     Example
     -------
@@ -446,4 +492,5 @@ def gradient(mod: tvm.IRModule, func_name: str = "main", require_grads: Sequence
     if require_grads is not None:  # the same parameters, by position, in the rewritten function
         params = list(mod[func_name].params)
         require_grads = [shared[func_name].params[params.index(var)] for var in require_grads]
-    return relax.transform.Gradient(func_name, require_grads=require_grads, target_index=target_index)(shared)
+    adjoint = relax.transform.Gradient(func_name, require_grads=require_grads, target_index=target_index)(shared)
+    return UseSoftmaxBackward()(adjoint)
