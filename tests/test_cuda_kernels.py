@@ -22,6 +22,8 @@ from tvm import tirx
 
 import tvm_fuel
 from tvm_fuel import cuda, op, reference
+from tvm_fuel.models import llama, peers
+from tvm_fuel.models.engine import LlamaEngine
 from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
 from tvm_fuel.schedules.cuda.rules import STATIC_SHARED_LIMIT
 
@@ -206,3 +208,32 @@ def test_gpu_paged_attn(sq, lens, dtype):
     (out,) = _run_on_gpu(mod, [q, k_cache, v_cache, table, context], "tuned")
     want = reference.paged_attn(q, k_cache, v_cache, table, context, causal=True)
     assert_close(out, want, dtype, scale=4, what="paged out")
+
+
+@needs_nvcc
+def test_the_decoder_builds_for_cuda():
+    """The Llama-style decoder in float16: the fuel kernels, the in-graph KV append and dlight's
+    schedules of the rest become one CUDA module that nvcc compiles."""
+    mod, _ = llama.export(llama.LlamaConfig(dtype="float16"), num_blocks=16, gpu=True)
+    source = cuda.cuda_source(tvm_fuel.compile(mod, _target("sm_90"), kernels="tuned"))
+    names = cuda.kernel_names(source)
+    for kernel in ("fuel_flash_attn_kernel", "fuel_paged_attn_kernel", "fuel_kv_append"):
+        assert any(name.startswith(kernel) for name in names), (kernel, names)
+    assert cuda.compile_cubin(source, "sm_90")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_decoder_generation():
+    """On a device: paged decode reproduces the no-cache forward, which matches numpy (float16)."""
+    config = llama.LlamaConfig(dtype="float16")
+    arch = f"sm_{''.join(tvm.cuda(0).compute_version.split('.'))}"
+    engine = LlamaEngine(config, target=_target(arch), kernels="tuned", num_blocks=32, device=tvm.cuda(0))
+    prompts = [[5], list(range(40)), list(range(3, 100))]
+    result = engine.generate(prompts, max_new_tokens=8)
+    for row, prompt in enumerate(prompts):
+        full = np.array([prompt + result.tokens[row][:-1]])
+        logits = engine.forward(full)[0]
+        np.testing.assert_allclose(logits, peers.llama_logits(config, engine.weights, full)[0], atol=5e-2)
+        decoded = np.stack([step[row] for step in result.decode_logits])
+        np.testing.assert_allclose(decoded, logits[len(prompt):], atol=5e-2)

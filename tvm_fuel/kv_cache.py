@@ -75,7 +75,8 @@ def append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
                     v_cache[slots[b, t] // block_size, slots[b, t] % block_size, h, d] = v_new[b, h, t, d]
     # fmt: on
 
-    return fuel_kv_append
+    # written by hand: dlight (CUDA builds) must not reschedule it; opaque: FuseOps keeps others out
+    return fuel_kv_append.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
 
 
 class PagedKVCache:
