@@ -167,7 +167,8 @@ def run_decoder(*, target="llvm", seed: int = 0, prompt_lens=(7, 40, 97, 160), n
     for kernels in ("decomposed", "tuned"):
         engine = LlamaEngine(config, target=target, kernels=kernels, num_blocks=64, block_size=16, seed=seed)
         engine.generate(prompts[:1], max_new_tokens=2)  # warm up
-        results[kernels], engines[kernels] = engine.generate(prompts, max_new_tokens=new_tokens), engine
+        runs = [engine.generate(prompts, max_new_tokens=new_tokens) for _ in range(2)]  # the faster of two
+        results[kernels], engines[kernels] = min(runs, key=lambda r: r.prefill_s + r.decode_s), engine
         attention[kernels] = engine.generate(prompts, max_new_tokens=new_tokens, time_attention=True).attention_s
         r, a = results[kernels], attention[kernels]
         print(f"  {kernels:<10} built in {engine.build_s:5.1f} s   prefill {sum(prompt_lens) / r.prefill_s:7.0f} tokens/s "
@@ -178,7 +179,7 @@ def run_decoder(*, target="llvm", seed: int = 0, prompt_lens=(7, 40, 97, 160), n
     print(f"  tuned / floor: decode tokens/s {tuned.decode_tokens_per_s / floor.decode_tokens_per_s:.2f}x, "
           f"attention time prefill {speedup['prefill']:.1f}x, decode {speedup['decode']:.1f}x faster; "
           f"same tokens: {floor.tokens == tuned.tokens}")
-    print("  (the rest of the model, projections and MLP, is TVM's unscheduled llvm code in both builds)")
+    print("  (the rest of the model, projections and MLP, is TVM's default llvm code in both builds, not tuned)")
     errors, floor_errors, torch_errors = [], [], []
     for kernels, result in results.items():  # each build's cached paths against its own no-cache forward
         for row, prompt in enumerate(prompts):

@@ -78,6 +78,8 @@ class LlamaEngine:
                                   head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
                                   device=self.device, target=target)  # first: bad sizes fail before the build
         mod, names = llama.export(config, num_blocks=num_blocks, block_size=block_size, gpu=self.cache.gpu)
+        # nn.Linear transposes its weight on every call; TVM's pass folds that into the matmul
+        mod = relax.transform.FuseTransposeMatmul()(mod)
         start = time.perf_counter()
         self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), self.device)
         self.build_s = time.perf_counter() - start
