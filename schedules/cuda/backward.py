@@ -171,6 +171,16 @@ class _Body:
                         acc[i] = acc[i] + T.Cast(F32, dS[(i * NT + tx) // DP, c]) * T.Cast(F32, Ks[c, (i * NT + tx) % DP])
 
         @T.macro
+        def store_rows(out, acc, b, head, row0, rows, limit, factor, tx):
+            # registers of [rows, DP] -> out[b, head, row0 + r, :D] * factor (rows past limit and the
+            # padding columns are not written)
+            for i in range(_ceil(rows * DP, NT)):
+                if i * NT + tx < rows * DP:
+                    if tirx.all(row0 + (i * NT + tx) // DP < limit, (i * NT + tx) % DP < D):
+                        out[b, head, row0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(
+                            dtype, acc[i] * T.float32(factor))
+
+        @T.macro
         def key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
             Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
             Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
@@ -225,13 +235,10 @@ class _Body:
                             add_product(dK, G, BK, tx)
                         else:
                             add_key_grad(dK, dS, Qs, tx)
-            for i in range(_ceil(BK * DP, NT)):
-                if i * NT + tx < BK * DP:
-                    if tirx.all(j0 + (i * NT + tx) // DP < Sk, (i * NT + tx) % DP < D):
-                        if want_dk:
-                            dk[b, g, j0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, dK[i] * T.float32(scale))
-                        if want_dv:
-                            dv[b, g, j0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, dV[i])
+            if want_dk:
+                store_rows(dk, dK, b, g, j0, BK, Sk, scale, tx)
+            if want_dv:
+                store_rows(dv, dV, b, g, j0, BK, Sk, 1.0, tx)
 
         @T.macro
         def query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
@@ -268,10 +275,7 @@ class _Body:
                     add_product(dQ, G, BQ, tx)
                 else:
                     add_query_grad(dQ, dS, Ks, tx)
-            for i in range(_ceil(BQ * DP, NT)):
-                if i * NT + tx < BQ * DP:
-                    if tirx.all(i0 + (i * NT + tx) // DP < Sq, (i * NT + tx) % DP < D):
-                        dq[b, h, i0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(dtype, dQ[i] * T.float32(scale))
+            store_rows(dq, dQ, b, h, i0, BQ, Sq, scale, tx)
 
         self.row_dots, self.key_block, self.query_block = row_dots, key_block, query_block
 
