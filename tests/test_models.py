@@ -104,6 +104,8 @@ def _trained(steps: int = 6) -> tuple[train.Trainer, list[float]]:
 
 def test_training_lowers_the_loss():
     trainer, losses = _trained()
+    names = {gvar.name_hint for gvar in legalize_checked(trainer.module, HOST, "tuned").functions}
+    assert {"fuel_flash_attn_kernel", "fuel_flash_attn_backward_kernel"} <= names  # kernels, not the floor
     x, y, w = trainer.x, trainer.y, trainer.initial_weights
     np.testing.assert_allclose(losses[0], ((peers.regressor_forward(trainer.config, w, x) - y) ** 2).mean(), rtol=1e-5)
     assert all(b < a for a, b in zip(losses, losses[1:])), losses

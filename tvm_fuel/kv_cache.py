@@ -179,6 +179,9 @@ class PagedKVCache:
         and count them in its length. Returns their slots ``[B, tokens]`` int64 (``block * block_size
         + offset``, layer 0; layer ``l`` adds ``l * num_blocks * block_size``), what a model's
         in-graph append (``append_kernel``) writes to."""
+        return tvm.runtime.tensor(self._reserve(seqs, tokens), device=self.device)
+
+    def _reserve(self, seqs: list[int], tokens: int) -> np.ndarray:
         self._check(seqs, "reserve")
         if not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"PagedKVCache.reserve: tokens must be a positive int, got {tokens!r}")
@@ -195,7 +198,7 @@ class PagedKVCache:
             slots[row] = np.asarray(blocks, "int64")[positions // self.block_size] * self.block_size + (
                 positions % self.block_size)
             self._lens[seq] = start + tokens
-        return tvm.runtime.tensor(slots, device=self.device)
+        return slots
 
     def append(self, seqs: list[int], k, v) -> None:
         """Write ``k``, ``v`` (numpy or tvm tensors [B, Hkv, T, D], B = len(seqs); a list of
@@ -209,9 +212,10 @@ class PagedKVCache:
         if any(tuple(x.shape) != tuple(ks[0].shape) for x in ks + vs):
             raise ValueError(f"PagedKVCache.append: every k and v must be {list(ks[0].shape)}")
         with self.rollback_on_error(seqs):
-            slots = self.reserve(seqs, int(ks[0].shape[2]))
+            slots = self._reserve(seqs, int(ks[0].shape[2]))
             for layer, (k_new, v_new) in enumerate(zip(ks, vs)):
-                self._append(self.k_cache, self.v_cache, k_new, v_new, self._layer_slots(slots, layer))
+                layer_slots = tvm.runtime.tensor(slots + layer * self.num_blocks * self.block_size, device=self.device)
+                self._append(self.k_cache, self.v_cache, k_new, v_new, layer_slots)
 
     def _rows(self, x, name: str, batch: int) -> tvm.runtime.Tensor:
         x = x if isinstance(x, tvm.runtime.Tensor) else tvm.runtime.tensor(np.ascontiguousarray(x), device=self.device)
@@ -223,11 +227,6 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.append: {name} must be [B={batch}, Hkv={self.num_kv_heads}, T, "
                              f"D={self.head_dim}] {self.dtype}, got {list(shape)} {x.dtype}")
         return x
-
-    def _layer_slots(self, slots: tvm.runtime.Tensor, layer: int) -> tvm.runtime.Tensor:
-        if layer == 0:
-            return slots
-        return tvm.runtime.tensor(slots.numpy() + layer * self.num_blocks * self.block_size, device=self.device)
 
     def block_table(self, seqs: list[int], max_blocks: int | None = None) -> tvm.runtime.Tensor:
         """[B, max_blocks] int32: each sequence's blocks, padded with -1 (never read: past its length)."""

@@ -139,6 +139,7 @@ class Trainer:
         mod = gradient(mod, "loss", require_grads=weights)
         optimizer = _adam(config.lr, list(mod["loss_adjoint"].params[2:]))
         mod["optimizer"] = optimizer.get_function().with_attr("global_symbol", "optimizer")
+        self.module = mod  # loss, loss_adjoint and optimizer, as built
         start = time.perf_counter()
         self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), tvm.cpu())
         self.build_s = time.perf_counter() - start
