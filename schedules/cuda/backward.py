@@ -105,6 +105,16 @@ class _Body:
             copy_keys(Vs, lambda r: j0 + r < Sk, lambda r, c: v[b, g, j0 + r, c], tx)
 
         @T.macro
+        def tile_dot(out, product, A, B, r, c):
+            # out[0] = A[r] . B[c]: the tensor cores' product tile, or the SIMT dot product
+            if tc:
+                out[0] = product[r, c]
+            else:
+                out[0] = T.float32(0)
+                for d in range(D):
+                    out[0] = out[0] + T.Cast(F32, A[r, d]) * T.Cast(F32, B[c, d])
+
+        @T.macro
         def scores(P, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, with_p, with_ds, tx):
             # P = exp(logit - lse) (0 where the key is dropped) and dS = P * (dP - D) * softcap',
             # both in the input dtype; each thread computes its elements in registers and writes
@@ -116,12 +126,7 @@ class _Body:
             for i in range(_ceil(BQ * BK, NT)):
                 if i * NT + tx < BQ * BK:
                     if i0 + (i * NT + tx) // BK < Sq:
-                        if tc:
-                            s[0] = S[(i * NT + tx) // BK, (i * NT + tx) % BK]
-                        else:
-                            s[0] = T.float32(0)
-                            for d in range(D):
-                                s[0] = s[0] + T.Cast(F32, Qs[(i * NT + tx) // BK, d]) * T.Cast(F32, Ks[(i * NT + tx) % BK, d])
+                        tile_dot(s, S, Qs, Ks, (i * NT + tx) // BK, (i * NT + tx) % BK)
                         cap[0] = sem.softcap(cfg, s[0] * T.float32(scale))
                         p[0] = T.Select(
                             visible(spec, mask, b, h, i0 + (i * NT + tx) // BK, j0 + (i * NT + tx) % BK, Sk, Sk - Sq),
@@ -131,12 +136,7 @@ class _Body:
                         if with_p:
                             P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0])
                         if with_ds:
-                            if tc:
-                                dp[0] = dP[(i * NT + tx) // BK, (i * NT + tx) % BK]
-                            else:
-                                dp[0] = T.float32(0)
-                                for d in range(D):
-                                    dp[0] = dp[0] + T.Cast(F32, dOs[(i * NT + tx) // BK, d]) * T.Cast(F32, Vs[(i * NT + tx) % BK, d])
+                            tile_dot(dp, dP, dOs, Vs, (i * NT + tx) // BK, (i * NT + tx) % BK)
                             if capped:
                                 dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0] * (dp[0] - D_r[(i * NT + tx) // BK]) * sem.softcap_grad(cfg, cap[0]))
                             else:
