@@ -14,6 +14,7 @@ Contents:
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import asdict, replace
 
@@ -28,6 +29,7 @@ from .forward import dense_forward, paged_forward
 from .tiles import CudaTiles, backward_smem, forward_smem, streaming_multiprocessors
 
 STATIC_SHARED_LIMIT = 48 * 1024
+MAX_ACCUMULATORS = 64  # float32 accumulators per thread that tensor-core kernels keep without spilling (ptxas)
 EMULATED_ARCH = "sm_90"  # the architecture whose limits the emulated kernels obey
 
 
@@ -67,6 +69,43 @@ class _CudaRule(KernelRule):
         if workload.spec.dtype in HALF_TYPES and not tiles.fits_tensor_cores():
             return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
         return None
+
+    def accumulators(self, workload: Workload, tiles: CudaTiles) -> int:
+        """float32 accumulators each thread keeps in registers (its share of the O tile)."""
+        return -(-tiles.block_q * padded_dim(workload.spec.head_dim) // tiles.threads)
+
+    def check_fit(self, workload: Workload, target: tvm.target.Target, knobs: Knobs) -> str | None:
+        """Why ``knobs`` do not fit ``target``'s shared memory, or None when they do."""
+        tiles, spec, arch = CudaTiles(**knobs), workload.spec, self._arch(target)
+        static, dynamic = self.smem(spec.dtype, spec.head_dim, tiles)
+        if not shared_memory_fits(static, dynamic, arch):
+            return (f"tiles {tiles.block_q}x{tiles.block_k} need {static} + {dynamic} bytes of shared memory, "
+                    f"more than {arch} gives a block")
+        return None
+
+    def knobs(self, workload: Workload, target: tvm.target.Target, tuned: Knobs | None = None) -> dict[str, int]:
+        full = super().knobs(workload, target, tuned)
+        problem = self.check_fit(workload, target, full)
+        if problem:
+            raise ValueError(f"{self.op}: {problem}")
+        return full
+
+    def knob_points(self, workload: Workload, target: tvm.target.Target) -> list[dict[str, int]]:
+        """Every point of the knob space that builds and fits the target's shared memory and
+        registers (no more accumulators per thread than ptxas keeps without spilling, or than
+        the hand-picked point holds), the hand-picked point first: what the tune stage measures."""
+        defaults = self.default_knobs(workload, target)
+        most = max(MAX_ACCUMULATORS, self.accumulators(workload, CudaTiles(**defaults)))
+        space = self.knob_space(workload, target)
+        points = [self.knobs(workload, target, {name: defaults[name] for name in space})]
+        for values in itertools.product(*space.values()):
+            try:
+                knobs = self.knobs(workload, target, dict(zip(space, values)))
+            except ValueError:
+                continue
+            if knobs not in points and self.accumulators(workload, CudaTiles(**knobs)) <= most:
+                points.append(knobs)
+        return points
 
     def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
         """The first candidate tile shape whose shared memory fits the target."""
@@ -178,11 +217,14 @@ class CudaFlashBackward(_CudaRule):
             return None
         return self._serves(dense_workload(self.op, call, grads=SPECS[self.op].grads), target)
 
+    def accumulators(self, workload: Workload, tiles: CudaTiles) -> int:
+        """Each thread's share of the dK and dV tiles."""
+        return -(-2 * tiles.block_k * padded_dim(workload.spec.head_dim) // tiles.threads)
+
     def _tuned_defaults(self, workload, target, tiles):
-        # each thread holds 2 * block_k * D / threads accumulators (its share of dK and dV): more
-        # than 64 spill on tensor-core kernels (ptxas), so such tiles run 256 threads
-        per_thread = 2 * tiles.block_k * padded_dim(workload.spec.head_dim) // tiles.threads
-        return replace(tiles, threads=256) if workload.spec.dtype in HALF_TYPES and per_thread > 64 else tiles
+        # more accumulators than MAX_ACCUMULATORS spill on tensor-core kernels: such tiles run 256 threads
+        spills = self.accumulators(workload, tiles) > MAX_ACCUMULATORS
+        return replace(tiles, threads=256) if workload.spec.dtype in HALF_TYPES and spills else tiles
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return {name: values for name, values in super().knob_space(workload, target).items() if name != "splits"}

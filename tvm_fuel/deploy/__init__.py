@@ -1,0 +1,12 @@
+"""Deploy bundles: build every module here, run them where the GPUs are with the TVM runtime alone.
+
+``python -m tvm_fuel bundle --target cuda --arch sm_90 --suite all --out DIR`` builds the
+modules a suite needs (``suites``), compiles their CUDA C to cubins with nvcc, copies a
+runtime-only TVM and the tvm_ffi wheel for the node's Python, and writes ``DIR/manifest.json``
+and ``DIR/run.py`` (``bundle``). ``node`` is what runs there.
+
+Contents:
+    suites -- the cases of each stage (smoke, check, bench, tune) for a target
+    bundle -- build_bundle
+    node   -- run.py and its worker (copied into the bundle)
+"""

@@ -1,0 +1,324 @@
+"""``python -m tvm_fuel bundle``: build a suite's modules here, for a node without TVM or a network.
+
+The bundle folder holds::
+
+    run.py, manifest.json     the entry point and every case (inputs as seeded fills, no data)
+    fuel_node/                the node's code (tvm_fuel.deploy.node and tvm_fuel.reference)
+    modules/*.so              exported Relax executables (kernels and floor); tune/*.so kernel points
+    cubins/<sha256>.cubin     nvcc's cubin of each CUDA module's source, by the source's hash
+    runtime/tvm/              TVM without its compiler library (runtime-only)
+    runtime/wheels/*.whl      the apache-tvm-ffi wheel for the node's Python
+
+Every case's module is built with ``tvm_fuel.compile``'s legalization and checked to run the
+performance-path kernels (a silent fall back to the floor is an error here, not a surprise on
+the node). The tune stage's modules hold every knob point of a CUDA kernel's space that fits
+the architecture (``CudaRule.knob_points``), one PrimFunc each.
+
+Contents:
+    build_bundle -- the folder for a target, arch, suite and node Python
+    ARCHS
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import meta_schedule as ms
+
+from .. import __version__, cuda
+from ..build import legalize
+from ..schedules import rule_for
+from ..schedules.cuda.device import SHARED_MEMORY_LIMIT
+from ..tuning.buckets import bucket_module
+from ..tuning.tune import workloads_of
+from . import suites
+from .node.environment import source_key
+
+ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
+LIMIT_BYTES = 48 * 1024 * 1024
+_NODE = Path(__file__).parent / "node"
+_RUN_PY = '''#!/usr/bin/env python3
+"""Runs this tvm_fuel bundle here: python3 run.py [--stages smoke,check,bench,tune] [--out results.json]"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fuel_node.main import main  # noqa: E402
+
+sys.exit(main())
+'''
+
+
+def _target(kind: str, arch: str | None) -> tuple[tvm.target.Target, str | None]:
+    if kind == "cuda":
+        arch = arch or "sm_90"
+        if arch not in ARCHS:
+            raise ValueError(f"tvm_fuel bundle: unknown --arch {arch!r} for cuda (known: {', '.join(ARCHS)})")
+        return tvm.target.Target({"kind": "cuda", "arch": arch}), arch
+    if kind == "llvm":
+        if arch not in (None, "generic"):
+            raise ValueError(f"tvm_fuel bundle: --arch {arch!r} is for cuda; an llvm bundle is built for the "
+                             "generic x86-64 CPU")
+        return tvm.target.Target("llvm"), None
+    raise ValueError(f"tvm_fuel bundle: --target must be cuda or llvm, got {kind!r}")
+
+
+def _python(version: str | None) -> tuple[int, int]:
+    if version is None:
+        return sys.version_info[:2]
+    match = re.fullmatch(r"3\.(\d+)", version)
+    if not match or int(match.group(1)) < 9:
+        raise ValueError(f"tvm_fuel bundle: --python must be like 3.12, got {version!r}")
+    return 3, int(match.group(1))
+
+
+class _Cubins:
+    """nvcc in background threads while the next modules build; one cubin per distinct source."""
+
+    def __init__(self, folder: Path, arch: str | None):
+        self.folder, self.arch = folder, arch
+        self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2)))
+        self.jobs: dict[str, Future] = {}
+
+    def add(self, built) -> str | None:
+        """The key of ``built``'s CUDA source (its cubin compiles meanwhile); None for a CPU module."""
+        source = cuda.cuda_source(built) if self.arch else ""
+        if not source:
+            return None
+        key = source_key(source)
+        if key not in self.jobs:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.jobs[key] = self.pool.submit(self._compile, source, self.folder / f"{key}.cubin")
+        return key
+
+    def _compile(self, source: str, path: Path) -> None:
+        path.write_bytes(cuda.compile_cubin(source, self.arch))
+
+    def wait(self) -> int:
+        for key, job in self.jobs.items():
+            try:
+                job.result()
+            except Exception as err:  # noqa: BLE001
+                raise RuntimeError(f"tvm_fuel bundle: nvcc failed on module source {key[:12]}: {err}") from err
+        self.pool.shutdown()
+        return len(self.jobs)
+
+
+def _floor_names() -> set[str]:
+    """The floor's PrimFunc names of the ops that have kernels (their presence means a fall back)."""
+    return {f"fuel_{op}" for op in suites.OUTPUTS}
+
+
+def _export(mod: tvm.IRModule, target, kernels: str, path: Path, cubins: _Cubins, what: str) -> dict:
+    legalized = legalize(mod, target, kernels=kernels)
+    info = {"module": str(path.relative_to(path.parent.parent))}
+    if kernels == "tuned":
+        funcs = {gv.name_hint: f for gv, f in legalized.functions.items() if isinstance(f, tirx.PrimFunc)}
+        used = {name: str(f.attrs["fuel.knobs"]) for name, f in funcs.items()
+                if f.attrs is not None and "fuel.workload" in f.attrs}
+        floors = sorted(set(funcs) & _floor_names())
+        if not used or floors:
+            raise RuntimeError(f"tvm_fuel bundle: {what} falls back to the floor ({floors or 'no kernel'}) on {target}")
+        info["kernels"] = used
+    built = tvm.compile(legalized, target=target)
+    built.export_library(str(path))
+    key = cubins.add(built)
+    if key:
+        info["cubin"] = key
+    return info
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+def _point_inputs(func: tirx.PrimFunc, workload) -> list[dict]:
+    """Valid inputs of a kernel PrimFunc, by parameter name: a block table of live block ids,
+    full context lengths, a finite lse, normal floats."""
+    infos = ms.arg_info.ArgInfo.from_prim_func(func)
+    shapes = {p.name: [int(s) for s in info.shape] for p, info in zip(func.params, infos)}
+    inputs = []
+    for param, info in zip(func.params, infos):
+        name, dtype, shape = param.name, str(info.dtype), shapes[param.name]
+        if name in ("table", "block_table"):
+            cache = shapes.get("k_cache")
+            inputs.append(suites.tensor(name, shape, dtype, "blocks", num_blocks=cache[0], block_size=cache[1]))
+        elif name in ("lens", "context_lens"):
+            keys = shape[0] and workload.dim["max_blocks"] * workload.spec.block_size
+            inputs.append(suites.tensor(name, shape, dtype, "values", values=[keys] * shape[0]))
+        elif name == "lse":
+            inputs.append(suites.tensor(name, shape, dtype, "lse", keys=workload.dim.get("Sk") or 2))
+        else:
+            inputs.append(suites.tensor(name, shape, dtype, scale=0.5))
+    return inputs
+
+
+def _tune_stage(target, out: Path, cubins: _Cubins, limit: int | None, log) -> tuple[list[dict], list[dict]]:
+    """(buckets, point cases): every fitting knob point of each tune bucket, one module per bucket."""
+    buckets, cases = [], []
+    (out / "tune").mkdir(exist_ok=True)
+    for index, (op, shape) in enumerate(suites.tune_buckets()):
+        (workload,) = workloads_of(bucket_module(op, shape), target)
+        rule = rule_for(workload.op, target)
+        points = rule.knob_points(workload, target)  # the hand-picked knobs first
+        if limit and len(points) > limit:
+            points = points[:1] + random.Random(index).sample(points[1:], limit - 1)
+        funcs = {f"point_{i}": rule.kernel(workload, knobs, static=True).with_attr("global_symbol", f"point_{i}")
+                 for i, knobs in enumerate(points)}
+        start = time.perf_counter()
+        built = tvm.compile(tvm.IRModule(funcs), target=target)
+        path = out / "tune" / f"bucket{index}.so"
+        built.export_library(str(path))
+        bucket = {"id": f"bucket{index}", "module": f"tune/{path.name}", "workload": workload.key,
+                  "describe": workload.describe(), "target": str(target), "seed": 500 + index,
+                  "inputs": _point_inputs(funcs["point_0"], workload), "cubin": cubins.add(built)}
+        buckets.append(bucket)
+        for i, knobs in enumerate(points):
+            cases.append({"kind": "kernel", "stage": "tune", "name": f"tune/{bucket['id']}/point_{i}",
+                          "module": bucket["module"], "function": f"point_{i}", "inputs": bucket["inputs"],
+                          "seed": bucket["seed"], "bucket": bucket["id"], "knobs": knobs, "hand_picked": i == 0})
+        log(f"  tune {workload.describe()}: {len(points)} knob points built in {time.perf_counter() - start:.0f} s")
+    return buckets, cases
+
+
+def _copy_runtime(folder: Path) -> None:
+    """TVM's python package without the compiler library, its sources and 3rdparty (runtime-only)."""
+    source = Path(tvm.__file__).parent
+    skip = {"3rdparty", "src", "include", "__pycache__", "libtvm_compiler.so", "libtvm.so"}
+    shutil.copytree(source, folder / "tvm", ignore=lambda _dir, names: [n for n in names if n in skip])
+    try:
+        import typing_extensions  # tvm_ffi needs it; the node may lack it (used only if so)
+
+        (folder / "fallback").mkdir(parents=True, exist_ok=True)
+        shutil.copy(typing_extensions.__file__, folder / "fallback" / "typing_extensions.py")
+    except ImportError:
+        pass
+
+
+def _ffi_wheel(python: tuple[int, int], folder: Path) -> tuple[Path, str]:
+    """The apache-tvm-ffi wheel of the installed version for ``python`` (cached; fetched with pip,
+    or packed from this installation when it is for the same Python)."""
+    version = metadata.version("apache-tvm-ffi")
+    tag = f"cp{python[0]}{python[1]}"
+    cache = Path(os.environ.get("TVM_FUEL_CACHE", Path.home() / ".cache" / "tvm_fuel")) / "wheels"
+    cache.mkdir(parents=True, exist_ok=True)
+    pattern = f"apache_tvm_ffi-{version}-{tag}-*.whl"
+    found = sorted(cache.glob(pattern))
+    errors = ""
+    if not found:
+        machine = platform.machine()
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                   f"{python[0]}.{python[1]}", "--platform", f"manylinux_2_28_{machine}", "-d", str(cache),
+                   f"apache-tvm-ffi=={version}"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        errors = done.stderr.strip().splitlines()[-1:] if done.returncode else ""
+        found = sorted(cache.glob(pattern))
+    if not found and python == sys.version_info[:2]:
+        found = [_pack_installed_ffi(cache, version, tag)]
+    if not found:
+        raise RuntimeError(f"tvm_fuel bundle: no apache-tvm-ffi {version} wheel for Python {python[0]}.{python[1]} "
+                           f"(pip download failed: {errors}); put one in {cache}")
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(found[-1], folder / found[-1].name)
+    return folder / found[-1].name, version
+
+
+def _pack_installed_ffi(cache: Path, version: str, tag: str) -> Path:
+    """A wheel-shaped zip of the installed tvm_ffi package (its files as pip installed them)."""
+    import tvm_ffi
+
+    root = Path(tvm_ffi.__file__).parent
+    path = cache / f"apache_tvm_ffi-{version}-{tag}-{tag}-linux_{platform.machine()}.whl"
+    with tempfile.NamedTemporaryFile(dir=cache, delete=False) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+        for file in root.rglob("*"):
+            if file.is_file() and "__pycache__" not in file.parts and "3rdparty" not in file.parts:
+                z.write(file, Path("tvm_ffi") / file.relative_to(root))
+    os.replace(tmp.name, path)
+    return path
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | None = None, suite: str = "all",
+                 python: str | None = None, small: bool = False, tune_points: int | None = None,
+                 log: Callable[[str], None] = print) -> dict:
+    """Build the bundle of ``suite`` for ``target`` (cuda with ``arch``, or llvm) into ``out``;
+    return its manifest. ``small``: a reduced check matrix (the CI test's); ``tune_points``: at
+    most this many knob points per tune bucket (the hand-picked ones and a seeded sample)."""
+    tvm_target, arch = _target(target, arch)
+    node_python = _python(python)
+    stages = suites.SUITES.get(suite)
+    cases = suites.cases(suite, target, small=small)  # validates the suite name
+    if target == "cuda" and not cuda.nvcc_available():
+        raise RuntimeError("tvm_fuel bundle: a cuda bundle needs nvcc here (the node compiles nothing)")
+    if "tune" in stages and target != "cuda":
+        raise ValueError("tvm_fuel bundle: the tune suite measures CUDA kernels; CPU kernels tune locally "
+                         "(python -m tvm_fuel tune)")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").exists():
+            raise ValueError(f"tvm_fuel bundle: {out} is not empty and not a bundle; choose another --out")
+        shutil.rmtree(out)
+    (out / "modules").mkdir(parents=True)
+    start = time.perf_counter()
+    cubins = _Cubins(out / "cubins", arch)
+    specs = []
+    for index, case in enumerate(cases):
+        spec = case.spec()
+        mod = suites.case_module(case)
+        path = out / "modules" / f"{index:03d}_{_slug(case.name)}"
+        spec.update(_export(mod, tvm_target, "tuned", path.with_suffix(".so"), cubins, case.name))
+        if "floor" in case.expect:
+            floor = _export(mod, tvm_target, "decomposed", path.with_name(path.name + ".floor.so"), cubins, case.name)
+            spec["floor"], spec["floor_cubin"] = floor["module"], floor.get("cubin")
+        specs.append(spec)
+    log(f"  {len(specs)} case modules built in {time.perf_counter() - start:.0f} s")
+    buckets = []
+    if "tune" in stages:
+        buckets, points = _tune_stage(tvm_target, out, cubins, tune_points, log)
+        specs += points
+    wheel, ffi_version = _ffi_wheel(node_python, out / "runtime" / "wheels")
+    _copy_runtime(out / "runtime")
+    shutil.copytree(_NODE, out / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(__file__).parent.parent / "reference.py", out / "fuel_node" / "reference.py")
+    (out / "run.py").write_text(_RUN_PY)
+    compiled = cubins.wait()
+    manifest = {
+        "bundle_id": uuid.uuid4().hex[:12],
+        "bundle": {"target": target, "arch": arch, "suite": suite, "small": small,
+                   "python": f"{node_python[0]}.{node_python[1]}", "tvm": tvm.__version__, "tvm_fuel": __version__,
+                   "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "target": {"device": "cuda" if target == "cuda" else "cpu", "arch": arch, "json": str(tvm_target)},
+        "runtime": {"ffi_wheel": str(wheel.relative_to(out)), "ffi_version": ffi_version},
+        "cases": specs,
+        "tune_buckets": buckets,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    size = _size(out)
+    log(f"bundle {manifest['bundle_id']} in {out}: {len(specs)} cases, {compiled} cubins, "
+        f"{size / 2**20:.1f} MiB, built in {time.perf_counter() - start:.0f} s")
+    if size > LIMIT_BYTES:
+        raise RuntimeError(f"tvm_fuel bundle: {out} is {size / 2**20:.1f} MiB, over the 48 MiB a bundle may take")
+    return manifest
+
+
+__all__ = ["build_bundle", "ARCHS"]

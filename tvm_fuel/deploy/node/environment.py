@@ -1,0 +1,198 @@
+"""The node's TVM: the bundle's runtime-only package, tvm_ffi from the bundle's wheel, CUDA loaded by hand.
+
+Nothing here is installed: ``worker_environment`` puts the bundle's ``runtime/`` (TVM without its
+compiler library) and the unpacked tvm_ffi wheel first on ``PYTHONPATH`` of each worker process,
+with ``TVM_USE_RUNTIME_LIB=1``. In a worker, ``load_tvm`` checks that the TVM it imported is the
+bundle's and runs runtime-only; ``load_cuda`` loads ``libtvm_runtime_cuda.so`` (runtime-only TVM
+loads no device backend) after a ``libcudart.so.13`` it finds, and ``CubinStore`` answers TVM's
+``tvm_callback_cuda_compile`` with the cubins nvcc made at bundle time, looked up by the SHA-256
+of the CUDA source; a source it does not hold is compiled here (nvcc, else NVRTC) and counted.
+
+Contents:
+    NodeError            -- a one-line reason the node cannot run the bundle
+    worker_environment   -- os.environ for a worker process
+    load_tvm, load_cuda  -- in a worker
+    CubinStore           -- the compile callback over the bundle's cubins
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+
+class NodeError(RuntimeError):
+    """The node cannot run (part of) the bundle; the message says why in one line."""
+
+
+def _python_tag() -> str:
+    return f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def _unpacked_ffi(bundle: Path, manifest: dict) -> Path | None:
+    """The folder holding the bundle's tvm_ffi for this Python (unpacked from its wheel once),
+    or None where the bundle's wheel is for another Python and an installed tvm_ffi of the same
+    version is used instead."""
+    wheel = bundle / manifest["runtime"]["ffi_wheel"]
+    if f"-{_python_tag()}-" not in wheel.name:
+        try:
+            import importlib.metadata as metadata
+
+            installed = metadata.version("apache-tvm-ffi")
+        except Exception:  # noqa: BLE001 (not installed)
+            installed = None
+        if installed == manifest["runtime"]["ffi_version"]:
+            return None
+        raise NodeError(f"the bundle's tvm_ffi wheel {wheel.name} is for another Python than this "
+                        f"{sys.version.split()[0]}; rebuild it with --python "
+                        f"{sys.version_info.major}.{sys.version_info.minor}")
+    for parent in (bundle / "runtime", Path(tempfile.gettempdir()) / f"tvm_fuel_bundle_{manifest['bundle_id']}"):
+        target = parent / f"ffi-{_python_tag()}"
+        if (target / "tvm_ffi" / "__init__.py").exists():
+            return target
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(target)
+            return target
+        except OSError:
+            continue  # a read-only bundle: unpack into the temporary folder
+    raise NodeError(f"cannot unpack {wheel} (no writable folder)")
+
+
+def worker_environment(bundle: Path, manifest: dict) -> dict[str, str]:
+    """Environment of a worker process: the bundle's TVM and tvm_ffi first on the path, runtime-only."""
+    ffi = _unpacked_ffi(bundle, manifest)
+    paths = [str(bundle / "runtime")] + ([str(ffi)] if ffi else []) + [str(bundle)]
+    env = dict(os.environ)
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["TVM_USE_RUNTIME_LIB"] = "1"
+    return env
+
+
+def load_tvm(bundle: Path):
+    """``import tvm``, checked to be the bundle's runtime-only package."""
+    try:
+        import typing_extensions  # noqa: F401 -- tvm_ffi needs it; the bundle brings one if the node lacks it
+    except ImportError:
+        sys.path.append(str(bundle / "runtime" / "fallback"))
+    try:
+        import tvm
+    except Exception as err:  # noqa: BLE001
+        raise NodeError(f"the bundle's TVM runtime does not import here: {type(err).__name__}: {err}") from err
+    where = Path(tvm.__file__).resolve()
+    if (bundle / "runtime").resolve() not in where.parents:
+        raise NodeError(f"tvm was imported from {where.parent}, not from the bundle")
+    if not tvm.base._RUNTIME_ONLY:
+        raise NodeError("the bundle's TVM did not start runtime-only")
+    return tvm
+
+
+def _cudart_candidates() -> list[str]:
+    found = ["libcudart.so.13"]  # the system's, where the loader finds it
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-13*"))]
+    found += [str(Path(root) / sub / "libcudart.so.13") for root in roots if root for sub in ("lib64", "lib")]
+    for entry in sys.path:  # PyTorch's CUDA wheels bring their own runtime
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib", "libcudart.so.13")))
+    return found
+
+
+def load_cuda(tvm) -> None:
+    """Load TVM's CUDA backend into this runtime-only process; NodeError when it cannot run."""
+    errors = []
+    for candidate in _cudart_candidates():
+        try:
+            ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError as err:
+            errors.append(str(err))
+    else:
+        raise NodeError(f"no libcudart.so.13 found (CUDA 13 runtime): {errors[0]}")
+    library = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise NodeError(f"TVM's CUDA backend does not load (driver missing?): {err}") from err
+    try:
+        exists = tvm.cuda(0).exist
+    except Exception as err:  # noqa: BLE001
+        raise NodeError(f"CUDA does not start: {err}") from err
+    if not exists:
+        raise NodeError("no CUDA device is visible (tvm.cuda(0).exist is False)")
+
+
+def source_key(source: str) -> str:
+    """The name a CUDA source's cubin is stored under (bundle and node agree on it)."""
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+class CubinStore:
+    """``tvm_callback_cuda_compile``: the bundle's cubin for a source, else a compile here."""
+
+    def __init__(self, folder: Path, arch: str):
+        self.folder, self.arch = folder, arch
+        self.hits, self.misses = 0, 0
+
+    def register(self) -> None:
+        import tvm_ffi
+
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.compile, override=True)
+
+    def compile(self, source, *_target) -> bytes:
+        source = str(source)
+        cubin = self.folder / f"{source_key(source)}.cubin"
+        if cubin.exists():
+            self.hits += 1
+            return cubin.read_bytes()
+        self.misses += 1
+        return compile_here(source, self.arch)
+
+
+def compile_here(source: str, arch: str) -> bytes:
+    """A cubin of ``source`` made on this node: nvcc where it is on the PATH, else NVRTC."""
+    nvcc = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
+    if nvcc:
+        with tempfile.TemporaryDirectory() as tmp:
+            src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
+            src.write_text(source)
+            done = subprocess.run([nvcc, "--cubin", "-O3", f"-arch={arch}", "-std=c++17", "-o", str(out), str(src)],
+                                  capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise NodeError(f"nvcc failed on a kernel: {done.stderr.strip()[:400]}")
+            return out.read_bytes()
+    return _nvrtc(source, arch)
+
+
+def _nvrtc(source: str, arch: str) -> bytes:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as err:
+        raise NodeError("a kernel's cubin is not in the bundle and neither nvcc nor cuda-bindings is here") from err
+
+    def check(result):
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise NodeError(f"NVRTC: {result[0]}")
+        return result[1:]
+
+    (program,) = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []))
+    options = [f"-arch={arch}".encode(), b"-std=c++17", b"-default-device"]
+    result = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        (size,) = check(nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * size
+        check(nvrtc.nvrtcGetProgramLog(program, log))
+        raise NodeError(f"NVRTC failed on a kernel: {log.decode(errors='replace').strip()[:400]}")
+    (size,) = check(nvrtc.nvrtcGetCUBINSize(program))
+    cubin = b" " * size
+    check(nvrtc.nvrtcGetCUBIN(program, cubin))
+    return cubin

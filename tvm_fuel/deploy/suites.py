@@ -1,0 +1,271 @@
+"""The cases a bundle holds: what each stage runs, on which shapes, compared with what.
+
+A ``Case`` is one Relax module (one fuel call over named inputs) plus how the node makes its
+inputs (seeded fills, ``node.arrays``) and what its outputs must match: the float64 reference
+(small shapes), the floor's module and PyTorch (large shapes). The check matrix follows the CPU
+suite: GQA groups 1, 3 and 7; head dims 40, 64 and 128; causal, windows, softcap, ALiBi, bool
+and additive masks; rows with no visible key; every dtype; the four backward forms; paged decode
+and multi-query over permuted block tables with −1 padding, lengths 0, 1, 17 and long enough for
+split-KV. Tune buckets are the benchmark's shapes.
+
+Contents:
+    Case, tensor       -- a case and one input of it
+    cases              -- the cases of a suite for a target kind
+    case_module        -- the Relax module of a case
+    tune_workloads     -- the static kernel workloads the tune stage measures
+    SUITES
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from .. import op as fuel_op
+from ..bench import FLOOR_MAX_SCORES, FlashCase, PagedCase, attention_flops, default_suite
+
+SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
+          "all": ("smoke", "check", "bench", "tune")}
+OUTPUTS = {"flash_attn": ("out", "lse"), "flash_attn_backward": ("dq", "dk", "dv"), "flash_attn_backward_q": ("dq",),
+           "flash_attn_backward_k": ("dk",), "flash_attn_backward_v": ("dv",), "paged_attn": ("out",)}
+
+
+def tensor(name: str, shape, dtype: str, fill: str = "normal", **extra) -> dict:
+    return {"name": name, "shape": [int(s) for s in shape], "dtype": dtype, "fill": fill, **extra}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One module of a bundle and how the node checks or times it."""
+
+    stage: str
+    name: str
+    op: str  # the fuel op (its constructor in tvm_fuel.op)
+    dtype: str
+    inputs: tuple  # of tensor(...) dicts, in the op's argument order
+    options: dict = field(default_factory=dict)  # the op's attributes (and the reference's keywords)
+    expect: tuple = ("reference",)  # reference, floor, torch
+    torch: dict | None = None  # {"kind": flash|flash_backward|paged, "causal": .., "context": ..}
+    time: bool = False
+    scale: float = 1.0  # tolerance scale (outputs summing many terms)
+    flops: float = 0.0
+    bytes: float = 0.0
+    seed: int = 0
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        names = OUTPUTS[self.op]
+        return names if self.op != "flash_attn" or self.options.get("return_lse") else names[:1]
+
+    def spec(self) -> dict:
+        """The case as the manifest holds it (modules are added by the bundle)."""
+        reference_op = "flash_attn_backward" if self.op.startswith("flash_attn_backward") else self.op
+        reference_options = {k: v for k, v in self.options.items() if k not in ("out", "lse")}
+        return {"kind": "op", "stage": self.stage, "name": self.name, "op": reference_op, "dtype": self.dtype,
+                "inputs": list(self.inputs), "seed": self.seed, "options": reference_options,
+                "outputs": list(self.outputs), "reference_outputs": list(OUTPUTS[reference_op]),
+                "expect": list(self.expect), "torch": self.torch, "time": self.time, "scale": self.scale,
+                "flops": self.flops, "bytes": self.bytes}
+
+
+def case_module(case: Case) -> tvm.IRModule:
+    """``main(*inputs)`` calling the case's op once."""
+    named = {t["name"]: relax.Var(t["name"], relax.TensorType(t["shape"], t["dtype"])) for t in case.inputs}
+    bb = relax.BlockBuilder()
+    with bb.function("main", list(named.values())):
+        bb.emit_func_output(bb.emit(getattr(fuel_op, case.op)(**named, **case.options)))
+    return bb.get()
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+
+def _dense(B, Hq, Hkv, Sq, Sk, D, dtype, *, backward=False, alibi=False, mask=None, state=False) -> tuple:
+    inputs = [tensor("q", (B, Hq, Sq, D), dtype), tensor("k", (B, Hkv, Sk, D), dtype),
+              tensor("v", (B, Hkv, Sk, D), dtype)]
+    if backward:
+        inputs.append(tensor("do", (B, Hq, Sq, D), dtype))
+    if alibi:
+        inputs.append(tensor("alibi_slopes", (Hq,), "float32", "slopes"))
+    if mask == "bool":  # broadcast over heads
+        inputs.append(tensor("attn_mask", (B, 1, Sq, Sk), "bool", "keep", p=0.7))
+    elif mask == "additive":
+        inputs.append(tensor("attn_mask", (Sq, Sk), "float32", scale=2.0))
+    if state:  # the forward's out and a finite lse (timing the backward alone)
+        inputs += [tensor("out", (B, Hq, Sq, D), dtype), tensor("lse", (B, Hq, Sq), "float32", "lse", keys=Sk)]
+    return tuple(inputs)
+
+
+def _paged(B, Hq, Hkv, Sq, D, block_size, lens, dtype, *, capacity=None, num_blocks=None) -> tuple:
+    capacity = capacity or max(max(lens), 1)
+    max_blocks = -(-capacity // block_size)
+    num_blocks = num_blocks or B * max_blocks + 3
+    cache = (num_blocks, block_size, Hkv, D)
+    return (tensor("q", (B, Hq, Sq, D), dtype), tensor("k_cache", cache, dtype), tensor("v_cache", cache, dtype),
+            tensor("block_table", (B, max_blocks), "int32", "blocks", num_blocks=num_blocks, lens=list(lens),
+                   block_size=block_size),
+            tensor("context_lens", (B,), "int32", "values", values=list(lens)))
+
+
+def _label(options: dict) -> str:
+    parts = []
+    if options.get("causal"):
+        parts.append("causal")
+    if tuple(options.get("window_size", (-1, -1))) != (-1, -1):
+        parts.append("window{}:{}".format(*options["window_size"]))
+    if options.get("softcap"):
+        parts.append(f"softcap{options['softcap']:g}")
+    return "-".join(parts) or "full"
+
+
+def smoke_cases(dtype: str) -> list[Case]:
+    """One tiny kernel per op: the first thing a node runs."""
+    return [
+        Case("smoke", f"smoke/flash_attn/{dtype}", "flash_attn", dtype, _dense(1, 2, 1, 16, 16, 64, dtype),
+             dict(causal=True, return_lse=True), seed=1),
+        Case("smoke", f"smoke/flash_attn_backward/{dtype}", "flash_attn_backward", dtype,
+             _dense(1, 2, 1, 16, 16, 64, dtype, backward=True), dict(causal=True), seed=2, scale=4),
+        Case("smoke", f"smoke/paged_attn/{dtype}", "paged_attn", dtype,
+             _paged(2, 4, 2, 1, 64, 16, (5, 20), dtype), dict(causal=True), seed=3),
+    ]
+
+
+# (B, Hq, Hkv, Sq, Sk, D, options, extras): GQA 1/3/7, head dims 40/64/128, masks, empty rows
+_FORWARD = [
+    (2, 2, 2, 97, 97, 64, dict(causal=True), {}),
+    (1, 6, 2, 17, 300, 128, dict(window_size=(16, 0)), {}),
+    (2, 7, 1, 1, 97, 40, dict(), {}),
+    (1, 6, 2, 97, 17, 64, dict(causal=True), {}),  # Sq > Sk: rows with no visible key
+    (1, 3, 1, 64, 64, 128, dict(causal=True, softcap=5.0), {}),
+    (1, 6, 2, 33, 65, 64, dict(causal=True), dict(alibi=True)),
+    (2, 4, 4, 40, 70, 64, dict(window_size=(8, 4)), dict(mask="bool")),
+    (1, 6, 2, 33, 47, 64, dict(), dict(mask="additive")),
+]
+_BACKWARD = [
+    (1, 6, 2, 97, 130, 64, dict(causal=True, softcap=5.0), {}),
+    (2, 2, 2, 17, 17, 128, dict(window_size=(8, 0)), {}),
+    (1, 7, 1, 33, 33, 40, dict(causal=True), dict(alibi=True)),
+    (1, 3, 3, 40, 56, 64, dict(), dict(mask="bool")),
+]
+# (Sq, Hq, Hkv, D, block size, context lengths): decode, multi-query, split-KV, empty sequences
+_PAGED = [
+    (1, 8, 8, 128, 16, (1, 17, 300, 2048)),
+    (1, 14, 2, 128, 16, (0, 33, 97, 1000)),
+    (1, 7, 1, 64, 32, (5, 64, 700, 1)),
+    (4, 6, 2, 64, 16, (4, 97, 64, 1000)),
+    (5, 12, 4, 128, 16, (5, 17, 250, 40)),
+]
+
+
+def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
+    found: list[Case] = []
+    forward, backward, paged = (_FORWARD[:3], _BACKWARD[:1], _PAGED[:2]) if small else (_FORWARD, _BACKWARD, _PAGED)
+    seed = 100
+    for dtype in dtypes:
+        for B, Hq, Hkv, Sq, Sk, D, options, extra in forward:
+            seed += 1
+            name = f"check/flash_attn/{dtype}/B{B}-Hq{Hq}-Hkv{Hkv}-Sq{Sq}-Sk{Sk}-D{D}/{_label(options)}"
+            name += "".join(f"-{k}" if v is True else f"-{v}" for k, v in extra.items())
+            found.append(Case("check", name, "flash_attn", dtype, _dense(B, Hq, Hkv, Sq, Sk, D, dtype, **extra),
+                              dict(options, return_lse=True), seed=seed))
+        for B, Hq, Hkv, Sq, Sk, D, options, extra in backward:
+            seed += 1
+            name = f"B{B}-Hq{Hq}-Hkv{Hkv}-Sq{Sq}-Sk{Sk}-D{D}/{_label(options)}"
+            name += "".join(f"-{k}" if v is True else f"-{v}" for k, v in extra.items())
+            inputs = _dense(B, Hq, Hkv, Sq, Sk, D, dtype, backward=True, **extra)
+            found.append(Case("check", f"check/flash_attn_backward/{dtype}/{name}", "flash_attn_backward", dtype,
+                              inputs, options, seed=seed, scale=4))
+        if dtype != "bfloat16" and not small:  # the single-gradient forms share the tuple op's code path
+            for grad in "qkv":
+                seed += 1
+                B, Hq, Hkv, Sq, Sk, D, options, _ = _BACKWARD[0]
+                found.append(Case("check", f"check/flash_attn_backward_{grad}/{dtype}/B{B}-Hq{Hq}-Hkv{Hkv}-Sq{Sq}-Sk{Sk}"
+                                           f"-D{D}/{_label(options)}", f"flash_attn_backward_{grad}", dtype,
+                                  _dense(B, Hq, Hkv, Sq, Sk, D, dtype, backward=True), options, seed=seed, scale=4))
+        for Sq, Hq, Hkv, D, block_size, lens in paged:
+            seed += 1
+            name = f"check/paged_attn/{dtype}/Sq{Sq}-Hq{Hq}-Hkv{Hkv}-D{D}-bs{block_size}/ctx{'_'.join(map(str, lens))}"
+            found.append(Case("check", name, "paged_attn", dtype, _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype),
+                              dict(causal=True), seed=seed))
+    return found
+
+
+def large_cases(dtype: str) -> list[Case]:
+    """Shapes too large for the reference on the node's CPU: against the floor and PyTorch."""
+    return [
+        Case("check", f"check/large/flash_attn/{dtype}/B2-Hq16-Hkv4-S1024-D128/causal", "flash_attn", dtype,
+             _dense(2, 16, 4, 1024, 1024, 128, dtype), dict(causal=True), expect=("floor", "torch"),
+             torch=dict(kind="flash", causal=True), seed=201),
+        Case("check", f"check/large/flash_attn_backward/{dtype}/B1-H8-S1024-D64/causal", "flash_attn_backward", dtype,
+             _dense(1, 8, 8, 1024, 1024, 64, dtype, backward=True), dict(causal=True), expect=("floor", "torch"),
+             torch=dict(kind="flash_backward", causal=True), scale=4, seed=202),
+        Case("check", f"check/large/paged_attn/{dtype}/B16-Hq32-Hkv8-D128-bs16/ctx2048", "paged_attn", dtype,
+             _paged(16, 32, 8, 1, 128, 16, [2048] * 16, dtype), expect=("floor", "torch"),
+             torch=dict(kind="paged", context=2048), seed=203),
+    ]
+
+
+def bench_cases(flash: list[FlashCase], paged: list[PagedCase], *, floor_everywhere: bool) -> list[Case]:
+    """The benchmark's shapes: kernels, floor and PyTorch timed on the same inputs. The backward
+    is timed alone (given out and a finite lse), as PyTorch's autograd backward is."""
+    found = []
+    for index, c in enumerate(flash):
+        scores = c.B * c.H * c.S * c.S
+        floor = floor_everywhere or scores <= FLOOR_MAX_SCORES
+        expect = ("floor",) if floor else ()
+        if c.backward:
+            found.append(Case("bench", f"bench/{c.name}", "flash_attn_backward", c.dtype,
+                              _dense(c.B, c.H, c.H, c.S, c.S, c.D, c.dtype, backward=True, state=True),
+                              dict(causal=c.causal), expect=expect, torch=dict(kind="flash_backward", causal=c.causal),
+                              time=True, scale=4, flops=c.flops, seed=300 + index))
+        else:
+            found.append(Case("bench", f"bench/{c.name}", "flash_attn", c.dtype,
+                              _dense(c.B, c.H, c.H, c.S, c.S, c.D, c.dtype), dict(causal=c.causal),
+                              expect=expect + ("torch",), torch=dict(kind="flash", causal=c.causal), time=True,
+                              flops=c.flops, seed=300 + index))
+    for index, c in enumerate(paged):
+        found.append(Case("bench", f"bench/{c.name}", "paged_attn", c.dtype,
+                          _paged(c.B, c.Hq, c.Hkv, 1, c.D, c.block_size, [c.context] * c.B, c.dtype,
+                                 capacity=c.capacity, num_blocks=c.B * (c.capacity // c.block_size)),
+                          expect=("floor", "torch"), torch=dict(kind="paged", context=c.context), time=True,
+                          flops=c.flops, bytes=c.bytes_read, seed=400 + index))
+    return found
+
+
+def cuda_bench_shapes() -> tuple[list[FlashCase], list[PagedCase]]:
+    """bf16 flash forward/backward at 4k tokens (causal and not), paged decode B64 at 4k and 1k."""
+    flash = [FlashCase(4, 16, 4096, 128, causal, backward, dtype="bfloat16")
+             for backward in (False, True) for causal in (False, True)]
+    return flash, [PagedCase(64, 32, 8, 128, 16, context, 4096, dtype="bfloat16") for context in (4096, 1024)]
+
+
+def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case]:
+    """Every case of ``suite`` (smoke, check, bench, tune, all) for a cuda or llvm target."""
+    if suite not in SUITES:
+        raise ValueError(f"tvm_fuel bundle: suite must be one of {sorted(SUITES)}, got {suite!r}")
+    stages = SUITES[suite]
+    gpu = target_kind == "cuda"
+    dtypes = ("float16", "bfloat16", "float32") if gpu else ("float32", "float16")
+    found = smoke_cases("float16" if gpu else "float32")
+    if "check" in stages:
+        found += check_cases(dtypes[:1] if small else dtypes, small=small)
+        if not small:
+            found += large_cases("bfloat16" if gpu else "float32")
+    if "bench" in stages:
+        flash, paged = cuda_bench_shapes() if gpu else default_suite()
+        found += bench_cases(flash, paged, floor_everywhere=gpu)
+    return found
+
+
+def tune_buckets() -> list[tuple[str, dict]]:
+    """(op, bucket) of the tune stage: the CUDA benchmark's shapes (paged: its full table)."""
+    flash, paged = cuda_bench_shapes()
+    buckets = [("flash_attn_backward" if c.backward else "flash_attn",
+                dict(B=c.B, H=c.H, S=c.S, D=c.D, causal=int(c.causal), dtype=c.dtype)) for c in flash]
+    return buckets + [("paged_attn", dict(B=c.B, Hq=c.Hq, Hkv=c.Hkv, D=c.D, block_size=c.block_size, ctx=c.capacity,
+                                          dtype=c.dtype)) for c in paged if c.context == c.capacity]
+
+
+__all__ = ["Case", "tensor", "cases", "case_module", "tune_buckets", "SUITES", "attention_flops"]
