@@ -10,7 +10,6 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 Contents:
     attention_flops, kv_bytes -- the work of a case (also the tuner's GFLOP/s and GB/s)
     FlashCase, PagedCase -- benchmark shapes (also the CUDA benchmark's, with a dtype)
-    torch_paged_peer     -- PyTorch's paged decode (gather + SDPA), the peer on CPU and CUDA
     machine_peaks        -- GEMM GFLOP/s and read GB/s of this machine
     measure, measure_side_by_side -- median timings (side by side: in turns)
     run_bench            -- run the default suite, write JSON and PNG, return the report
@@ -38,6 +37,7 @@ from tvm.script import tirx as T
 from . import op
 from .build import compile as fuel_compile
 from .build import host_target
+from .deploy.node.peers import paged_gather_sdpa
 
 # The floor materializes about six [B, Hq, Sq, Sk] float32 buffers; beyond this many scores it is
 # skipped (its backward alone takes over a minute at 8 x 2048 x 2048 on 2 cores).
@@ -250,19 +250,6 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
     return results
 
 
-def torch_paged_peer(torch, case: PagedCase, q, k_cache, v_cache, table):
-    """PyTorch's paged decode, vLLM-style: gather each sequence's live blocks, then dense SDPA
-    (``q`` etc. torch tensors on any device; returns the function to time)."""
-    live = -(-case.context // case.block_size)
-
-    def gather_sdpa():
-        k = k_cache[table[:, :live].long()].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
-        v = v_cache[table[:, :live].long()].reshape(case.B, -1, case.Hkv, case.D)[:, :case.context].transpose(1, 2)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-    return gather_sdpa
-
-
 def _paged_timings(case: PagedCase, target) -> dict:
     rng = np.random.default_rng(0)
     max_blocks = case.capacity // case.block_size
@@ -285,7 +272,7 @@ def _paged_timings(case: PagedCase, target) -> dict:
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
     else:
-        gather_sdpa = torch_paged_peer(torch, case, *(torch.from_numpy(a) for a in (q, k_cache, v_cache, table)))
+        gather_sdpa = paged_gather_sdpa(torch, *(torch.from_numpy(a) for a in (q, k_cache, v_cache, table)), case.context)
         with torch.no_grad():
             seconds, runs = measure(gather_sdpa)
         results["torch"] = {"ms": seconds * 1e3, "runs": runs}

@@ -5,8 +5,10 @@ Commands:
               KV cache (tokens/s, floor vs tuned); a training run's loss curve; PyTorch agreement
     bench  -- floor vs tuned kernels vs PyTorch, with this machine's peaks; writes JSON and a PNG chart
               (``--target cuda``: the CUDA kernels vs the dlight-scheduled floor vs PyTorch CUDA SDPA)
-    gpucheck -- on a CUDA device: the GPU-marked tests, then ``bench --target cuda`` (one command)
+    gpucheck -- on a CUDA device: build the deploy bundle for it and run it (every stage)
+    bundle -- build a suite's modules, cubins and a runtime-only TVM for a GPU node without TVM
     tune   -- MetaSchedule tuning of a kernel at static shape buckets; logs under --work-dir
+              (``--import results.json``: a bundle run's CUDA measurements as records)
     logs   -- which kernels hit a tuning record (shipped logs and --database) and which fall back
 """
 
@@ -30,10 +32,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.target == "cuda":
-        from .gpu import run_cuda_bench
+        from .gpu import run_gpucheck
 
-        run_cuda_bench(out_dir=args.out, floor=not args.no_floor)
-        return 0
+        return run_gpucheck(out_dir=args.out, suite="bench")
     from .bench import run_bench
 
     run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
@@ -44,7 +45,16 @@ def _bench(args: argparse.Namespace) -> int:
 def _gpucheck(args: argparse.Namespace) -> int:
     from .gpu import run_gpucheck
 
-    return run_gpucheck(out_dir=args.out, workers=args.workers)
+    return run_gpucheck(out_dir=args.out, suite=args.suite)
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from .deploy.bundle import build_bundle
+
+    build_bundle(args.out, target=args.target, arch=args.arch, suite=args.suite, python=args.python,
+                 small=args.small, tune_points=args.tune_points)
+    print(f"run it on the node: python3 {args.out}/run.py --out results.json")
+    return 0
 
 
 def _target(text: str):
@@ -73,6 +83,16 @@ def _tune(args: argparse.Namespace) -> int:
     import time
 
     from .tuning import tune
+
+    if args.import_results:
+        from .tuning.imports import import_results
+
+        rows = import_results(args.import_results, args.work_dir)
+        print(f"imported {sum(r['points'] for r in rows)} measured knob points of {len(rows)} workload(s) "
+              f"into {args.work_dir}")
+        return 0
+    if args.op is None:
+        raise ValueError("give --op (tune here) or --import RESULTS (a GPU node's measurements)")
 
     target = _target(args.target)
     start = time.perf_counter()
@@ -138,14 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep of the chart")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
-    bench.add_argument("--no-floor", action="store_true", help="cuda: skip timing the dlight-scheduled floor")
     bench.set_defaults(run=_bench)
-    gpucheck = commands.add_parser("gpucheck", help="on a CUDA device: GPU-marked tests, then bench --target cuda")
-    gpucheck.add_argument("--out", default="bench_results", help="folder for gpu_bench.json")
-    gpucheck.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the GPU tests")
+    gpucheck = commands.add_parser("gpucheck", help="on a CUDA device: build the bundle for it and run it here")
+    gpucheck.add_argument("--out", default="bench_results", help="folder for the bundle and results.json")
+    gpucheck.add_argument("--suite", default="all", choices=["smoke", "check", "bench", "tune", "all"])
     gpucheck.set_defaults(run=_gpucheck)
+    bundle = commands.add_parser("bundle", help="build a suite's modules for a node without TVM (run.py runs them)")
+    bundle.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
+    bundle.add_argument("--arch", help="cuda: sm_80, sm_86, sm_89 or sm_90 (default sm_90)")
+    bundle.add_argument("--suite", default="all", choices=["smoke", "check", "bench", "tune", "all"])
+    bundle.add_argument("--python", help="the node's Python, e.g. 3.12 (default: this one)")
+    bundle.add_argument("--out", required=True, help="the bundle folder (replaced if it holds a bundle)")
+    bundle.add_argument("--small", action="store_true", help="a reduced check matrix (quick)")
+    bundle.add_argument("--tune-points", type=int, help="at most this many knob points per tune bucket")
+    bundle.set_defaults(run=_bundle)
     tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
-    tune.add_argument("--op", required=True, choices=TUNABLE_OPS)
+    tune.add_argument("--op", choices=TUNABLE_OPS)
+    tune.add_argument("--import", dest="import_results", metavar="RESULTS",
+                      help="instead of tuning here: records from a bundle run's results.json (its tune stage)")
     tune.add_argument("--target", default="host",
                       help='"host" (this CPU, default), a kind, or a JSON target such as \'{"kind": "llvm", "mcpu": "znver3"}\'')
     tune.add_argument("--shapes", nargs="+", metavar="K=V,...",

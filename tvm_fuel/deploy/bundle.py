@@ -187,8 +187,9 @@ def _tune_stage(target, out: Path, cubins: _Cubins, limit: int | None, log) -> t
         path = out / "tune" / f"bucket{index}.so"
         built.export_library(str(path))
         bucket = {"id": f"bucket{index}", "module": f"tune/{path.name}", "workload": workload.key,
-                  "describe": workload.describe(), "target": str(target), "seed": 500 + index,
-                  "inputs": _point_inputs(funcs["point_0"], workload), "cubin": cubins.add(built)}
+                  "describe": workload.describe(), "seed": 500 + index,
+                  "inputs": _point_inputs(funcs["point_0"], workload), "cubin": cubins.add(built),
+                  "target": {"kind": "cuda", "arch": str(target.attrs["arch"])}}
         buckets.append(bucket)
         for i, knobs in enumerate(points):
             cases.append({"kind": "kernel", "stage": "tune", "name": f"tune/{bucket['id']}/point_{i}",

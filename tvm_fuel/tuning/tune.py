@@ -175,7 +175,8 @@ def _measure(schedules: list, target, builder, runner, rounds: int) -> list[list
     return times
 
 
-def _commit(database, mod: tvm.IRModule, sch, seconds: list[float] | None, target) -> None:
+def commit_record(database, mod: tvm.IRModule, sch, seconds: list[float] | None, target) -> None:
+    """Store the knob point ``sch`` of tuning task ``mod`` with its measured ``seconds`` (None: failed)."""
     args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
     database.commit_tuning_record(ms.database.TuningRecord(
         sch.trace, database.commit_workload(mod), run_secs=seconds or [1e10], target=target, args_info=args_info))
@@ -197,7 +198,7 @@ def _verify(result: TaskResult, mod: tvm.IRModule, defaults: dict, database, tar
     schedules = [fixed_point(mod, knobs, verification=session) for knobs in points]
     times = _measure(schedules, target, builder, runner, rounds)
     for sch, seconds in zip(schedules, times):
-        _commit(database, mod, sch, seconds, target)
+        commit_record(database, mod, sch, seconds, target)
     measured = [(knobs_of(sch.mod)[1], statistics.median(t)) for sch, t in zip(schedules, times) if t]
     if times[0]:
         result.hand_picked_s = statistics.median(times[0])
@@ -304,7 +305,7 @@ def _tune_family(workloads, target, folder, log_dir, database, builder, runner, 
             else:
                 sch = fixed_point(mod, defaults)
                 (seconds,) = _measure([sch], target, builder, runner, rounds=1)
-                _commit(database, mod, sch, seconds, target)
+                commit_record(database, mod, sch, seconds, target)
                 if seconds:
                     result.hand_picked_s = seconds[0]
                     previous.append((knobs_of(sch.mod)[1], seconds[0]))

@@ -1,0 +1,196 @@
+"""Deploy bundles: built here, run where only Python, numpy and the bundle's runtime-only TVM are.
+
+The llvm bundle runs end to end in a fresh virtual environment holding numpy and the tvm_ffi
+wheel only (no apache-tvm): export, load, run and compare without a GPU. The CUDA bundle is
+built and checked here (every module has its nvcc cubin, no compiler library, the size); run
+here, without a GPU, it refuses in one line. ``tune --import`` turns a bundle's measurements
+into records that ``tvm_fuel.compile`` applies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tvm
+
+import tvm_fuel
+from tvm_fuel import cuda
+from tvm_fuel.cli import main
+from tvm_fuel.deploy.bundle import build_bundle
+from tvm_fuel.deploy.node.environment import CubinStore, source_key
+from tvm_fuel.deploy.suites import tune_buckets
+from tvm_fuel.tuning.buckets import bucket_module
+from tvm_fuel.tuning.records import TuningRecords
+from tvm_fuel.tuning.tune import workloads_of
+
+needs_nvcc = pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    """A virtual environment with numpy only (tvm_ffi comes from the bundle); no apache-tvm."""
+    folder = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "numpy"], check=True)
+    probe = subprocess.run([str(python), "-c", "import tvm"], capture_output=True, text=True)
+    assert "No module named 'tvm'" in probe.stderr
+    return python
+
+
+@pytest.fixture(scope="module")
+def llvm_bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "llvm"
+    manifest = build_bundle(out, target="llvm", suite="check", small=True, log=lambda line: None)
+    assert {c["stage"] for c in manifest["cases"]} == {"smoke", "check"}
+    return out
+
+
+def _run(python: Path, bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TVM_USE_RUNTIME_LIB")}
+    return subprocess.run([str(python), str(bundle / "run.py"), *args], capture_output=True, text=True, env=env,
+                          cwd=bundle.parent, timeout=600)
+
+
+def test_llvm_bundle_passes_its_check_stage_without_apache_tvm(venv, llvm_bundle, tmp_path):
+    results = tmp_path / "results.json"
+    done = _run(venv, llvm_bundle, "--out", str(results))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(results.read_text())
+    assert report["ok"] and report["device"]["kind"] == "cpu"
+    manifest = json.loads((llvm_bundle / "manifest.json").read_text())
+    for stage in ("smoke", "check"):
+        cases = report["stages"][stage]["cases"]
+        assert len(cases) == sum(c["stage"] == stage for c in manifest["cases"])
+        for case in cases:
+            assert case["status"] == "pass" and case["checks"], case
+            assert all(check["ok"] and "reference" in check["what"] for check in case["checks"])
+    ops = {c["op"] for c in manifest["cases"]}
+    assert ops == {"flash_attn", "flash_attn_backward", "paged_attn"}
+    # every case module runs the kernels, not the floor
+    assert all(c["kernels"] and "fuel_flash_attn" not in c["kernels"] for c in manifest["cases"])
+    assert not list(llvm_bundle.rglob("libtvm_compiler.so"))
+
+
+def test_a_wrong_answer_a_crash_and_a_foreign_results_file_are_reported(venv, llvm_bundle, tmp_path):
+    bundle = tmp_path / "edited"
+    shutil.copytree(llvm_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    cases = [c for c in manifest["cases"] if c["stage"] == "check"]
+    wrong, crashing = cases[0], cases[1]
+    wrong["options"]["causal"] = not wrong["options"].get("causal", False)  # the reference now disagrees
+    crasher = bundle / "modules" / "abort.so"  # a library whose loading aborts the worker process
+    source = tmp_path / "abort.c"
+    source.write_text("#include <stdlib.h>\n__attribute__((constructor)) static void die(void) { abort(); }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(crasher), str(source)], check=True)
+    crashing["module"] = "modules/abort.so"
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    results = tmp_path / "results.json"
+    done = _run(venv, bundle, "--stages", "check", "--out", str(results))
+    assert done.returncode == 1, done.stdout[-3000:]
+    statuses = {c["name"]: c for c in json.loads(results.read_text())["stages"]["check"]["cases"]}
+    assert statuses[wrong["name"]]["status"] == "fail"
+    assert statuses[crashing["name"]]["status"] == "crashed" and "SIGABRT" in statuses[crashing["name"]]["error"]
+    assert [c for c in statuses.values() if c["status"] == "pass"], "the other cases still ran"
+    assert "NOT every check passed" in done.stdout
+
+    report = json.loads(results.read_text())
+    report["bundle_id"] = "another"
+    results.write_text(json.dumps(report))
+    done = _run(venv, bundle, "--out", str(results))
+    assert done.returncode == 2 and "holds the results of bundle another" in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+@needs_nvcc
+def test_cuda_bundle_holds_a_cubin_per_module(tmp_path, venv):
+    out = tmp_path / "cuda"
+    manifest = build_bundle(out, target="cuda", arch="sm_90", suite="smoke", python="3.12", log=lambda line: None)
+    modules = {c["module"]: c["cubin"] for c in manifest["cases"]}
+    assert len(modules) == 3 and all(key and (out / "cubins" / f"{key}.cubin").exists() for key in modules.values())
+    assert not list(out.rglob("libtvm_compiler.so")) and not (out / "runtime" / "tvm" / "3rdparty").exists()
+    assert (out / "runtime" / "tvm" / "lib" / "libtvm_runtime_cuda.so").exists()
+    assert "cp312" in manifest["runtime"]["ffi_wheel"]
+    assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 48 * 2**20
+    if sys.version_info[:2] != (3, 12):  # a Python without tvm_ffi cannot run a 3.12 bundle: it says so
+        done = _run(venv, out)
+        assert done.returncode == 2 and "rebuild it with --python" in done.stderr
+    # an existing cubin is looked up by its source's hash; another source is compiled here
+    built = tvm_fuel.compile(bucket_module("flash_attn", dict(B=1, H=2, S=64, D=64, dtype="float16")),
+                             tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), kernels="tuned")
+    source = cuda.cuda_source(built)
+    store = CubinStore(out / "cubins", "sm_90")
+    (out / "cubins" / f"{source_key(source)}.cubin").write_bytes(b"stored")
+    assert store.compile(source) == b"stored" and store.hits == 1
+    assert store.compile(source + "\n// another source\n")[:4] == b"\x7fELF" and store.misses == 1
+
+
+@needs_nvcc
+def test_cuda_bundle_without_a_gpu_fails_in_one_line(tmp_path):
+    out = tmp_path / "cuda"
+    build_bundle(out, target="cuda", arch="sm_80", suite="smoke", log=lambda line: None)
+    done = _run(Path(sys.executable), out, "--out", str(tmp_path / "r.json"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("run.py: cannot run this bundle here:") and done.stderr.count("\n") == 1
+
+
+def test_bad_bundle_options_get_one_line(tmp_path, capsys):
+    assert main(["bundle", "--arch", "sm_75", "--out", str(tmp_path / "x")]) == 2
+    assert main(["bundle", "--target", "llvm", "--suite", "tune", "--out", str(tmp_path / "y")]) == 2
+    assert main(["tune", "--import", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3
+    assert "unknown --arch 'sm_75'" in err[0] and "tune suite measures CUDA kernels" in err[1]
+    assert "cannot read" in err[2]
+
+
+def _fake_node_results(manifest: dict, arch: str) -> dict:
+    """What run.py writes after the tune stage, with made-up times (this machine has no GPU)."""
+    buckets = []
+    for bucket in manifest["tune_buckets"]:
+        points = [c for c in manifest["cases"] if c.get("bucket") == bucket["id"]]
+        rows = [{"function": c["function"], "knobs": c["knobs"], "hand_picked": c["hand_picked"], "status": "pass",
+                 "seconds": 1e-3 * (2 if c["hand_picked"] else 1 + i / 10)} for i, c in enumerate(points)]
+        rows[-1].update(status="crashed", seconds=None)
+        verified = {"id": 1234, "rounds": 2, "status": "pass",
+                    "seconds": {r["function"]: [r["seconds"]] * 2 for r in rows if r["status"] == "pass"}}
+        buckets.append({**bucket, "points": rows, "verified": verified})
+    return {"bundle_id": manifest["bundle_id"], "bundle": manifest["bundle"], "device": {"arch": arch},
+            "stages": {"tune": {"buckets": buckets, "not_passed": 0}}}
+
+
+@needs_nvcc
+def test_tune_import_turns_node_measurements_into_applied_records(tmp_path, capsys):
+    manifest = build_bundle(tmp_path / "b", target="cuda", arch="sm_90", suite="tune", tune_points=3,
+                            log=lambda line: None)
+    assert len(manifest["tune_buckets"]) == len(tune_buckets()) == 5
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_fake_node_results(manifest, "sm_90")))
+    logs = tmp_path / "logs"
+    assert main(["tune", "--import", str(results), "--work-dir", str(logs)]) == 0
+    assert (logs / "cuda-sm90" / "flash_attn" / "database_tuning_record.json").exists()
+    bucket = manifest["tune_buckets"][0]
+    fastest = next(c["knobs"] for c in manifest["cases"] if c.get("function") == "point_1"
+                   and c["bucket"] == bucket["id"])
+    op, shape = tune_buckets()[0]
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    legalized = tvm_fuel.build.legalize(bucket_module(op, shape), target, kernels="tuned", database=logs)
+    (kernel,) = [f for f in legalized.functions.values() if f.attrs is not None and "fuel.knobs" in f.attrs]
+    assert str(logs) in str(kernel.attrs["fuel.knobs"])  # the record, not the hand-picked knobs
+    (workload,) = workloads_of(bucket_module(op, shape), target)
+    knobs, _ = TuningRecords([logs]).lookup(workload, target)
+    hand = next(c["knobs"] for c in manifest["cases"] if c.get("bucket") == bucket["id"] and c["hand_picked"])
+    assert knobs == {name: fastest[name] for name in knobs} != {name: hand[name] for name in knobs}
+    capsys.readouterr()
+    assert main(["tune", "--import", str(results), "--work-dir", str(logs)]) == 2  # imported once only
+    other = _fake_node_results(manifest, "sm_80")
+    results.write_text(json.dumps(other))
+    assert main(["tune", "--import", str(results), "--work-dir", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "already in" in err and "built for sm_90 but measured on sm_80" in err
