@@ -11,10 +11,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 import tvm_fuel
+from tvm_fuel.deploy.node.compare import TOLERANCE  # one table: this suite's and the GPU node's
 
-# (atol, rtol) of an op's float output against the float64 reference on the same (rounded) inputs:
-# the floor accumulates in float32, so the output rounding of the dtype dominates.
-TOLERANCE = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 

@@ -180,9 +180,9 @@ def _tune_stage(target, out: Path, cubins: _Cubins, limit: int | None, log) -> t
         points = rule.knob_points(workload, target)  # the hand-picked knobs first
         if limit and len(points) > limit:
             points = points[:1] + random.Random(index).sample(points[1:], limit - 1)
+        start = time.perf_counter()
         funcs = {f"point_{i}": rule.kernel(workload, knobs, static=True).with_attr("global_symbol", f"point_{i}")
                  for i, knobs in enumerate(points)}
-        start = time.perf_counter()
         built = tvm.compile(tvm.IRModule(funcs), target=target)
         path = out / "tune" / f"bucket{index}.so"
         built.export_library(str(path))
@@ -199,11 +199,19 @@ def _tune_stage(target, out: Path, cubins: _Cubins, limit: int | None, log) -> t
     return buckets, cases
 
 
+# what runtime-only TVM never loads: the compiler library and what only the compiler uses (its
+# Python front ends, sources, third-party code, build files), and the extra library that only a
+# full TVM loads
+_COMPILER_ONLY = {"libtvm_compiler.so", "libtvm_runtime_extra.so", "3rdparty", "src", "include", "cmake", "lib64",
+                  "relax", "topi", "s_tir", "contrib", "exec", "testing", "web", "__pycache__"}
+
+
 def _copy_runtime(folder: Path) -> None:
-    """TVM's python package without the compiler library, its sources and 3rdparty (runtime-only)."""
+    """TVM's python package as runtime-only TVM uses it (``load_module``, the VM, ``time_evaluator``)."""
     source = Path(tvm.__file__).parent
-    skip = {"3rdparty", "src", "include", "__pycache__", "libtvm_compiler.so", "libtvm.so"}
-    shutil.copytree(source, folder / "tvm", ignore=lambda _dir, names: [n for n in names if n in skip])
+    top = {source, source / "lib"}
+    shutil.copytree(source, folder / "tvm", ignore=lambda where, names: [
+        n for n in names if n == "__pycache__" or (Path(where) in top and n in _COMPILER_ONLY)])
     try:
         import typing_extensions  # tvm_ffi needs it; the node may lack it (used only if so)
 

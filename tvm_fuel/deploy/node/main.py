@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default=",".join(held), help=f"comma-separated, of {held} (default: all)")
     parser.add_argument("--out", default="results.json", help="results file (default results.json)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
-    parser.add_argument("--case-timeout", type=float, default=300.0, help="seconds one case may take")
+    parser.add_argument("--case-timeout", type=float, default=180.0, help="seconds one case may take")
     parser.add_argument("--verify-top", type=int, default=3, help="tune: best points re-measured side by side")
     parser.add_argument("--verify-rounds", type=int, default=5)
     args = parser.parse_args(argv)

@@ -50,6 +50,10 @@ class Node:
             self.store.register()
             load_cuda(self.tvm)
             self.dev = self.tvm.cuda(0)
+            arch = "sm_" + self.dev.compute_version.replace(".", "")
+            if arch != manifest["target"]["arch"]:  # a cubin runs on the architecture it was made for
+                raise NodeError(f"this device ({self.dev.device_name}) is {arch}; the bundle was built for "
+                                f"{manifest['target']['arch']}: rebuild it with --arch {arch}")
         else:
             self.dev = self.tvm.cpu(0)
         self.modules: dict = {}
