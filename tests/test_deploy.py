@@ -47,8 +47,8 @@ def venv(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llvm_bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundle") / "llvm"
-    manifest = build_bundle(out, target="llvm", suite="check", small=True, log=lambda line: None)
-    assert {c["stage"] for c in manifest["cases"]} == {"smoke", "check"}
+    manifest = build_bundle(out, target="llvm", suite="all", small=True, log=lambda line: None)
+    assert {c["stage"] for c in manifest["cases"]} == {"smoke", "check", "bench"}  # no tune stage on CPUs
     return out
 
 
@@ -59,18 +59,24 @@ def _run(python: Path, bundle: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_llvm_bundle_passes_its_check_stage_without_apache_tvm(venv, llvm_bundle, tmp_path):
+    """In a venv with numpy only: bfloat16 comes from the bundle's ml_dtypes wheel, tvm_ffi from its own."""
     results = tmp_path / "results.json"
     done = _run(venv, llvm_bundle, "--out", str(results))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(results.read_text())
     assert report["ok"] and report["device"]["kind"] == "cpu"
     manifest = json.loads((llvm_bundle / "manifest.json").read_text())
-    for stage in ("smoke", "check"):
+    for stage in ("smoke", "check", "bench"):
         cases = report["stages"][stage]["cases"]
         assert len(cases) == sum(c["stage"] == stage for c in manifest["cases"])
         for case in cases:
             assert case["status"] == "pass" and case["checks"], case
-            assert all(check["ok"] and "reference" in check["what"] for check in case["checks"])
+            assert all(check["ok"] for check in case["checks"])
+    assert {c["dtype"] for c in manifest["cases"]} == {"float32", "float16", "bfloat16"}
+    assert all("reference" in c["checks"][0]["what"] for c in report["stages"]["check"]["cases"])
+    for case in report["stages"]["bench"]["cases"]:  # timed, and checked against the floor
+        assert case["timings"]["tuned"]["ms"] > 0 and case["timings"]["floor"]["ms"] > 0
+        assert any("vs floor" in check["what"] for check in case["checks"])
     ops = {c["op"] for c in manifest["cases"]}
     assert ops == {"flash_attn", "flash_attn_backward", "paged_attn"}
     # every case module runs the kernels, not the floor
@@ -83,20 +89,23 @@ def test_a_wrong_answer_a_crash_and_a_foreign_results_file_are_reported(venv, ll
     shutil.copytree(llvm_bundle, bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
     cases = [c for c in manifest["cases"] if c["stage"] == "check"]
-    wrong, crashing = cases[0], cases[1]
+    wrong, crashing, hanging = cases[0], cases[1], cases[2]
     wrong["options"]["causal"] = not wrong["options"].get("causal", False)  # the reference now disagrees
-    crasher = bundle / "modules" / "abort.so"  # a library whose loading aborts the worker process
-    source = tmp_path / "abort.c"
-    source.write_text("#include <stdlib.h>\n__attribute__((constructor)) static void die(void) { abort(); }\n")
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(crasher), str(source)], check=True)
-    crashing["module"] = "modules/abort.so"
+    for case, body in ((crashing, "abort();"), (hanging, "sleep(600);")):  # a library whose loading crashes or hangs
+        source = tmp_path / "bad.c"
+        source.write_text("#include <stdlib.h>\n#include <unistd.h>\n"
+                          f"__attribute__((constructor)) static void bad(void) {{ {body} }}\n")
+        library = bundle / "modules" / f"bad{len(body)}.so"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+        case["module"] = f"modules/{library.name}"
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     results = tmp_path / "results.json"
-    done = _run(venv, bundle, "--stages", "check", "--out", str(results))
+    done = _run(venv, bundle, "--stages", "check", "--case-timeout", "20", "--out", str(results))
     assert done.returncode == 1, done.stdout[-3000:]
     statuses = {c["name"]: c for c in json.loads(results.read_text())["stages"]["check"]["cases"]}
     assert statuses[wrong["name"]]["status"] == "fail"
     assert statuses[crashing["name"]]["status"] == "crashed" and "SIGABRT" in statuses[crashing["name"]]["error"]
+    assert statuses[hanging["name"]]["status"] == "timeout"
     assert [c for c in statuses.values() if c["status"] == "pass"], "the other cases still ran"
     assert "NOT every check passed" in done.stdout
 
@@ -116,7 +125,7 @@ def test_cuda_bundle_holds_a_cubin_per_module(tmp_path, venv):
     assert len(modules) == 3 and all(key and (out / "cubins" / f"{key}.cubin").exists() for key in modules.values())
     assert not list(out.rglob("libtvm_compiler.so")) and not (out / "runtime" / "tvm" / "3rdparty").exists()
     assert (out / "runtime" / "tvm" / "lib" / "libtvm_runtime_cuda.so").exists()
-    assert "cp312" in manifest["runtime"]["ffi_wheel"]
+    assert all("cp312" in wheel for wheel in manifest["runtime"]["wheels"].values())
     assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 48 * 2**20
     if sys.version_info[:2] != (3, 12):  # a Python without tvm_ffi cannot run a 3.12 bundle: it says so
         done = _run(venv, out)
@@ -125,6 +134,11 @@ def test_cuda_bundle_holds_a_cubin_per_module(tmp_path, venv):
     built = tvm_fuel.compile(bucket_module("flash_attn", dict(B=1, H=2, S=64, D=64, dtype="float16")),
                              tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), kernels="tuned")
     source = cuda.cuda_source(built)
+    # TVM stores a CUDA module's source as length-prefixed bytes and hands exactly those to the
+    # compile callback when the node loads it: the key the node computes is the bundle's
+    path = tmp_path / "flash.so"
+    built.export_library(str(path))
+    assert len(source).to_bytes(8, "little") + source.encode() in path.read_bytes()
     store = CubinStore(out / "cubins", "sm_90")
     (out / "cubins" / f"{source_key(source)}.cubin").write_bytes(b"stored")
     assert store.compile(source) == b"stored" and store.hits == 1

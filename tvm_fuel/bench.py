@@ -8,8 +8,7 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 ``bench.json`` and ``bench.png``.
 
 Contents:
-    attention_flops, kv_bytes -- the work of a case (also the tuner's GFLOP/s and GB/s)
-    FlashCase, PagedCase -- benchmark shapes (also the CUDA benchmark's, with a dtype)
+    (the shapes and their work counts live in ``tvm_fuel.shapes``)
     machine_peaks        -- GEMM GFLOP/s and read GB/s of this machine
     measure, measure_side_by_side -- median timings (side by side: in turns)
     run_bench            -- run the default suite, write JSON and PNG, return the report
@@ -38,66 +37,7 @@ from . import op
 from .build import compile as fuel_compile
 from .build import host_target
 from .deploy.node.peers import paged_gather_sdpa
-
-# The floor materializes about six [B, Hq, Sq, Sk] float32 buffers; beyond this many scores it is
-# skipped (its backward alone takes over a minute at 8 x 2048 x 2048 on 2 cores).
-FLOOR_MAX_SCORES = 8 * 1024 * 1024
-
-
-def attention_flops(B: int, Hq: int, Sq: int, Sk: int, D: int, *, causal: bool, backward: bool) -> float:
-    """FlashAttention's count: ``4 B Hq Sq Sk D``, halved when causal, 2.5x for the backward."""
-    return 4.0 * B * Hq * Sq * Sk * D / (2 if causal else 1) * (2.5 if backward else 1.0)
-
-
-def kv_bytes(B: int, context: int, Hkv: int, D: int, itemsize: int = 4) -> float:
-    """Bytes of K and V a decode step reads: every live token's row of both caches."""
-    return 2.0 * B * context * Hkv * D * itemsize
-
-
-@dataclass(frozen=True)
-class FlashCase:
-    B: int
-    H: int
-    S: int
-    D: int
-    causal: bool
-    backward: bool = False
-    dtype: str = "float32"
-
-    @property
-    def name(self) -> str:
-        return (f"flash_{'bwd' if self.backward else 'fwd'} B{self.B} H{self.H} S{self.S} D{self.D}"
-                f"{' causal' if self.causal else ''}{'' if self.dtype == 'float32' else ' ' + self.dtype}")
-
-    @property
-    def flops(self) -> float:
-        return attention_flops(self.B, self.H, self.S, self.S, self.D, causal=self.causal, backward=self.backward)
-
-
-@dataclass(frozen=True)
-class PagedCase:
-    B: int
-    Hq: int
-    Hkv: int
-    D: int
-    block_size: int
-    context: int
-    capacity: int
-    dtype: str = "float32"
-
-    @property
-    def name(self) -> str:
-        return (f"paged_decode B{self.B} Hq{self.Hq} Hkv{self.Hkv} D{self.D} bs{self.block_size} "
-                f"ctx{self.context}/{self.capacity}{'' if self.dtype == 'float32' else ' ' + self.dtype}")
-
-    @property
-    def bytes_read(self) -> float:
-        return kv_bytes(self.B, self.context, self.Hkv, self.D, itemsize=4 if self.dtype == "float32" else 2)
-
-    @property
-    def flops(self) -> float:
-        return 4.0 * self.B * self.Hq * self.context * self.D
-
+from .shapes import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite
 
 def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int = 10) -> tuple[float, int]:
     """Median seconds of ``fn`` after one warm-up run, and the number of timed runs."""
@@ -309,13 +249,6 @@ def _peak_rss_mib() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def default_suite() -> tuple[list, list]:
-    flash = [FlashCase(1, 8, s, d, c, bwd) for bwd in (False, True) for (s, d) in ((1024, 64), (2048, 128))
-             for c in (False, True)]
-    paged = [PagedCase(8, 32, 8, 128, 16, 4096, 4096), PagedCase(8, 32, 8, 128, 16, 1024, 4096)]
-    return flash, paged
 
 
 def _chart(report: dict, path: Path) -> None:

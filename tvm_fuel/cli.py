@@ -15,6 +15,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -85,7 +86,12 @@ def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
 
     if args.import_results:
-        from .tuning.imports import import_results
+        from .deploy.imports import import_results
+
+        given = [flag for flag, value in (("--op", args.op), ("--shapes", args.shapes),
+                                          ("--rpc-tracker", args.rpc_tracker)) if value]
+        if given:
+            raise ValueError(f"--import takes the workloads and target from the results file, not {given}")
 
         rows = import_results(args.import_results, args.work_dir)
         print(f"imported {sum(r['points'] for r in rows)} measured knob points of {len(rows)} workload(s) "
@@ -202,5 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, RuntimeError) as err:  # bad options or a missing device: one line, not a traceback
-        print(f"python -m tvm_fuel {args.command}: {err}", file=sys.stderr)
+        text = re.sub(r"^tvm_fuel[ .][\w .-]*?: ", "", " ".join(str(err).split()))  # the command says it
+        print(f"python -m tvm_fuel {args.command}: {text}", file=sys.stderr)
         return 2

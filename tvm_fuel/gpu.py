@@ -48,5 +48,6 @@ def run_gpucheck(*, out_dir: str | Path = "bench_results", suite: str = "all") -
     out_dir = Path(out_dir)
     bundle = out_dir / f"bundle-{arch}"
     build_bundle(bundle, target="cuda", arch=arch, suite=suite)
-    return subprocess.run([sys.executable, str(bundle / "run.py"), "--out", str(out_dir / "results.json")],
-                          check=False).returncode
+    results = out_dir / "results.json"
+    results.unlink(missing_ok=True)  # the results of the bundle this one replaces
+    return subprocess.run([sys.executable, str(bundle / "run.py"), "--out", str(results)], check=False).returncode

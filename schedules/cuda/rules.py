@@ -29,6 +29,7 @@ from .forward import dense_forward, paged_forward
 from .tiles import CudaTiles, backward_smem, forward_smem, streaming_multiprocessors
 
 STATIC_SHARED_LIMIT = 48 * 1024
+SPLIT_GRID_LIMIT = 16  # blocks per SM beyond which knob_points tries no split-KV
 MAX_ACCUMULATORS = 64  # float32 accumulators per thread that tensor-core kernels keep without spilling (ptxas)
 EMULATED_ARCH = "sm_90"  # the architecture whose limits the emulated kernels obey
 
@@ -97,14 +98,21 @@ class _CudaRule(KernelRule):
         defaults = self.default_knobs(workload, target)
         most = max(MAX_ACCUMULATORS, self.accumulators(workload, CudaTiles(**defaults)))
         space = self.knob_space(workload, target)
+        sms = streaming_multiprocessors(self._arch(target))
         points = [self.knobs(workload, target, {name: defaults[name] for name in space})]
         for values in itertools.product(*space.values()):
             try:
                 knobs = self.knobs(workload, target, dict(zip(space, values)))
             except ValueError:
                 continue
-            if knobs not in points and self.accumulators(workload, CudaTiles(**knobs)) <= most:
-                points.append(knobs)
+            tiles = CudaTiles(**knobs)
+            if knobs in points or self.accumulators(workload, tiles) > most:
+                continue
+            # split-KV pays only while the grid is short of the GPU; past that it only adds merging
+            blocks = self._blocks(workload, tiles) if "splits" in space else None
+            if tiles.splits > 1 and blocks is not None and blocks * tiles.splits > SPLIT_GRID_LIMIT * sms:
+                continue
+            points.append(knobs)
         return points
 
     def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
@@ -121,13 +129,18 @@ class _CudaRule(KernelRule):
         shapes = [(64, 64), (64, 32), (32, 32), (16, 16)] if half else [(32, 32), (32, 16), (16, 16)]
         return [CudaTiles(block_q=bq, block_k=bk) for bq, bk in shapes]
 
-    def _splits(self, workload: Workload, target: tvm.target.Target, tiles: CudaTiles, keys: int | None,
-                rows: int | None) -> int:
+    def _blocks(self, workload: Workload, tiles: CudaTiles) -> int | None:
+        """Thread blocks of one split: batch x KV heads x row tiles (None where a dim is symbolic)."""
+        batch, sq = workload.dim["B"], workload.dim.get("Sq")
+        if batch is None or sq is None:
+            return None
+        return batch * workload.spec.num_kv_heads * -(-sq * workload.spec.group // tiles.block_q)
+
+    def _splits(self, workload: Workload, target: tvm.target.Target, tiles: CudaTiles, keys: int | None) -> int:
         """Split-KV: enough blocks for every SM twice over when (batch x heads x row tiles) is short."""
-        batch = workload.dim["B"]
-        if batch is None or keys is None or rows is None:
+        blocks = self._blocks(workload, tiles)
+        if blocks is None or keys is None:
             return 1
-        blocks = batch * workload.spec.num_kv_heads * -(-rows // tiles.block_q)
         want = -(-2 * streaming_multiprocessors(self._arch(target)) // blocks)
         return max(1, min(16, want, -(-keys // (4 * tiles.block_k))))  # >= 4 key tiles per split
 
@@ -164,9 +177,7 @@ class CudaFlashForward(_CudaRule):
                             target)
 
     def _tuned_defaults(self, workload, target, tiles):
-        sq = workload.dim["Sq"]
-        rows = None if sq is None else sq * workload.spec.group
-        return replace(tiles, splits=self._splits(workload, target, tiles, workload.dim["Sk"], rows))
+        return replace(tiles, splits=self._splits(workload, target, tiles, workload.dim["Sk"]))
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
         return dense_forward(workload.spec, CudaTiles(**knobs), launch=self.launch(knobs),
@@ -191,10 +202,9 @@ class CudaPagedAttention(_CudaRule):
         return super()._candidates(workload)
 
     def _tuned_defaults(self, workload, target, tiles):
-        sq, max_blocks = workload.dim["Sq"], workload.dim["max_blocks"]
-        rows = None if sq is None else sq * workload.spec.group
+        max_blocks = workload.dim["max_blocks"]
         keys = None if max_blocks is None else max_blocks * workload.spec.block_size
-        return replace(tiles, splits=self._splits(workload, target, tiles, keys, rows))
+        return replace(tiles, splits=self._splits(workload, target, tiles, keys))
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
         return paged_forward(workload.spec, CudaTiles(**knobs), launch=self.launch(knobs),

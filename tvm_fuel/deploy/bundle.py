@@ -7,7 +7,7 @@ The bundle folder holds::
     modules/*.so              exported Relax executables (kernels and floor); tune/*.so kernel points
     cubins/<sha256>.cubin     nvcc's cubin of each CUDA module's source, by the source's hash
     runtime/tvm/              TVM without its compiler library (runtime-only)
-    runtime/wheels/*.whl      the apache-tvm-ffi wheel for the node's Python
+    runtime/wheels/*.whl      the apache-tvm-ffi and ml_dtypes wheels for the node's Python
 
 Every case's module is built with ``tvm_fuel.compile``'s legalization and checked to run the
 performance-path kernels (a silent fall back to the floor is an error here, not a surprise on
@@ -21,6 +21,7 @@ Contents:
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as metadata
 import json
 import os
@@ -111,14 +112,12 @@ class _Cubins:
     def _compile(self, source: str, path: Path) -> None:
         path.write_bytes(cuda.compile_cubin(source, self.arch))
 
-    def wait(self) -> int:
+    def wait(self) -> None:
         for key, job in self.jobs.items():
             try:
                 job.result()
             except Exception as err:  # noqa: BLE001
                 raise RuntimeError(f"tvm_fuel bundle: nvcc failed on module source {key[:12]}: {err}") from err
-        self.pool.shutdown()
-        return len(self.jobs)
 
 
 def _floor_names() -> set[str]:
@@ -221,44 +220,41 @@ def _copy_runtime(folder: Path) -> None:
         pass
 
 
-def _ffi_wheel(python: tuple[int, int], folder: Path) -> tuple[Path, str]:
-    """The apache-tvm-ffi wheel of the installed version for ``python`` (cached; fetched with pip,
+def _wheel(dist: str, package: str, python: tuple[int, int], folder: Path) -> Path:
+    """The wheel of the installed version of ``dist`` for ``python`` (cached; fetched with pip,
     or packed from this installation when it is for the same Python)."""
-    version = metadata.version("apache-tvm-ffi")
+    version = metadata.version(dist)
     tag = f"cp{python[0]}{python[1]}"
     cache = Path(os.environ.get("TVM_FUEL_CACHE", Path.home() / ".cache" / "tvm_fuel")) / "wheels"
     cache.mkdir(parents=True, exist_ok=True)
-    pattern = f"apache_tvm_ffi-{version}-{tag}-*.whl"
+    pattern = f"{dist.replace('-', '_')}-{version}-{tag}-*.whl"
     found = sorted(cache.glob(pattern))
     errors = ""
     if not found:
-        machine = platform.machine()
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-                   f"{python[0]}.{python[1]}", "--platform", f"manylinux_2_28_{machine}", "-d", str(cache),
-                   f"apache-tvm-ffi=={version}"]
+                   f"{python[0]}.{python[1]}", "--platform", f"manylinux_2_28_{platform.machine()}", "-d", str(cache),
+                   f"{dist}=={version}"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
-        errors = done.stderr.strip().splitlines()[-1:] if done.returncode else ""
+        errors = (done.stderr.strip().splitlines() or [""])[-1] if done.returncode else ""
         found = sorted(cache.glob(pattern))
     if not found and python == sys.version_info[:2]:
-        found = [_pack_installed_ffi(cache, version, tag)]
+        found = [_pack_installed(package, cache / f"{dist.replace('-', '_')}-{version}-{tag}-{tag}-linux.whl")]
     if not found:
-        raise RuntimeError(f"tvm_fuel bundle: no apache-tvm-ffi {version} wheel for Python {python[0]}.{python[1]} "
-                           f"(pip download failed: {errors}); put one in {cache}")
+        raise RuntimeError(f"tvm_fuel bundle: no {dist} {version} wheel for Python {python[0]}.{python[1]} "
+                           f"(pip download: {errors or 'nothing found'}); put one in {cache}")
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(found[-1], folder / found[-1].name)
-    return folder / found[-1].name, version
+    return folder / found[-1].name
 
 
-def _pack_installed_ffi(cache: Path, version: str, tag: str) -> Path:
-    """A wheel-shaped zip of the installed tvm_ffi package (its files as pip installed them)."""
-    import tvm_ffi
-
-    root = Path(tvm_ffi.__file__).parent
-    path = cache / f"apache_tvm_ffi-{version}-{tag}-{tag}-linux_{platform.machine()}.whl"
-    with tempfile.NamedTemporaryFile(dir=cache, delete=False) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+def _pack_installed(package: str, path: Path) -> Path:
+    """A wheel-shaped zip of an installed package (its files as pip installed them)."""
+    root = Path(importlib.import_module(package).__file__).parent
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp, zipfile.ZipFile(tmp, "w",
+                                                                                          zipfile.ZIP_DEFLATED) as z:
         for file in root.rglob("*"):
             if file.is_file() and "__pycache__" not in file.parts and "3rdparty" not in file.parts:
-                z.write(file, Path("tvm_ffi") / file.relative_to(root))
+                z.write(file, Path(package) / file.relative_to(root))
     os.replace(tmp.name, path)
     return path
 
@@ -275,13 +271,15 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
     most this many knob points per tune bucket (the hand-picked ones and a seeded sample)."""
     tvm_target, arch = _target(target, arch)
     node_python = _python(python)
-    stages = suites.SUITES.get(suite)
     cases = suites.cases(suite, target, small=small)  # validates the suite name
-    if target == "cuda" and not cuda.nvcc_available():
-        raise RuntimeError("tvm_fuel bundle: a cuda bundle needs nvcc here (the node compiles nothing)")
-    if "tune" in stages and target != "cuda":
+    tune = "tune" in suites.SUITES[suite] and target == "cuda"  # CPU kernels tune here (python -m tvm_fuel tune)
+    if suite == "tune" and not tune:
         raise ValueError("tvm_fuel bundle: the tune suite measures CUDA kernels; CPU kernels tune locally "
                          "(python -m tvm_fuel tune)")
+    if tune_points is not None and tune_points < 1:
+        raise ValueError(f"tvm_fuel bundle: --tune-points must be >= 1, got {tune_points}")
+    if target == "cuda" and not cuda.nvcc_available():
+        raise RuntimeError("tvm_fuel bundle: a cuda bundle needs nvcc here (the node compiles nothing)")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not (out / "manifest.json").exists():
@@ -290,6 +288,35 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
     (out / "modules").mkdir(parents=True)
     start = time.perf_counter()
     cubins = _Cubins(out / "cubins", arch)
+    try:
+        manifest = _build(out, tvm_target, arch, cases, cubins, tune, tune_points, log)
+    finally:
+        cubins.pool.shutdown(cancel_futures=True)  # a failed build does not wait for nvcc
+    manifest["bundle"] = {"target": target, "arch": arch, "suite": suite, "small": small,
+                          "python": f"{node_python[0]}.{node_python[1]}", "tvm": tvm.__version__,
+                          "tvm_fuel": __version__, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest["target"] = {"device": "cuda" if target == "cuda" else "cpu", "arch": arch}
+    # tvm_ffi for the node's Python; ml_dtypes (bfloat16) for a node that lacks it
+    wheels = {dist: _wheel(dist, package, node_python, out / "runtime" / "wheels")
+              for dist, package in (("apache-tvm-ffi", "tvm_ffi"), ("ml_dtypes", "ml_dtypes"))}
+    manifest["runtime"] = {"wheels": {dist: str(path.relative_to(out)) for dist, path in wheels.items()},
+                           "ffi_version": metadata.version("apache-tvm-ffi")}
+    _copy_runtime(out / "runtime")
+    shutil.copytree(_NODE, out / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(__file__).parent.parent / "reference.py", out / "fuel_node" / "reference.py")
+    (out / "run.py").write_text(_RUN_PY)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    size = _size(out)
+    log(f"bundle {manifest['bundle_id']} in {out}: {len(manifest['cases'])} cases, {len(cubins.jobs)} cubins, "
+        f"{size / 2**20:.1f} MiB, built in {time.perf_counter() - start:.0f} s")
+    if size > LIMIT_BYTES:
+        raise RuntimeError(f"tvm_fuel bundle: {out} is {size / 2**20:.1f} MiB, over the 48 MiB a bundle may take")
+    return manifest
+
+
+def _build(out: Path, tvm_target, arch, cases, cubins: _Cubins, tune: bool, tune_points, log) -> dict:
+    """Every case's modules (and the tune stage's), their cubins compiled: the manifest's cases."""
+    start = time.perf_counter()
     specs = []
     for index, case in enumerate(cases):
         spec = case.spec()
@@ -302,32 +329,11 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
         specs.append(spec)
     log(f"  {len(specs)} case modules built in {time.perf_counter() - start:.0f} s")
     buckets = []
-    if "tune" in stages:
+    if tune:
         buckets, points = _tune_stage(tvm_target, out, cubins, tune_points, log)
         specs += points
-    wheel, ffi_version = _ffi_wheel(node_python, out / "runtime" / "wheels")
-    _copy_runtime(out / "runtime")
-    shutil.copytree(_NODE, out / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(Path(__file__).parent.parent / "reference.py", out / "fuel_node" / "reference.py")
-    (out / "run.py").write_text(_RUN_PY)
-    compiled = cubins.wait()
-    manifest = {
-        "bundle_id": uuid.uuid4().hex[:12],
-        "bundle": {"target": target, "arch": arch, "suite": suite, "small": small,
-                   "python": f"{node_python[0]}.{node_python[1]}", "tvm": tvm.__version__, "tvm_fuel": __version__,
-                   "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-        "target": {"device": "cuda" if target == "cuda" else "cpu", "arch": arch, "json": str(tvm_target)},
-        "runtime": {"ffi_wheel": str(wheel.relative_to(out)), "ffi_version": ffi_version},
-        "cases": specs,
-        "tune_buckets": buckets,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    size = _size(out)
-    log(f"bundle {manifest['bundle_id']} in {out}: {len(specs)} cases, {compiled} cubins, "
-        f"{size / 2**20:.1f} MiB, built in {time.perf_counter() - start:.0f} s")
-    if size > LIMIT_BYTES:
-        raise RuntimeError(f"tvm_fuel bundle: {out} is {size / 2**20:.1f} MiB, over the 48 MiB a bundle may take")
-    return manifest
+    cubins.wait()
+    return {"bundle_id": uuid.uuid4().hex[:12], "cases": specs, "tune_buckets": buckets}
 
 
 __all__ = ["build_bundle", "ARCHS"]

@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 
 from .. import op as fuel_op
-from ..bench import FLOOR_MAX_SCORES, FlashCase, PagedCase, attention_flops, default_suite
+from ..shapes import FLOOR_MAX_SCORES, FlashCase, PagedCase, cuda_suite, default_suite
 
 SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
           "all": ("smoke", "check", "bench", "tune")}
@@ -48,10 +48,10 @@ class Case:
     options: dict = field(default_factory=dict)  # the op's attributes (and the reference's keywords)
     expect: tuple = ("reference",)  # reference, floor, torch
     torch: dict | None = None  # {"kind": flash|flash_backward|paged, "causal": .., "context": ..}
-    time: bool = False
+    timed: bool = False
     scale: float = 1.0  # tolerance scale (outputs summing many terms)
     flops: float = 0.0
-    bytes: float = 0.0
+    bytes_read: float = 0.0
     seed: int = 0
 
     @property
@@ -62,12 +62,11 @@ class Case:
     def spec(self) -> dict:
         """The case as the manifest holds it (modules are added by the bundle)."""
         reference_op = "flash_attn_backward" if self.op.startswith("flash_attn_backward") else self.op
-        reference_options = {k: v for k, v in self.options.items() if k not in ("out", "lse")}
         return {"kind": "op", "stage": self.stage, "name": self.name, "op": reference_op, "dtype": self.dtype,
-                "inputs": list(self.inputs), "seed": self.seed, "options": reference_options,
+                "inputs": list(self.inputs), "seed": self.seed, "options": dict(self.options),
                 "outputs": list(self.outputs), "reference_outputs": list(OUTPUTS[reference_op]),
-                "expect": list(self.expect), "torch": self.torch, "time": self.time, "scale": self.scale,
-                "flops": self.flops, "bytes": self.bytes}
+                "expect": list(self.expect), "torch": self.torch, "timed": self.timed, "scale": self.scale,
+                "flops": self.flops, "bytes_read": self.bytes_read}
 
 
 def case_module(case: Case) -> tvm.IRModule:
@@ -219,53 +218,53 @@ def bench_cases(flash: list[FlashCase], paged: list[PagedCase], *, floor_everywh
             found.append(Case("bench", f"bench/{c.name}", "flash_attn_backward", c.dtype,
                               _dense(c.B, c.H, c.H, c.S, c.S, c.D, c.dtype, backward=True, state=True),
                               dict(causal=c.causal), expect=expect, torch=dict(kind="flash_backward", causal=c.causal),
-                              time=True, scale=4, flops=c.flops, seed=300 + index))
+                              timed=True, scale=4, flops=c.flops, seed=300 + index))
         else:
             found.append(Case("bench", f"bench/{c.name}", "flash_attn", c.dtype,
                               _dense(c.B, c.H, c.H, c.S, c.S, c.D, c.dtype), dict(causal=c.causal),
-                              expect=expect + ("torch",), torch=dict(kind="flash", causal=c.causal), time=True,
+                              expect=expect + ("torch",), torch=dict(kind="flash", causal=c.causal), timed=True,
                               flops=c.flops, seed=300 + index))
     for index, c in enumerate(paged):
         found.append(Case("bench", f"bench/{c.name}", "paged_attn", c.dtype,
                           _paged(c.B, c.Hq, c.Hkv, 1, c.D, c.block_size, [c.context] * c.B, c.dtype,
                                  capacity=c.capacity, num_blocks=c.B * (c.capacity // c.block_size)),
-                          expect=("floor", "torch"), torch=dict(kind="paged", context=c.context), time=True,
-                          flops=c.flops, bytes=c.bytes_read, seed=400 + index))
+                          expect=("floor", "torch"), torch=dict(kind="paged", context=c.context), timed=True,
+                          flops=c.flops, bytes_read=c.bytes_read, seed=400 + index))
     return found
 
 
-def cuda_bench_shapes() -> tuple[list[FlashCase], list[PagedCase]]:
-    """bf16 flash forward/backward at 4k tokens (causal and not), paged decode B64 at 4k and 1k."""
-    flash = [FlashCase(4, 16, 4096, 128, causal, backward, dtype="bfloat16")
-             for backward in (False, True) for causal in (False, True)]
-    return flash, [PagedCase(64, 32, 8, 128, 16, context, 4096, dtype="bfloat16") for context in (4096, 1024)]
+def small_bench_shapes() -> tuple[list[FlashCase], list[PagedCase]]:
+    """A quick bench stage (the CI test's): every kind of timed case at small shapes."""
+    return ([FlashCase(1, 2, 128, 64, True), FlashCase(1, 2, 128, 64, False, backward=True)],
+            [PagedCase(2, 4, 2, 64, 16, 100, 128)])
 
 
 def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case]:
-    """Every case of ``suite`` (smoke, check, bench, tune, all) for a cuda or llvm target."""
+    """Every case of ``suite`` (smoke, check, bench, tune, all) for a cuda or llvm target; ``small``:
+    the reduced matrix and bench shapes (in every dtype the target serves)."""
     if suite not in SUITES:
         raise ValueError(f"tvm_fuel bundle: suite must be one of {sorted(SUITES)}, got {suite!r}")
     stages = SUITES[suite]
     gpu = target_kind == "cuda"
-    dtypes = ("float16", "bfloat16", "float32") if gpu else ("float32", "float16")
+    dtypes = ("float16", "bfloat16", "float32") if gpu else ("float32", "float16", "bfloat16")
     found = smoke_cases("float16" if gpu else "float32")
     if "check" in stages:
-        found += check_cases(dtypes[:1] if small else dtypes, small=small)
+        found += check_cases(dtypes, small=small)
         if not small:
             found += large_cases("bfloat16" if gpu else "float32")
     if "bench" in stages:
-        flash, paged = cuda_bench_shapes() if gpu else default_suite()
-        found += bench_cases(flash, paged, floor_everywhere=gpu)
+        flash, paged = small_bench_shapes() if small else cuda_suite() if gpu else default_suite()
+        found += bench_cases(flash, paged, floor_everywhere=gpu or small)
     return found
 
 
 def tune_buckets() -> list[tuple[str, dict]]:
     """(op, bucket) of the tune stage: the CUDA benchmark's shapes (paged: its full table)."""
-    flash, paged = cuda_bench_shapes()
+    flash, paged = cuda_suite()
     buckets = [("flash_attn_backward" if c.backward else "flash_attn",
                 dict(B=c.B, H=c.H, S=c.S, D=c.D, causal=int(c.causal), dtype=c.dtype)) for c in flash]
     return buckets + [("paged_attn", dict(B=c.B, Hq=c.Hq, Hkv=c.Hkv, D=c.D, block_size=c.block_size, ctx=c.capacity,
                                           dtype=c.dtype)) for c in paged if c.context == c.capacity]
 
 
-__all__ = ["Case", "tensor", "cases", "case_module", "tune_buckets", "SUITES", "attention_flops"]
+__all__ = ["Case", "tensor", "cases", "case_module", "tune_buckets", "SUITES"]

@@ -90,7 +90,7 @@ def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str
 
 
 def _rate(workload: Workload, seconds: float) -> str:
-    from ..bench import attention_flops, kv_bytes
+    from ..shapes import attention_flops, kv_bytes
 
     spec, dims = workload.spec, workload.dim
     if workload.op == "paged_attn":  # measured with every table full (see measure._arrays)

@@ -3,6 +3,7 @@
 Contents:
     TOLERANCE     -- (atol, rtol) of an output against the float64 reference, per input dtype
     LSE_TOLERANCE -- (atol, rtol) of the log-sum-exp (float32 whatever the input dtype)
+    DEVICE_SCALE  -- the widening on a GPU (tensor-core accumulation order, fast exp)
     compare       -- one output against its expected values: ok, errors, and why not
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 # accumulation is float32, so the output rounding of the dtype dominates.
 TOLERANCE = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 LSE_TOLERANCE = (1e-5, 1e-5)
+DEVICE_SCALE = 4.0
 
 
 def compare(what: str, actual: np.ndarray, expected: np.ndarray, tolerance: tuple[float, float],

@@ -33,44 +33,58 @@ class NodeError(RuntimeError):
     """The node cannot run (part of) the bundle; the message says why in one line."""
 
 
+PROTOCOL_FD = "FUEL_PROTOCOL_FD"  # the worker's report pipe (supervisor)
+
+
 def _python_tag() -> str:
     return f"cp{sys.version_info.major}{sys.version_info.minor}"
 
 
-def _unpacked_ffi(bundle: Path, manifest: dict) -> Path | None:
-    """The folder holding the bundle's tvm_ffi for this Python (unpacked from its wheel once),
-    or None where the bundle's wheel is for another Python and an installed tvm_ffi of the same
-    version is used instead."""
-    wheel = bundle / manifest["runtime"]["ffi_wheel"]
-    if f"-{_python_tag()}-" not in wheel.name:
-        try:
-            import importlib.metadata as metadata
-
-            installed = metadata.version("apache-tvm-ffi")
-        except Exception:  # noqa: BLE001 (not installed)
-            installed = None
-        if installed == manifest["runtime"]["ffi_version"]:
-            return None
-        raise NodeError(f"the bundle's tvm_ffi wheel {wheel.name} is for another Python than this "
-                        f"{sys.version.split()[0]}; rebuild it with --python "
-                        f"{sys.version_info.major}.{sys.version_info.minor}")
+def _unpacked(bundle: Path, manifest: dict, wheel: Path) -> Path:
+    """The folder holding ``wheel`` unpacked (once; in the bundle, or a temporary folder when the
+    bundle is read-only)."""
     for parent in (bundle / "runtime", Path(tempfile.gettempdir()) / f"tvm_fuel_bundle_{manifest['bundle_id']}"):
-        target = parent / f"ffi-{_python_tag()}"
-        if (target / "tvm_ffi" / "__init__.py").exists():
+        target = parent / f"unpacked-{wheel.name.split('-')[0]}"  # not the package's name: runtime/ is on the path
+        if (target / ".unpacked").exists():
             return target
         try:
             target.mkdir(parents=True, exist_ok=True)
             with zipfile.ZipFile(wheel) as archive:
                 archive.extractall(target)
+            (target / ".unpacked").touch()
             return target
         except OSError:
-            continue  # a read-only bundle: unpack into the temporary folder
+            continue
     raise NodeError(f"cannot unpack {wheel} (no writable folder)")
+
+
+def _for_this_python(bundle: Path, manifest: dict, name: str) -> Path | None:
+    """The bundle's wheel of package ``name`` if it was built for this Python, else None."""
+    wheel = manifest["runtime"]["wheels"].get(name)
+    return bundle / wheel if wheel and f"-{_python_tag()}-" in wheel else None
+
+
+def _ffi_path(bundle: Path, manifest: dict) -> Path | None:
+    """Where the bundle's tvm_ffi is for this Python, or None where an installed tvm_ffi of the
+    same version is used instead (the bundle's wheel is for another Python)."""
+    wheel = _for_this_python(bundle, manifest, "apache-tvm-ffi")
+    if wheel is not None:
+        return _unpacked(bundle, manifest, wheel)
+    try:
+        import importlib.metadata as metadata
+
+        installed = metadata.version("apache-tvm-ffi")
+    except Exception:  # noqa: BLE001 (not installed)
+        installed = None
+    if installed == manifest["runtime"]["ffi_version"]:
+        return None
+    raise NodeError(f"the bundle's tvm_ffi wheel is for Python {manifest['bundle']['python']}, this is "
+                    f"{sys.version.split()[0]}; rebuild it with --python {sys.version_info.major}.{sys.version_info.minor}")
 
 
 def worker_environment(bundle: Path, manifest: dict) -> dict[str, str]:
     """Environment of a worker process: the bundle's TVM and tvm_ffi first on the path, runtime-only."""
-    ffi = _unpacked_ffi(bundle, manifest)
+    ffi = _ffi_path(bundle, manifest)
     paths = [str(bundle / "runtime")] + ([str(ffi)] if ffi else []) + [str(bundle)]
     env = dict(os.environ)
     if env.get("PYTHONPATH"):
@@ -80,12 +94,23 @@ def worker_environment(bundle: Path, manifest: dict) -> dict[str, str]:
     return env
 
 
-def load_tvm(bundle: Path):
-    """``import tvm``, checked to be the bundle's runtime-only package."""
+def _fallbacks(bundle: Path, manifest: dict) -> None:
+    """What TVM needs and the node may lack, from the bundle, behind the node's own packages."""
     try:
-        import typing_extensions  # noqa: F401 -- tvm_ffi needs it; the bundle brings one if the node lacks it
+        import typing_extensions  # noqa: F401 -- tvm_ffi needs it
     except ImportError:
         sys.path.append(str(bundle / "runtime" / "fallback"))
+    try:
+        import ml_dtypes  # noqa: F401 -- bfloat16 arrays (numpy has no bfloat16)
+    except ImportError:
+        wheel = _for_this_python(bundle, manifest, "ml_dtypes")
+        if wheel is not None:
+            sys.path.append(str(_unpacked(bundle, manifest, wheel)))
+
+
+def load_tvm(bundle: Path, manifest: dict):
+    """``import tvm``, checked to be the bundle's runtime-only package."""
+    _fallbacks(bundle, manifest)
     try:
         import tvm
     except Exception as err:  # noqa: BLE001

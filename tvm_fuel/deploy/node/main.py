@@ -7,8 +7,9 @@ there), ``check`` (every kernel against the float64 reference, the floor and PyT
 of the CUDA kernel spaces timed, then the best few and the hand-picked knobs re-measured side by
 side; ``python -m tvm_fuel tune --import results.json`` turns them into tuning records).
 
-Cases run in worker processes (``worker``); a worker that crashes, hangs past ``--case-timeout``
-or meets an error on the GPU is replaced and the rest go on, so every case gets a result.
+Cases run in worker processes (``worker``, ``supervisor``); a worker that crashes, hangs past
+``--case-timeout`` or meets an error on the GPU is replaced and the rest go on, so every case
+gets a result.
 Results of a bundle accumulate in one file (a stage run again replaces its earlier results); a
 results file of another bundle is refused. Exit status: 0 when every smoke, check and bench
 case passed and every hand-picked tune point ran; 1 otherwise; 2 when the bundle cannot run here.
@@ -19,106 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from .environment import NodeError, worker_environment
-from .worker import PREFIX
+from .supervisor import Workers
 
 STAGES = ("smoke", "check", "bench", "tune")
 
 
-class Workers:
-    """Runs cases in worker processes, replacing a worker that dies, hangs or meets a GPU error."""
-
-    def __init__(self, bundle: Path, env: dict, timeout: float):
-        self.bundle, self.env, self.timeout = bundle, env, timeout
-        self.device: dict | None = None
-
-    def run(self, cases: list[dict], report=lambda case, result: None) -> list[dict]:
-        results: list[dict | None] = [None] * len(cases)
-        while any(r is None for r in results):
-            batch = [i for i, r in enumerate(results) if r is None]
-            self._batch(cases, batch, results, report)
-        return results
-
-    def _batch(self, cases, batch, results, report) -> None:
-        process = subprocess.Popen([sys.executable, "-m", "fuel_node.worker", str(self.bundle)], cwd=self.bundle,
-                                   env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
-        process.stdin.write(json.dumps([cases[i] for i in batch]))
-        process.stdin.close()
-        tail: deque = deque(maxlen=15)
-        current = None
-        startup = max(self.timeout, 300)  # loading TVM (and CUDA) once
-        while True:
-            try:
-                line = lines.get(timeout=self.timeout if current is not None else startup)
-            except queue.Empty:
-                _kill(process)
-                why = f"no answer within {self.timeout:.0f} s" if current is not None else "the worker did not start"
-                self._lost(batch, current, results, cases, report, "timeout", why, tail)
-                return
-            if line is None:  # the worker ended
-                code = process.wait()
-                if current is not None and results[batch[current]] is None:
-                    why = f"the worker died ({_exit(code)})"
-                    self._lost(batch, current, results, cases, report, "crashed", why, tail)
-                elif current is None and results[batch[0]] is None:
-                    raise NodeError(f"the worker ended before its first case ({_exit(code)}): {' | '.join(tail)}")
-                return
-            if not line.startswith(PREFIX):
-                tail.append(line.rstrip())
-                continue
-            message = json.loads(line[len(PREFIX):])
-            if "fatal" in message:
-                _kill(process)
-                raise NodeError(message["fatal"])
-            if "device" in message:
-                self.device = message["device"]
-            elif "start" in message:
-                current = message["start"]
-                tail.clear()
-            elif "result" in message:
-                results[batch[current]] = message["result"]
-                report(cases[batch[current]], message["result"])
-
-    def _lost(self, batch, current, results, cases, report, status, why, tail) -> None:
-        index = batch[current if current is not None else 0]
-        output = " | ".join(tail)[-1500:]
-        results[index] = {"status": status, "error": f"{why}{': ' + output if output else ''}"}
-        report(cases[index], results[index])
-
-
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def _kill(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    process.wait()
-
-
-def _exit(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-
-
 def _summary(result: dict) -> str:
     if result["status"] in ("error", "crashed", "timeout"):
-        return result.get("error", "")[:300]
+        return " ".join(result.get("error", "").split())[:300]
     parts = []
     checks = result.get("checks", [])
     failed = [c for c in checks if not c["ok"]]
@@ -138,7 +52,7 @@ def _summary(result: dict) -> str:
     if "seconds" in result and isinstance(result["seconds"], float):
         parts.append(f"{result['seconds'] * 1e3:.3f} ms")
     parts += result.get("skipped", [])
-    return "; ".join(parts)
+    return " ".join("; ".join(parts).split())
 
 
 def _tune_buckets(manifest: dict, points: list[dict], results: list[dict]) -> list[dict]:
@@ -163,6 +77,36 @@ def _verify_cases(buckets: list[dict], top: int, rounds: int) -> list[dict]:
     return cases
 
 
+def _previous(out: Path, manifest: dict) -> dict | None:
+    """The results this bundle already wrote to ``out`` (None for a new file); NodeError for a
+    file that is not this bundle's or a folder that cannot take it."""
+    if not out.exists():
+        if not out.parent.is_dir():
+            raise NodeError(f"--out {out}: folder {out.parent} does not exist")
+        try:
+            out.write_text("{}")  # can be written: found out now, not after a stage's GPU time
+            out.unlink()
+        except OSError as err:
+            raise NodeError(f"--out {out}: cannot write it ({err.strerror})") from err
+        return None
+    try:
+        previous = json.loads(out.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise NodeError(f"--out {out} exists and is not a results file of a bundle ({err}); choose another --out") \
+            from err
+    if not isinstance(previous, dict) or previous.get("bundle_id") != manifest["bundle_id"]:
+        other = previous.get("bundle_id") if isinstance(previous, dict) else None
+        raise NodeError(f"{out} holds the results of bundle {other}, not of this bundle {manifest['bundle_id']}: "
+                        "choose another --out")
+    return previous
+
+
+def _write(out: Path, report: dict) -> None:
+    temporary = out.with_name(out.name + ".tmp")
+    temporary.write_text(json.dumps(report, indent=1))
+    os.replace(temporary, out)  # a run killed mid-write leaves the previous file whole
+
+
 def main(argv: list[str] | None = None) -> int:
     bundle = Path(__file__).resolve().parent.parent
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -178,18 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     stages = [s for s in args.stages.split(",") if s]
     unknown = [s for s in stages if s not in held]
     try:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            raise NodeError("numpy is not installed for this Python") from None
         if unknown:
             raise NodeError(f"--stages {unknown}: this bundle holds {held}")
         out = Path(args.out)
-        previous = json.loads(out.read_text()) if out.exists() else None
-        if previous is not None and previous.get("bundle_id") != manifest["bundle_id"]:
-            raise NodeError(f"{out} holds the results of bundle {previous.get('bundle_id')}, not of this bundle "
-                            f"{manifest['bundle_id']}: choose another --out")
+        previous = _previous(out, manifest)
         workers = Workers(bundle, worker_environment(bundle, manifest), args.case_timeout)
         return _run(manifest, workers, stages, out, previous, args)
     except NodeError as err:
         print(f"run.py: cannot run this bundle here: {err}", file=sys.stderr)
         return 2
+
+
+def _reporter(start: float, label: str, total: int):
+    done = [0]
+
+    def show(case, result):
+        done[0] += 1
+        print(f"[{time.perf_counter() - start:7.1f}s] {label} {done[0]}/{total} {case['name']}: "
+              f"{result['status']}  {_summary(result)}", flush=True)
+
+    return show
 
 
 def _run(manifest, workers: Workers, stages, out: Path, previous, args) -> int:
@@ -199,48 +155,42 @@ def _run(manifest, workers: Workers, stages, out: Path, previous, args) -> int:
           f"stages {stages}", flush=True)
     for stage in stages:
         cases = [c for c in manifest["cases"] if c["stage"] == stage and args.only in c["name"]]
-        done = [0]
-
-        def show(case, result, stage=stage, total=len(cases)):
-            done[0] += 1
-            print(f"[{time.perf_counter() - start:7.1f}s] {stage} {done[0]}/{total} {case['name']}: "
-                  f"{result['status']}  {_summary(result)}", flush=True)
-
         stage_start = time.perf_counter()
-        results = workers.run(cases, show)
+        results = workers.run(cases, _reporter(start, stage, len(cases)))
         if workers.device and "device" not in report:
             report["device"] = workers.device
             print(f"device: {workers.device}", flush=True)
         entry = {"seconds": time.perf_counter() - stage_start,
                  "cases": [{"name": c["name"], **r} for c, r in zip(cases, results)]}
         if stage == "tune":
-            buckets = _tune_buckets(manifest, cases, results)
-            verify = _verify_cases(buckets, args.verify_top, args.verify_rounds)
-            session = int(time.time())
-            for case, result in zip(verify, workers.run(verify, show)):
-                bucket = next(b for b in buckets if b["id"] == case["bucket"])
-                bucket["verified"] = {"id": session, "rounds": case["rounds"], "status": result["status"],
+            entry["buckets"] = _tune_buckets(manifest, cases, results)
+            verify = _verify_cases(entry["buckets"], args.verify_top, args.verify_rounds)
+            for case, result in zip(verify, workers.run(verify, _reporter(start, "tune-verify", len(verify)))):
+                bucket = next(b for b in entry["buckets"] if b["id"] == case["bucket"])
+                bucket["verified"] = {"rounds": case["rounds"], "status": result["status"],
                                       "seconds": result.get("seconds"), "error": result.get("error")}
-            entry["buckets"] = buckets
         passed = sum(r["status"] == "pass" for r in results)
         entry.update(passed=passed, not_passed=len(results) - passed)
         report["stages"][stage] = entry
         print(f"{stage}: {passed}/{len(results)} passed in {entry['seconds']:.0f} s", flush=True)
-        out.write_text(json.dumps(report, indent=1))
+        _write(out, report)
         if stage == "smoke" and passed < len(results):
             print("smoke stage failed: the later stages are skipped", flush=True)
             break
     report["ok"] = _ok(report)
-    out.write_text(json.dumps(report, indent=1))
+    _write(out, report)
     print(f"wrote {out}; {'every check passed' if report['ok'] else 'NOT every check passed'}", flush=True)
     return 0 if report["ok"] else 1
 
 
 def _ok(report: dict) -> bool:
     for name, stage in report["stages"].items():
-        if name != "tune" and stage["not_passed"]:
-            return False
-        if name == "tune" and any(p["hand_picked"] and p["status"] != "pass"
-                                  for b in stage.get("buckets", []) for p in b["points"]):
+        if name == "tune":
+            if any(p["hand_picked"] and p["status"] != "pass" for b in stage.get("buckets", []) for p in b["points"]):
+                return False
+        elif name == "bench":  # timings without any comparison are still timings
+            if any(c["status"] not in ("pass", "unchecked") for c in stage["cases"]):
+                return False
+        elif stage["not_passed"]:
             return False
     return True

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
 from ..schedules.workload import Workload
-from .records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
-from .space import fixed_point, workload_module
-from .tune import commit_record
+from ..tuning.records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
+from ..tuning.space import fixed_point, knobs_of, workload_module
+from ..tuning.tune import commit_record
 
 
 def _load(path: Path) -> tuple[dict, list[dict]]:
@@ -31,29 +32,52 @@ def _load(path: Path) -> tuple[dict, list[dict]]:
         report = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"tvm_fuel tune --import: cannot read {path}: {err}") from err
-    if not isinstance(report, dict) or "bundle_id" not in report or "stages" not in report:
-        raise ValueError(f"tvm_fuel tune --import: {path} is not the results file of a tvm_fuel bundle (run.py --out)")
-    buckets = report["stages"].get("tune", {}).get("buckets")
+    try:
+        bundle, stages = report["bundle"], report["stages"]
+        buckets = stages.get("tune", {}).get("buckets")
+        built_for, measured_on = bundle.get("arch"), (report.get("device") or {}).get("arch")
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"tvm_fuel tune --import: {path} is not the results file of a tvm_fuel bundle "
+                         "(run.py --out)") from None
     if not buckets:
         raise ValueError(f"tvm_fuel tune --import: {path} holds no tune stage (run.py --stages tune)")
-    built_for, measured_on = report["bundle"].get("arch"), (report.get("device") or {}).get("arch")
     if built_for != measured_on:
-        raise ValueError(f"tvm_fuel tune --import: bundle {report['bundle_id']} was built for {built_for} but "
+        raise ValueError(f"tvm_fuel tune --import: bundle {report.get('bundle_id')} was built for {built_for} but "
                          f"measured on {measured_on}")
     return report, buckets
 
 
-def _imported(database, mod: tvm.IRModule, session: int) -> bool:
+def _point(mod: tvm.IRModule, knobs: dict, **verification) -> "tvm.s_tir.Schedule":
+    """The schedule of a measured knob point; ValueError where this tvm_fuel's knob space no longer
+    holds it (the record would describe other knobs than were measured)."""
+    sch = fixed_point(mod, knobs, **verification)
+    if any(value != knobs.get(name) for name, value in knobs_of(sch.mod)[1].items()):
+        raise ValueError(f"tvm_fuel tune --import: knobs {knobs} are not in this tvm_fuel's space of the kernel "
+                         "(the bundle was built by another version); rebuild the bundle and measure again")
+    return sch
+
+
+def _already_imported(database, mod: tvm.IRModule, points: list[dict]) -> bool:
+    """Whether the database holds these measurements already (the same knobs with the very same times)."""
     if not database.has_workload(mod):
         return False
     records = (replay(raw) for raw in database.get_top_k(database.commit_workload(mod), 10**6))
-    return any(record is not None and record.verified == session for record in records)
+    held = {(tuple(sorted(r.knobs.items())), r.seconds) for r in records if r is not None}
+    measured = [p for p in points if p["status"] == "pass"]
+    return bool(measured) and all((tuple(sorted(_point_knobs(mod, p["knobs"]).items())), p["seconds"]) in held
+                                  for p in measured)
+
+
+def _point_knobs(mod: tvm.IRModule, knobs: dict) -> dict:
+    """The knobs a record of this point holds (those of the tuning space)."""
+    return knobs_of(fixed_point(mod, knobs).mod)[1]
 
 
 def import_results(path: str | Path, work_dir: str | Path = "tuning_logs", *, log=print) -> list[dict]:
     """Records from the tune stage of a bundle's results file; returns per bucket the workload,
     the hand-picked and best verified median seconds, and the best knobs."""
     report, buckets = _load(Path(path))
+    session = int(time.time())  # this import's verification: newer than every earlier one here
     summary = []
     for bucket in buckets:
         target = tvm.target.Target(bucket["target"])
@@ -63,24 +87,24 @@ def import_results(path: str | Path, work_dir: str | Path = "tuning_logs", *, lo
         folder.mkdir(parents=True, exist_ok=True)
         database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
                                             path_tuning_record=str(folder / RECORD_FILE))
-        verified = bucket.get("verified") or {}
-        session = int(verified.get("id", 0))
-        if session and _imported(database, mod, session):
-            raise ValueError(f"tvm_fuel tune --import: the results of run {session} are already in {folder}")
-        knobs_of = {p["function"]: p["knobs"] for p in bucket["points"]}
+        if _already_imported(database, mod, bucket["points"]):
+            raise ValueError(f"tvm_fuel tune --import: the measurements of {workload.describe()} in {path} are "
+                             f"already in {folder}")
+        knobs_of_function = {p["function"]: p["knobs"] for p in bucket["points"]}
         for point in bucket["points"]:
             seconds = [point["seconds"]] if point["status"] == "pass" else None
-            commit_record(database, mod, fixed_point(mod, point["knobs"]), seconds, target)
+            commit_record(database, mod, _point(mod, point["knobs"]), seconds, target)
+        verified = bucket.get("verified") or {}
         rows = {}
         if verified.get("status") == "pass":
             for function, seconds in verified["seconds"].items():
-                commit_record(database, mod, fixed_point(mod, knobs_of[function], verification=session), seconds,
-                              target)
+                sch = _point(mod, knobs_of_function[function], verification=session)
+                commit_record(database, mod, sch, seconds, target)
                 rows[function] = statistics.median(seconds)
         hand = next((p["function"] for p in bucket["points"] if p["hand_picked"]), None)
         best = min(rows, key=rows.get) if rows else None
         row = {"workload": workload.describe(), "folder": str(folder), "points": len(bucket["points"]),
-               "hand_picked_s": rows.get(hand), "best_s": rows.get(best), "best_knobs": knobs_of.get(best)}
+               "hand_picked_s": rows.get(hand), "best_s": rows.get(best), "best_knobs": knobs_of_function.get(best)}
         summary.append(row)
         speedup = f"{row['hand_picked_s'] / row['best_s']:.2f}x" if rows.get(hand) and rows.get(best) else "-"
         log(f"{row['workload']}: {row['points']} points; verified side by side: hand-picked "
