@@ -22,9 +22,11 @@ import tvm
 import tvm_fuel
 from tvm_fuel import cuda
 from tvm_fuel.cli import main
-from tvm_fuel.deploy.bundle import build_bundle
+from tvm_fuel.deploy.bundle import build_bundle, tune_bucket
+from tvm_fuel.deploy.imports import import_results
 from tvm_fuel.deploy.node.environment import CubinStore, source_key
 from tvm_fuel.deploy.suites import tune_buckets
+from tvm_fuel.schedules import rule_for
 from tvm_fuel.tuning.buckets import bucket_module
 from tvm_fuel.tuning.records import TuningRecords
 from tvm_fuel.tuning.tune import workloads_of
@@ -208,3 +210,32 @@ def test_tune_import_turns_node_measurements_into_applied_records(tmp_path, caps
     assert main(["tune", "--import", str(results), "--work-dir", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
     assert "already in" in err and "built for sm_90 but measured on sm_80" in err
+
+
+def test_tune_stage_measures_points_side_by_side_and_imports_them(venv, llvm_bundle, tmp_path):
+    """The tune stage's path on this CPU (the CPU kernels' knobs stand in for the CUDA ones):
+    every point timed, the best and the hand-picked re-measured in rounds, then imported as records."""
+    bundle = tmp_path / "tuned"
+    shutil.copytree(llvm_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    target = tvm.target.Target("llvm")
+    (workload,) = workloads_of(bucket_module("flash_attn", dict(B=1, H=2, S=64, D=32, causal=1)), target)
+    rule = rule_for("flash_attn", target)
+    points = [rule.knobs(workload, target, knobs) for knobs in ({}, {"block_q": 32}, {"block_k": 32})]
+    bucket, cases = tune_bucket(bundle, "bucket0", workload, points, target)
+    manifest["tune_buckets"], manifest["cases"] = [bucket], manifest["cases"] + cases
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    results = tmp_path / "results.json"
+    done = _run(venv, bundle, "--stages", "tune", "--verify-top", "2", "--verify-rounds", "3", "--out", str(results))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    (measured,) = json.loads(results.read_text())["stages"]["tune"]["buckets"]
+    assert [p["status"] for p in measured["points"]] == ["pass"] * 3 and all(p["seconds"] > 0 for p in measured["points"])
+    verified = measured["verified"]
+    assert verified["status"] == "pass" and len(verified["seconds"]) == 3
+    assert all(len(times) == 3 for times in verified["seconds"].values())
+    logs = tmp_path / "logs"
+    rows = import_results(results, logs, log=lambda line: None)
+    assert rows[0]["hand_picked_s"] > 0 and rows[0]["best_knobs"] in points
+    knobs, source = TuningRecords([logs]).lookup(workload, target)
+    assert source.startswith(str(logs / "llvm-generic" / "flash_attn"))
+    assert knobs == {name: rows[0]["best_knobs"][name] for name in knobs}

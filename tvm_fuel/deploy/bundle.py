@@ -16,6 +16,7 @@ the architecture (``CudaRule.knob_points``), one PrimFunc each.
 
 Contents:
     build_bundle -- the folder for a target, arch, suite and node Python
+    tune_bucket  -- one tune bucket's module and cases
     ARCHS
 """
 
@@ -172,30 +173,37 @@ def _point_inputs(func: tirx.PrimFunc, workload) -> list[dict]:
 def _tune_stage(target, out: Path, cubins: _Cubins, limit: int | None, log) -> tuple[list[dict], list[dict]]:
     """(buckets, point cases): every fitting knob point of each tune bucket, one module per bucket."""
     buckets, cases = [], []
-    (out / "tune").mkdir(exist_ok=True)
     for index, (op, shape) in enumerate(suites.tune_buckets()):
         (workload,) = workloads_of(bucket_module(op, shape), target)
-        rule = rule_for(workload.op, target)
-        points = rule.knob_points(workload, target)  # the hand-picked knobs first
+        points = rule_for(workload.op, target).knob_points(workload, target)  # the hand-picked knobs first
         if limit and len(points) > limit:
             points = points[:1] + random.Random(index).sample(points[1:], limit - 1)
         start = time.perf_counter()
-        funcs = {f"point_{i}": rule.kernel(workload, knobs, static=True).with_attr("global_symbol", f"point_{i}")
-                 for i, knobs in enumerate(points)}
-        built = tvm.compile(tvm.IRModule(funcs), target=target)
-        path = out / "tune" / f"bucket{index}.so"
-        built.export_library(str(path))
-        bucket = {"id": f"bucket{index}", "module": f"tune/{path.name}", "workload": workload.key,
-                  "describe": workload.describe(), "seed": 500 + index,
-                  "inputs": _point_inputs(funcs["point_0"], workload), "cubin": cubins.add(built),
-                  "target": {"kind": "cuda", "arch": str(target.attrs["arch"])}}
+        bucket, points = tune_bucket(out, f"bucket{index}", workload, points, target, cubins.add)
         buckets.append(bucket)
-        for i, knobs in enumerate(points):
-            cases.append({"kind": "kernel", "stage": "tune", "name": f"tune/{bucket['id']}/point_{i}",
-                          "module": bucket["module"], "function": f"point_{i}", "inputs": bucket["inputs"],
-                          "seed": bucket["seed"], "bucket": bucket["id"], "knobs": knobs, "hand_picked": i == 0})
+        cases += points
         log(f"  tune {workload.describe()}: {len(points)} knob points built in {time.perf_counter() - start:.0f} s")
     return buckets, cases
+
+
+def tune_bucket(out: Path, name: str, workload, points: list[dict], target: tvm.target.Target,
+                add_cubin: Callable = lambda built: None) -> tuple[dict, list[dict]]:
+    """One tune bucket of a bundle in ``out``: a module holding ``workload``'s kernel at each knob
+    point (``point_<i>``; the first is the hand-picked one), and a ``kernel`` case per point."""
+    rule = rule_for(workload.op, target)
+    funcs = {f"point_{i}": rule.kernel(workload, knobs, static=True).with_attr("global_symbol", f"point_{i}")
+             for i, knobs in enumerate(points)}
+    built = tvm.compile(tvm.IRModule(funcs), target=target)
+    (out / "tune").mkdir(exist_ok=True)
+    built.export_library(str(out / "tune" / f"{name}.so"))
+    bucket = {"id": name, "module": f"tune/{name}.so", "workload": workload.key, "describe": workload.describe(),
+              "seed": 500 + len(name), "inputs": _point_inputs(funcs["point_0"], workload), "cubin": add_cubin(built),
+              "target": {"kind": target.kind.name, **({"arch": str(target.attrs["arch"])}
+                                                       if target.kind.name == "cuda" else {})}}
+    cases = [{"kind": "kernel", "stage": "tune", "name": f"tune/{name}/point_{i}", "module": bucket["module"],
+              "function": f"point_{i}", "inputs": bucket["inputs"], "seed": bucket["seed"], "bucket": name,
+              "knobs": knobs, "hand_picked": i == 0} for i, knobs in enumerate(points)]
+    return bucket, cases
 
 
 # what runtime-only TVM never loads: the compiler library and what only the compiler uses (its
