@@ -22,20 +22,14 @@ Contents:
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata as metadata
 import json
 import os
-import platform
 import random
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -51,6 +45,7 @@ from ..schedules.cuda.device import SHARED_MEMORY_LIMIT
 from ..tuning.buckets import bucket_module
 from ..tuning.tune import workloads_of
 from . import suites
+from .runtime import node_runtime
 from .node.environment import source_key
 
 ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
@@ -206,67 +201,6 @@ def tune_bucket(out: Path, name: str, workload, points: list[dict], target: tvm.
     return bucket, cases
 
 
-# what runtime-only TVM never loads: the compiler library and what only the compiler uses (its
-# Python front ends, sources, third-party code, build files), and the extra library that only a
-# full TVM loads
-_COMPILER_ONLY = {"libtvm_compiler.so", "libtvm_runtime_extra.so", "3rdparty", "src", "include", "cmake", "lib64",
-                  "relax", "topi", "s_tir", "contrib", "exec", "testing", "web", "__pycache__"}
-
-
-def _copy_runtime(folder: Path) -> None:
-    """TVM's python package as runtime-only TVM uses it (``load_module``, the VM, ``time_evaluator``)."""
-    source = Path(tvm.__file__).parent
-    top = {source, source / "lib"}
-    shutil.copytree(source, folder / "tvm", ignore=lambda where, names: [
-        n for n in names if n == "__pycache__" or (Path(where) in top and n in _COMPILER_ONLY)])
-    try:
-        import typing_extensions  # tvm_ffi needs it; the node may lack it (used only if so)
-
-        (folder / "fallback").mkdir(parents=True, exist_ok=True)
-        shutil.copy(typing_extensions.__file__, folder / "fallback" / "typing_extensions.py")
-    except ImportError:
-        pass
-
-
-def _wheel(dist: str, package: str, python: tuple[int, int], folder: Path) -> Path:
-    """The wheel of the installed version of ``dist`` for ``python`` (cached; fetched with pip,
-    or packed from this installation when it is for the same Python)."""
-    version = metadata.version(dist)
-    tag = f"cp{python[0]}{python[1]}"
-    cache = Path(os.environ.get("TVM_FUEL_CACHE", Path.home() / ".cache" / "tvm_fuel")) / "wheels"
-    cache.mkdir(parents=True, exist_ok=True)
-    pattern = f"{dist.replace('-', '_')}-{version}-{tag}-*.whl"
-    found = sorted(cache.glob(pattern))
-    errors = ""
-    if not found:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-                   f"{python[0]}.{python[1]}", "--platform", f"manylinux_2_28_{platform.machine()}", "-d", str(cache),
-                   f"{dist}=={version}"]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        errors = (done.stderr.strip().splitlines() or [""])[-1] if done.returncode else ""
-        found = sorted(cache.glob(pattern))
-    if not found and python == sys.version_info[:2]:
-        found = [_pack_installed(package, cache / f"{dist.replace('-', '_')}-{version}-{tag}-{tag}-linux.whl")]
-    if not found:
-        raise RuntimeError(f"tvm_fuel bundle: no {dist} {version} wheel for Python {python[0]}.{python[1]} "
-                           f"(pip download: {errors or 'nothing found'}); put one in {cache}")
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(found[-1], folder / found[-1].name)
-    return folder / found[-1].name
-
-
-def _pack_installed(package: str, path: Path) -> Path:
-    """A wheel-shaped zip of an installed package (its files as pip installed them)."""
-    root = Path(importlib.import_module(package).__file__).parent
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp, zipfile.ZipFile(tmp, "w",
-                                                                                          zipfile.ZIP_DEFLATED) as z:
-        for file in root.rglob("*"):
-            if file.is_file() and "__pycache__" not in file.parts and "3rdparty" not in file.parts:
-                z.write(file, Path(package) / file.relative_to(root))
-    os.replace(tmp.name, path)
-    return path
-
-
 def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -304,12 +238,7 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
                           "python": f"{node_python[0]}.{node_python[1]}", "tvm": tvm.__version__,
                           "tvm_fuel": __version__, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     manifest["target"] = {"device": "cuda" if target == "cuda" else "cpu", "arch": arch}
-    # tvm_ffi for the node's Python; ml_dtypes (bfloat16) for a node that lacks it
-    wheels = {dist: _wheel(dist, package, node_python, out / "runtime" / "wheels")
-              for dist, package in (("apache-tvm-ffi", "tvm_ffi"), ("ml_dtypes", "ml_dtypes"))}
-    manifest["runtime"] = {"wheels": {dist: str(path.relative_to(out)) for dist, path in wheels.items()},
-                           "ffi_version": metadata.version("apache-tvm-ffi")}
-    _copy_runtime(out / "runtime")
+    manifest["runtime"] = node_runtime(out, "runtime", node_python)
     shutil.copytree(_NODE, out / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(Path(__file__).parent.parent / "reference.py", out / "fuel_node" / "reference.py")
     (out / "run.py").write_text(_RUN_PY)

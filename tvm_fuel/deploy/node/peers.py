@@ -5,9 +5,15 @@ takes the ``torch`` module and torch tensors (any device) and returns a function
 
 Contents:
     sdpa_forward, sdpa_backward, paged_gather_sdpa
+    peer_for      -- the peer of a bundle case (its kind, dtype and device)
+    milliseconds  -- time a peer
 """
 
 from __future__ import annotations
+
+import time
+
+import numpy as np
 
 
 def sdpa_forward(torch, q, k, v, *, causal: bool):
@@ -45,3 +51,52 @@ def paged_gather_sdpa(torch, q, k_cache, v_cache, table, context: int):
         return torch.nn.functional.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), enable_gqa=True)
 
     return run
+
+
+def peer_for(case: dict, named: dict, gpu: bool):
+    """(function to run, its output names) of PyTorch's side of a bundle case, on the inputs
+    ``named`` (numpy arrays by name); or a reason there is none here."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if gpu and not torch.cuda.is_available():
+        return "torch has no CUDA"
+    device = "cuda" if gpu else "cpu"
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[case["dtype"]]
+
+    def tensor(name):
+        array = named[name]
+        if array.dtype.kind in "iu":
+            return torch.from_numpy(array).to(device)
+        return torch.from_numpy(np.asarray(array, np.float32)).to(device).to(dtype)
+
+    spec = case["torch"]
+    if spec["kind"] == "paged":
+        run = paged_gather_sdpa(torch, tensor("q"), tensor("k_cache"), tensor("v_cache"), tensor("block_table"),
+                                spec["context"])
+        return run, ["out"]
+    if spec["kind"] == "flash_backward":
+        return sdpa_backward(torch, *map(tensor, ("q", "k", "v", "do")), causal=spec["causal"]), ["dq", "dk", "dv"]
+    return sdpa_forward(torch, *map(tensor, ("q", "k", "v")), causal=spec["causal"]), ["out"]
+
+
+def milliseconds(run, gpu: bool, repeat: int = 20) -> float:
+    """Milliseconds per call of ``run`` after a warm-up (CUDA events on a GPU)."""
+    import torch
+
+    for _ in range(3):
+        run()
+    if gpu:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / repeat
+    begin = time.perf_counter()
+    for _ in range(repeat):
+        run()
+    return (time.perf_counter() - begin) * 1e3 / repeat

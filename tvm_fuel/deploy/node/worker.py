@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import peers
 from .arrays import make_arrays
 from .compare import DEVICE_SCALE, LSE_TOLERANCE, TOLERANCE, compare
 from .environment import PROTOCOL_FD, CubinStore, NodeError, load_cuda, load_tvm
@@ -116,57 +117,6 @@ def _reference(case: dict, named: dict) -> dict[str, np.ndarray]:
     return dict(zip(case["reference_outputs"], values))
 
 
-def _torch(case: dict, named: dict, gpu: bool):
-    """(function to run, its output names) of PyTorch's peer, or a reason there is none."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if gpu and not torch.cuda.is_available():
-        return "torch has no CUDA"
-    from . import peers
-
-    device = "cuda" if gpu else "cpu"
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[case["dtype"]]
-
-    def tensor(name):
-        array = named[name]
-        if array.dtype.kind in "iu":
-            return torch.from_numpy(array).to(device)
-        return torch.from_numpy(np.asarray(array, np.float32)).to(device).to(dtype)
-
-    spec = case["torch"]
-    if spec["kind"] == "paged":
-        run = peers.paged_gather_sdpa(torch, tensor("q"), tensor("k_cache"), tensor("v_cache"), tensor("block_table"),
-                                      spec["context"])
-        return run, ["out"]
-    if spec["kind"] == "flash_backward":
-        run = peers.sdpa_backward(torch, *map(tensor, ("q", "k", "v", "do")), causal=spec["causal"])
-        return run, ["dq", "dk", "dv"]
-    return peers.sdpa_forward(torch, *map(tensor, ("q", "k", "v")), causal=spec["causal"]), ["out"]
-
-
-def _time_torch(run, gpu: bool, repeat: int = 20) -> float:
-    """Milliseconds per call (CUDA events on a GPU, after a warm-up)."""
-    import torch
-
-    for _ in range(3):
-        run()
-    if gpu:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeat
-    begin = time.perf_counter()
-    for _ in range(repeat):
-        run()
-    return (time.perf_counter() - begin) * 1e3 / repeat
-
-
 def _tolerance(case: dict, name: str) -> tuple[float, float]:
     return LSE_TOLERANCE if name == "lse" else TOLERANCE[case["dtype"]]
 
@@ -189,7 +139,7 @@ def run_op(node: Node, case: dict) -> dict:
         result["checks"] += [compare(f"{n} vs floor", got[n], floor[n], _tolerance(case, n), 2 * scale) for n in got]
     peer = None
     if case.get("torch"):
-        peer = _torch(case, named, node.gpu)
+        peer = peers.peer_for(case, named, node.gpu)
         if isinstance(peer, str):
             result["skipped"].append(f"torch: {peer}")
             peer = None
@@ -231,7 +181,7 @@ def _timings(node: Node, case: dict, vm, floor_vm, tensors, peer) -> dict:
         timer = floor_vm.time_evaluator("main", node.dev, number=1, repeat=3)
         timings["floor"] = {"ms": timer(*tensors).median * 1e3}
     if peer is not None:
-        timings["torch"] = {"ms": _time_torch(peer[0], node.gpu)}
+        timings["torch"] = {"ms": peers.milliseconds(peer[0], node.gpu)}
     hbm = node.describe().get("hbm_bytes_per_s")
     for entry in timings.values():
         entry["tflops"] = case["flops"] / entry["ms"] / 1e9
