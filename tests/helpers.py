@@ -46,14 +46,15 @@ FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_att
 CUDA_EMULATED = "cuda-emulated"  # the CUDA kernels' one-thread emulation, built for llvm
 
 
-def legalize_cuda_emulated(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """``mod`` with its fuel ops lowered to the emulation of the CUDA kernels (for ``target``, an llvm target)."""
+def legalize_cuda_emulated(mod: tvm.IRModule, target: tvm.target.Target, records=None) -> tvm.IRModule:
+    """``mod`` with its fuel ops lowered to the emulation of the CUDA kernels (for ``target``, an
+    llvm target); ``records`` (a ``KnobSource``) may pin knobs."""
     from tvm_fuel.schedules import tuned_legalize_map
     from tvm_fuel.schedules.cuda.rules import cuda_rules
 
     with target:
         return relax.transform.LegalizeOps(
-            customize_legalize_map=tuned_legalize_map(target, None, rules=cuda_rules(emulated=True)))(mod)
+            customize_legalize_map=tuned_legalize_map(target, records, rules=cuda_rules(emulated=True)))(mod)
 
 
 def legalize_checked(mod: tvm.IRModule, target, kernels: str, **logs) -> tvm.IRModule:

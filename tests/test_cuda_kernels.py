@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pytest
 import tvm
-from helpers import _flatten, assert_close, build, buffers_growing_with, randn
+from helpers import _flatten, assert_close, build, buffers_growing_with, legalize_cuda_emulated, randn
 from tvm import tirx
 
 import tvm_fuel
@@ -101,6 +101,9 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     if dtype != "float32":  # half precision runs its GEMMs on tensor cores
         assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
     assert _wmma_strides_fit(source)
+    if not case.startswith("flash_attn_backward"):  # K/V tiles stream through a cp.async pipeline
+        assert "cp.async.cg.shared.global" in source and "cp.async.wait_group 1;" in source
+        assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile
 
 
 def _wmma_strides_fit(source: str) -> bool:
@@ -112,6 +115,50 @@ def _wmma_strides_fit(source: str) -> bool:
         if name in sizes and sizes[name] % int(stride):
             return False
     return True
+
+
+class _Pinned:
+    """A KnobSource that pins some knobs of every kernel (and says so in ``fuel.knobs``)."""
+
+    def __init__(self, **knobs):
+        self.knobs = knobs
+
+    def lookup(self, workload, target):
+        return dict(self.knobs), f"pinned {self.knobs}"
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_pipeline_depth_gives_the_reference(stages, dtype):
+    """The K/V pipeline's prologue, steady state and tail (fewer tiles than stages, a window that
+    starts past the first tile, split-KV), through the kernels' emulation with ``stages`` pinned."""
+    rng = np.random.default_rng(stages)
+    host = tvm.target.Target("llvm")
+    q, k, v = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 2, 150, 64), dtype), randn(rng, (1, 2, 150, 64), dtype)
+    cases = [(dict(causal=True), dict(block_q=16, block_k=16)), (dict(window_size=(40, 0)), dict(block_k=32)),
+             (dict(), dict(block_k=64, splits=2))]
+    for options, knobs in cases:
+        mod = build(lambda **a: op.flash_attn(**a, return_lse=True, **options),
+                    {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v).items()})
+        legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, **knobs))
+        (kernel,) = _kernel_funcs(legalized).values()
+        assert f"'stages': {stages}" in str(kernel.attrs["fuel.knobs"])
+        vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
+        out, lse = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v))))
+        want, want_lse = reference.flash_attn(q, k, v, return_lse=True, **options)
+        assert_close(out, want, dtype, what=f"out {options} {knobs}")
+        np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+    table = rng.permutation(40)[:32].reshape(4, 8).astype("int32")
+    lens = np.array([0, 17, 100, 128], "int32")
+    k_cache, v_cache = randn(rng, (40, 16, 2, 64), dtype), randn(rng, (40, 16, 2, 64), dtype)
+    q = randn(rng, (4, 6, 1, 64), dtype)
+    params = dict(q=(q.shape, dtype), k_cache=(k_cache.shape, dtype), v_cache=(v_cache.shape, dtype),
+                  block_table=(table.shape, "int32"), context_lens=(lens.shape, "int32"))
+    mod = build(lambda **a: op.paged_attn(**a), params)
+    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_k=16))
+    vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
+    (out,) = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k_cache, v_cache, table, lens))))
+    assert_close(out, reference.paged_attn(q, k_cache, v_cache, table, lens), dtype, what="paged out")
 
 
 def test_rules_decline_old_architectures_and_unfit_tiles():

@@ -108,8 +108,10 @@ def build_with_shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.targ
             if info.name.endswith("ThreadSync") and not seen:
                 seen.update({gv.name_hint: f for gv, f in module.functions.items() if isinstance(f, tirx.PrimFunc)})
 
+    from .build import compile_legalized
+
     with tvm.transform.PassContext(instruments=[Capture()]):
-        built = tvm.compile(mod, target=target)
+        built = compile_legalized(mod, target)
     usage: dict[str, tuple[int, int]] = {}
     for name, func in seen.items():
         for kernel, size, scope in _sizes(func.body):

@@ -14,7 +14,9 @@ tensor-core instructions and the split of the work over threads only run on a de
 
 Contents:
     Launch   -- threads per block / emulation; grid and thread loops; scopes
-    TileOps  -- sync, tile GEMM (WMMA or SIMT) for one launch and input dtype
+    Rows     -- a row range of a tile buffer (one pipeline stage) used as a tile
+    TileOps  -- sync, tile copies (cp.async where asked), commit/wait of copy groups, tile GEMM
+                (WMMA or SIMT) for one launch and input dtype
     SHARED_MEMORY_LIMIT -- bytes of shared memory a block may use per architecture
     padded_dim
 """
@@ -91,6 +93,31 @@ class Launch:
         return not self.emulate and dtype in HALF_TYPES
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[row0, row0 + rows)`` of a tile buffer, used as a tile of its own (one stage of a
+    multi-stage K/V buffer): copies write it, the GEMMs and loops read it as they read a buffer
+    (``shape``, ``scope``, ``access_ptr``, ``[r, c]``)."""
+
+    buffer: tirx.Buffer
+    row0: tirx.PrimExpr
+    rows: int
+
+    @property
+    def shape(self) -> tuple:
+        return (self.rows, self.buffer.shape[1])
+
+    def scope(self) -> str:
+        return self.buffer.scope()
+
+    def access_ptr(self, mode: str, offset=0):
+        return self.buffer.access_ptr(mode, offset=self.row0 * self.buffer.shape[1] + offset)
+
+    def __getitem__(self, index):
+        row, column = index
+        return self.buffer[self.row0 + row, column]
+
+
 class TileOps:
     """The macros a kernel body uses, specialised to one launch and one input dtype."""
 
@@ -106,36 +133,69 @@ class TileOps:
             if not launch.emulate:
                 T.tvm_storage_sync("shared")
 
-        self.sync = sync
+        @T.macro
+        def commit():
+            # closes the group of cp.async copies issued since the last commit (an empty group counts too)
+            if not launch.emulate:
+                T.ptx.cp.async_.commit_group()
+
+        def wait(pending: int):
+            @T.macro
+            def wait_group():
+                # until at most ``pending`` committed groups are still in flight (this thread's copies)
+                if not launch.emulate:
+                    T.ptx.cp.async_.wait_group(pending)
+
+            return wait_group
+
+        self.sync, self.commit, self.wait = sync, commit, wait
         self._gemms: dict = {}
 
     @cached_property
     def threads(self) -> int:
         return self.launch.threads
 
-    def copy(self, rows: int, width: int, padded: int):
+    def copy(self, rows: int, width: int, padded: int, *, asynchronous: bool = False):
         """Macro ``copy(dst, valid, src, tx)``: dst[r, c] = src(r, c) for the ``rows`` x ``width``
         elements of a tile whose row r is ``valid(r)``, zero elsewhere up to ``padded`` columns.
 
         ``valid`` and ``src`` are Python functions of the tile row (and column) returning TIR
         expressions: each caller says where its rows come from (dense rows, pages of a cache).
-        A thread moves 16 bytes per step where the width allows.
+        A thread moves 16 bytes per step where the width allows. ``asynchronous``: on the device
+        the valid rows go through ``cp.async`` (a store in an async scope, which TVM lowers with
+        ``tirx.use_async_copy``; without it, a plain store): the caller commits and waits.
         """
         NT = self.threads
-        VW = next(w for w in (16 // (2 if self.dtype in HALF_TYPES else 4), 4, 2, 1) if width % w == 0)
+        itemsize = 2 if self.dtype in HALF_TYPES else 4
+        VW = next(w for w in (16 // itemsize, 4, 2, 1) if width % w == 0)
         CH = padded // VW  # vector chunks per row
         zero = T.Cast(self.dtype, 0)
+        # cp.async moves 4, 8 or 16 bytes
+        in_flight = asynchronous and not self.launch.emulate and VW * itemsize in (4, 8, 16)
 
         @T.macro
-        def copy(dst, valid, src, tx):
+        def store(dst, row0, src, r, c0):
+            for j in T.vectorized(VW):
+                dst[row0 + r, c0 + j] = src(r, c0 + j)
+
+        @T.macro
+        def copy_rows(dst, row0, valid, src, tx):
             for i in range((rows * CH + NT - 1) // NT):
                 if i * NT + tx < rows * CH:
                     if tirx.all(valid((i * NT + tx) // CH), (i * NT + tx) % CH * VW < width):
-                        for j in T.vectorized(VW):
-                            dst[(i * NT + tx) // CH, (i * NT + tx) % CH * VW + j] = src((i * NT + tx) // CH, (i * NT + tx) % CH * VW + j)
+                        if in_flight:
+                            with T.attr(0, "async_scope", 1):
+                                store(dst, row0, src, (i * NT + tx) // CH, (i * NT + tx) % CH * VW)
+                        else:
+                            store(dst, row0, src, (i * NT + tx) // CH, (i * NT + tx) % CH * VW)
                     else:
                         for j in T.vectorized(VW):
-                            dst[(i * NT + tx) // CH, (i * NT + tx) % CH * VW + j] = zero
+                            dst[row0 + (i * NT + tx) // CH, (i * NT + tx) % CH * VW + j] = zero
+
+        def copy(dst, valid, src, tx):
+            if isinstance(dst, Rows):  # one stage of a multi-stage tile
+                return copy_rows(dst.buffer, dst.row0, valid, src, tx)
+            return copy_rows(dst, 0, valid, src, tx)
 
         return copy
 

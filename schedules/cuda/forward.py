@@ -6,7 +6,8 @@ memory once per group. Per key tile: ``S = Q K^T`` (tensor cores for float16/bfl
 online-softmax update one thread per row (masks, softcap, ALiBi from ``schedules.common``; only
 boundary tiles are masked unless a per-element transform is on), ``P V`` into shared memory and
 the rescaled accumulation into each thread's registers. A block walks only the key tiles its
-rows can see (causal/window bounds and the sequence length).
+rows can see (causal/window bounds and the sequence length). K/V tiles stream through a
+``stages``-deep ``cp.async`` pipeline: while a tile is computed, the next ones are in flight.
 
 The paged kernel reads its key tiles through the block table (ids clamped into the cache: a
 device kernel cannot assert) and stops at ``context_lens[b]`` (clamped to the table's capacity),
@@ -29,7 +30,7 @@ from tvm.script import tirx as T
 from ... import semantics as sem
 from ..common import (drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
                       row_position, shape_vars, tile_is_interior)
-from .device import F32, Launch, TileOps, padded_dim
+from .device import F32, Launch, Rows, TileOps, padded_dim
 from .tiles import CudaTiles
 
 
@@ -44,7 +45,7 @@ class _Body:
         ops = TileOps(launch, spec.dtype)
         cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
         BQ, BK, DP, NT, BS = tiles.block_q, tiles.block_k, padded_dim(D), launch.threads, spec.block_size
-        SPLITS = tiles.splits
+        SPLITS, STAGES = tiles.splits, tiles.stages
         scale = spec.scale
         local = launch.local
         qk = ops.gemm(BQ, BK, DP, b_trans=True)
@@ -52,7 +53,12 @@ class _Body:
         PAD = ops.pad
         self.ops = ops
 
-        copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP)
+        copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP, asynchronous=True)
+        wait_for_tile = ops.wait(STAGES - 1)  # the oldest tile in flight has landed
+
+        def stage(tiles_buffer, index):
+            """Stage ``index`` of a multi-stage tile buffer ([STAGES * BK, DP + PAD]) as a [BK, DP + PAD] tile."""
+            return Rows(tiles_buffer, index * BK, BK)
 
         @T.macro
         def load_queries(Qs, q, b, g, r0, rows, tx):
@@ -60,22 +66,23 @@ class _Body:
                          lambda r, c: q[b, row_head(g, r0 + r, group), row_position(r0 + r, group), c], tx)
 
         @T.macro
-        def load_keys(Ks, Vs, pages, k, v, table, b, g, kt, kv_len, num_blocks, tx):
-            # a key tile of K and V (zero past kv_len and in the padding columns)
+        def load_keys(Ks, Vs, pages, k, v, table, b, g, kt, st, kv_len, num_blocks, tx):
+            # key tile kt of K and V into stage st (zero past kv_len and in the padding columns),
+            # issued as cp.async copies on the device: the caller commits and waits
             if paged:
                 for i in range(_ceil(BK, NT)):
                     if i * NT + tx < BK:
                         # the tile's block ids, read once (dead tokens reuse block 0; never read past the table)
                         if kt * BK + i * NT + tx < kv_len:
-                            pages[i * NT + tx] = T.max(T.min(T.Cast("int64", table[b, (kt * BK + i * NT + tx) // BS]), num_blocks - 1), T.int64(0))
+                            pages[st * BK + i * NT + tx] = T.max(T.min(T.Cast("int64", table[b, (kt * BK + i * NT + tx) // BS]), num_blocks - 1), T.int64(0))
                         else:
-                            pages[i * NT + tx] = T.int64(0)
+                            pages[st * BK + i * NT + tx] = T.int64(0)
                 ops.sync()
-                copy_keys(Ks, lambda r: kt * BK + r < kv_len, lambda r, c: k[pages[r], (kt * BK + r) % BS, g, c], tx)
-                copy_keys(Vs, lambda r: kt * BK + r < kv_len, lambda r, c: v[pages[r], (kt * BK + r) % BS, g, c], tx)
+                copy_keys(stage(Ks, st), lambda r: kt * BK + r < kv_len, lambda r, c: k[pages[st * BK + r], (kt * BK + r) % BS, g, c], tx)
+                copy_keys(stage(Vs, st), lambda r: kt * BK + r < kv_len, lambda r, c: v[pages[st * BK + r], (kt * BK + r) % BS, g, c], tx)
             else:
-                copy_keys(Ks, lambda r: kt * BK + r < kv_len, lambda r, c: k[b, g, kt * BK + r, c], tx)
-                copy_keys(Vs, lambda r: kt * BK + r < kv_len, lambda r, c: v[b, g, kt * BK + r, c], tx)
+                copy_keys(stage(Ks, st), lambda r: kt * BK + r < kv_len, lambda r, c: k[b, g, kt * BK + r, c], tx)
+                copy_keys(stage(Vs, st), lambda r: kt * BK + r < kv_len, lambda r, c: v[b, g, kt * BK + r, c], tx)
 
         def logit(S, r, c, alibi, mask, b, h, pos, key, kv_len, delta, check):
             s = sem.softcap(cfg, S[r, c] * T.float32(scale))
@@ -141,8 +148,8 @@ class _Body:
         def attend(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
                    num_blocks, tx):
             Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=launch.shared)
-            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=launch.shared)
-            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=launch.shared)
+            Ks = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=launch.shared)  # STAGES tiles in flight
+            Vs = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=launch.shared)
             # S and P in static shared memory: TVM's sync planner tells them apart from the dynamic
             # tiles, so the passes reading one and writing the other need no extra barriers
             S = T.alloc_buffer((BQ, BK + 4), F32, scope=launch.small_shared)  # +4: fewer bank conflicts
@@ -153,7 +160,7 @@ class _Body:
             row_max = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)  # published after the last tile
             row_sum = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
             alpha = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)
-            pages = T.alloc_buffer((BK,) if paged else (1,), "int64", scope=launch.small_shared)
+            pages = T.alloc_buffer((STAGES * BK,) if paged else (1,), "int64", scope=launch.small_shared)
             O = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
             load_queries(Qs, q, b, g, r0, rows, tx)
             for i in range(SLOTS):
@@ -167,11 +174,24 @@ class _Body:
             lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=delta,
                                     block_k=BK)
             per = (hi - lo + SPLITS - 1) // SPLITS
-            for kt in range(lo + split * per, T.max(lo + split * per, T.min(hi, lo + split * per + per))):
-                ops.sync()  # the previous tile's readers are done with K, V, P, alpha
-                load_keys(Ks, Vs, pages, k, v, table, b, g, kt, kv_len, num_blocks, tx)
+            first = lo + split * per  # this split's key tiles: first, first + 1, ..., first + count - 1
+            count = T.max(first, T.min(hi, first + per)) - first
+            # the pipeline: STAGES - 1 tiles are issued ahead, one more each step; a step waits for
+            # its own tile only (every thread commits one group per tile slot, empty past the end)
+            for t in range(STAGES - 1):
+                if t < count:
+                    load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, t, kv_len, num_blocks, tx)
+                ops.commit()
+            for t in range(count):
+                kt = first + t
+                ops.sync()  # the previous tile's readers are done with its stage, P and alpha
+                if t + STAGES - 1 < count:
+                    load_keys(Ks, Vs, pages, k, v, table, b, g, kt + STAGES - 1, (t + STAGES - 1) % STAGES, kv_len,
+                              num_blocks, tx)
+                ops.commit()
+                wait_for_tile()
                 ops.sync()
-                qk(S, Qs, Ks, tx)
+                qk(S, Qs, stage(Ks, t % STAGES), tx)
                 ops.sync()
                 softmax_rows(S, P, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, kv_len, delta,
                              T.bool(True) if spec.elementwise_logits else tirx.Not(tile_is_interior(
@@ -179,7 +199,7 @@ class _Body:
                                  delta=delta, block_k=BK)), tx)
                 ops.sync()
                 if ops.tensor_cores:
-                    pv(PV, P, Vs, tx)
+                    pv(PV, P, stage(Vs, t % STAGES), tx)
                     ops.sync()
                     for i in launch.owned(_ceil(BQ * DP, NT)):
                         if i * NT + tx < BQ * DP:
@@ -190,7 +210,7 @@ class _Body:
                         if i * NT + tx < BQ * DP:
                             O[i] = O[i] * alpha[(i * NT + tx) // DP]
                             for c in range(BK):
-                                O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, Vs[c, (i * NT + tx) % DP])
+                                O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, stage(Vs, t % STAGES)[c, (i * NT + tx) % DP])
             for i in range(SLOTS):
                 if tirx.all(i * NT + tx < BQ * RT, slot_part(i, tx) == 0):
                     row_max[slot_row(i, tx)] = m[i]

@@ -156,7 +156,7 @@ class _CudaRule(KernelRule):
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         default = self.default_knobs(workload, target)
         space = {"block_q": (16, 32, 64, 128), "block_k": (16, 32, 64), "splits": (1, 2, 4, 8, 16),
-                 "threads": (64, 128, 256)}
+                 "threads": (64, 128, 256), "stages": (1, 2, 3)}
         return {name: tuple(sorted(set(values) | {default[name]})) for name, values in space.items()}
 
     def _serves(self, workload: Workload | None, target: tvm.target.Target) -> Workload | None:
@@ -237,7 +237,9 @@ class CudaFlashBackward(_CudaRule):
         return replace(tiles, threads=256) if workload.spec.dtype in HALF_TYPES and spills else tiles
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
-        return {name: values for name, values in super().knob_space(workload, target).items() if name != "splits"}
+        # no split-KV and no K/V pipeline in the backward kernel (yet): neither knob changes it
+        return {name: values for name, values in super().knob_space(workload, target).items()
+                if name not in ("splits", "stages")}
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
         from .backward import flash_backward

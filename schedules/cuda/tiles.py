@@ -22,15 +22,18 @@ def _bytes(dtype: str) -> int:
 class CudaTiles:
     """``block_q`` task rows (query positions x heads of a GQA group) and ``block_k`` keys per
     tile; ``splits`` thread blocks share one row tile's keys (split-KV, merged by lse);
-    ``threads`` per block. Tensor-core kernels need multiples of 16 for both tile sizes."""
+    ``threads`` per block; ``stages`` key tiles in flight (the forward kernels' ``cp.async``
+    pipeline: the next tiles load while this one is computed; 1 loads each tile before use).
+    Tensor-core kernels need multiples of 16 for both tile sizes."""
 
     block_q: int = 64
     block_k: int = 64
     splits: int = 1
     threads: int = 128
+    stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "splits", "threads"):
+        for name in ("block_q", "block_k", "splits", "threads", "stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CudaTiles: {name} must be >= 1, got {getattr(self, name)}")
         if self.threads % 32:
@@ -42,11 +45,12 @@ class CudaTiles:
 
 def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
     """(static, dynamic) shared-memory bytes of a forward block: S (float32, rows padded), P, row state and
-    page ids static; Q, K, V tiles and, on tensor cores, P@V (float32) dynamic."""
-    BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
+    page ids (one set per stage) static; Q, K and V tiles (``stages`` of each) and, on tensor cores,
+    P@V (float32) dynamic."""
+    BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
     pad = TILE_PAD if dtype in HALF_TYPES else 0
-    static = 4 * BQ * (BK + 4) + e * BQ * (BK + pad) + 4 * 3 * BQ + 8 * BK
-    dynamic = e * (BQ + 2 * BK) * (DP + pad) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
+    static = 4 * BQ * (BK + 4) + e * BQ * (BK + pad) + 4 * 3 * BQ + 8 * BK * ST
+    dynamic = e * (BQ + 2 * BK * ST) * (DP + pad) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
     return static, dynamic
 
 

@@ -39,7 +39,7 @@ from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
 from .. import __version__, cuda
-from ..build import legalize
+from ..build import compile_legalized, legalize
 from ..schedules import rule_for
 from ..schedules.cuda.device import SHARED_MEMORY_LIMIT
 from ..tuning.buckets import bucket_module
@@ -132,7 +132,7 @@ def _export(mod: tvm.IRModule, target, kernels: str, path: Path, cubins: _Cubins
         if not used or floors:
             raise RuntimeError(f"tvm_fuel bundle: {what} falls back to the floor ({floors or 'no kernel'}) on {target}")
         info["kernels"] = used
-    built = tvm.compile(legalized, target=target)
+    built = compile_legalized(legalized, target)
     built.export_library(str(path))
     key = cubins.add(built)
     if key:
@@ -188,7 +188,7 @@ def tune_bucket(out: Path, name: str, workload, points: list[dict], target: tvm.
     rule = rule_for(workload.op, target)
     funcs = {f"point_{i}": rule.kernel(workload, knobs, static=True).with_attr("global_symbol", f"point_{i}")
              for i, knobs in enumerate(points)}
-    built = tvm.compile(tvm.IRModule(funcs), target=target)
+    built = compile_legalized(tvm.IRModule(funcs), target)
     (out / "tune").mkdir(exist_ok=True)
     built.export_library(str(out / "tune" / f"{name}.so"))
     bucket = {"id": name, "module": f"tune/{name}.so", "workload": workload.key, "describe": workload.describe(),

@@ -26,6 +26,7 @@ EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=Fa
 
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
     """The kernel of a scheduled tuning module (its knob annotations), compiled for ``target``."""
+    from ..build import kernel_pass_context
     from ..schedules import rule_for
     from .space import knobs_of
 
@@ -34,7 +35,8 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) 
     if rule is None:
         raise ValueError(f"tvm_fuel tuning: no {target.kind.name} kernel serves {workload.op}")
     func = rule.kernel(workload, rule.knobs(workload, target, knobs), static=True)
-    return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    with kernel_pass_context(target):
+        return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
 
 def _arrays(args_info) -> list[np.ndarray]:
