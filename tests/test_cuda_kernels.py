@@ -101,9 +101,9 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     if dtype != "float32":  # half precision runs its GEMMs on tensor cores
         assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
     assert _wmma_strides_fit(source)
-    if not case.startswith("flash_attn_backward"):  # K/V tiles stream through a cp.async pipeline
-        assert "cp.async.cg.shared.global" in source and "cp.async.wait_group 1;" in source
-        assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile
+    # the tiles a block walks (K/V; Q/dO in the backward's dk/dv kernel) stream through a cp.async pipeline
+    assert "cp.async.cg.shared.global" in source and "cp.async.wait_group" in source
+    assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile
 
 
 def _wmma_strides_fit(source: str) -> bool:
@@ -130,8 +130,9 @@ class _Pinned:
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_pipeline_depth_gives_the_reference(stages, dtype):
-    """The K/V pipeline's prologue, steady state and tail (fewer tiles than stages, a window that
-    starts past the first tile, split-KV), through the kernels' emulation with ``stages`` pinned."""
+    """The tile pipelines' prologue, steady state and tail (fewer tiles than stages, a window that
+    starts past the first tile, split-KV, empty sequences, the backward's walk over a GQA group),
+    through the kernels' emulation with ``stages`` pinned."""
     rng = np.random.default_rng(stages)
     host = tvm.target.Target("llvm")
     q, k, v = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 2, 150, 64), dtype), randn(rng, (1, 2, 150, 64), dtype)
@@ -159,6 +160,16 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
     (out,) = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k_cache, v_cache, table, lens))))
     assert_close(out, reference.paged_attn(q, k_cache, v_cache, table, lens), dtype, what="paged out")
+    # the backward streams Q/dO over every head of a GQA group (dk, dv) and K/V (dq)
+    q, do = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 4, 37, 64), dtype)
+    k, v = randn(rng, (1, 2, 70, 64), dtype), randn(rng, (1, 2, 70, 64), dtype)
+    mod = build(lambda **a: op.flash_attn_backward(**a, causal=True),
+                {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v, do=do).items()})
+    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_q=16, block_k=16))
+    vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
+    got = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v, do))))
+    for name, array, want in zip("qkv", got, reference.flash_attn_backward(q, k, v, do, causal=True)):
+        assert_close(array, want, dtype, scale=4, what=f"d{name}")  # test_backward's scale
 
 
 def test_rules_decline_old_architectures_and_unfit_tiles():

@@ -41,7 +41,7 @@ from tvm.script import tirx as T
 from ... import semantics as sem
 from ..common import (biased, drop_params, finish, KernelSpec, key_tile_range, param_buffers, query_tile_range,
                       shape_vars, visible)
-from .device import F32, Launch, TileOps, padded_dim
+from .device import F32, Launch, Rows, TileOps, padded_dim
 from .tiles import CudaTiles
 
 
@@ -55,7 +55,7 @@ class _Body:
     def __init__(self, spec: KernelSpec, tiles: CudaTiles, launch: Launch, grads: tuple[str, ...]):
         ops = TileOps(launch, spec.dtype)
         cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
-        BQ, BK, DP, NT = tiles.block_q, tiles.block_k, padded_dim(D), launch.threads
+        BQ, BK, DP, NT, STAGES = tiles.block_q, tiles.block_k, padded_dim(D), launch.threads, tiles.stages
         scale = spec.scale
         local, shared, small = launch.local, launch.shared, launch.small_shared
         tc = ops.tensor_cores
@@ -79,14 +79,25 @@ class _Body:
                     acc[0] = acc[0] + T.Cast(F32, do[e // Sq // Hq, e // Sq % Hq, e % Sq, d]) * T.Cast(F32, out[e // Sq // Hq, e // Sq % Hq, e % Sq, d])
                 row_dot[e // Sq // Hq, e // Sq % Hq, e % Sq] = acc[0]
 
+        # a block streams the tiles it walks (Q and dO for dk/dv, K and V for dq) through a
+        # STAGES-deep cp.async pipeline and loads the tiles it keeps once, synchronously
         copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP)
+        stream_queries, stream_keys = ops.copy(BQ, D, DP, asynchronous=True), ops.copy(BK, D, DP, asynchronous=True)
+        wait_for_tile = ops.wait(STAGES - 1)
+
+        def stage(tiles_buffer, index, rows):
+            """Stage ``index`` of a multi-stage tile buffer ([STAGES * rows, DP + PAD])."""
+            return Rows(tiles_buffer, index * rows, rows)
 
         @T.macro
-        def load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, h, i0, Sq, with_d, tx):
-            # the Q and dO rows i0 .. i0 + BQ - 1 of head h (zero past Sq and in the padding
-            # columns), their lse and D (-inf and 0 past Sq: P and dS vanish there)
-            copy_queries(Qs, lambda r: i0 + r < Sq, lambda r, c: q[b, h, i0 + r, c], tx)
-            copy_queries(dOs, lambda r: i0 + r < Sq, lambda r, c: do[b, h, i0 + r, c], tx)
+        def load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy, tx):
+            # the Q and dO rows i0 .. i0 + BQ - 1 of head h (zero past Sq and in the padding columns)
+            copy(Qs, lambda r: i0 + r < Sq, lambda r, c: q[b, h, i0 + r, c], tx)
+            copy(dOs, lambda r: i0 + r < Sq, lambda r, c: do[b, h, i0 + r, c], tx)
+
+        @T.macro
+        def load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, with_d, tx):
+            # the lse and D of rows i0 .. i0 + BQ - 1 (-inf and 0 past Sq: P and dS vanish there)
             for i in range(_ceil(BQ, NT)):
                 if i * NT + tx < BQ:
                     if i0 + i * NT + tx < Sq:
@@ -99,10 +110,10 @@ class _Body:
                             D_r[i * NT + tx] = T.float32(0)
 
         @T.macro
-        def load_keys(Ks, Vs, k, v, b, g, j0, Sk, tx):
+        def load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy, tx):
             # the K and V rows j0 .. j0 + BK - 1 of KV head g (zero past Sk and in the padding columns)
-            copy_keys(Ks, lambda r: j0 + r < Sk, lambda r, c: k[b, g, j0 + r, c], tx)
-            copy_keys(Vs, lambda r: j0 + r < Sk, lambda r, c: v[b, g, j0 + r, c], tx)
+            copy(Ks, lambda r: j0 + r < Sk, lambda r, c: k[b, g, j0 + r, c], tx)
+            copy(Vs, lambda r: j0 + r < Sk, lambda r, c: v[b, g, j0 + r, c], tx)
 
         @T.macro
         def tile_dot(out, product, A, B, r, c):
@@ -184,8 +195,8 @@ class _Body:
         def key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
             Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
             Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
-            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
-            dOs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
+            Qs = T.alloc_buffer((STAGES * BQ, DP + PAD), dtype, scope=shared)  # STAGES tiles in flight
+            dOs = T.alloc_buffer((STAGES * BQ, DP + PAD), dtype, scope=shared)
             # WMMA outputs (dynamic: the stores go through address_of)
             S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
             dP = T.alloc_buffer((BQ, BK) if tc and want_dk else (1, 1), F32, scope=shared)
@@ -203,38 +214,52 @@ class _Body:
                     dK[i] = T.float32(0)
                 if want_dv:
                     dV[i] = T.float32(0)
-            load_keys(Ks, Vs, k, v, b, g, j0, Sk, tx)
+            load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
             qlo, qhi = query_tile_range(cfg, key_first=j0, key_last=T.min(j0 + BK, Sk) - 1, num_queries=Sq,
                                         delta=Sk - Sq, block_q=BQ)
-            for hr in range(group):
-                for qt in range(qlo, qhi):
-                    ops.sync()  # the previous tile's readers are done with Q, dO, P, dS, G
-                    load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g * group + hr, qt * BQ, Sq, want_dk, tx)
-                    ops.sync()
-                    if tc:
-                        qk(S, Qs, Ks, tx)
-                        if want_dk:
-                            qk(dP, dOs, Vs, tx)
-                        ops.sync()
-                    scores(P, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, g * group + hr, qt * BQ, j0,
-                           Sq, Sk, want_dv, want_dk, tx)
-                    ops.sync()
-                    if want_dv:
-                        if tc:
-                            key_grad(G, P, dOs, tx)
-                            ops.sync()
-                            add_product(dV, G, BK, tx)
-                            if want_dk:
-                                ops.sync()  # G is reused for dS^T Q
-                        else:
-                            add_key_grad(dV, P, dOs, tx)
+            # the query tiles this key tile meets, over every head of the group: tile t is query tile
+            # qlo + t % tiles of head g * group + t // tiles; streamed STAGES - 1 ahead, one group each
+            tiles = T.max(qhi - qlo, 0)
+            for t in range(STAGES - 1):
+                if t < group * tiles:
+                    load_rows(stage(Qs, t, BQ), stage(dOs, t, BQ), q, do, b, g * group + t // tiles,
+                              (qlo + t % tiles) * BQ, Sq, stream_queries, tx)
+                ops.commit()
+            for t in range(group * tiles):
+                ops.sync()  # the previous tile's readers are done with its stage, P, dS, G and the row stats
+                if t + STAGES - 1 < group * tiles:
+                    load_rows(stage(Qs, (t + STAGES - 1) % STAGES, BQ), stage(dOs, (t + STAGES - 1) % STAGES, BQ), q,
+                              do, b, g * group + (t + STAGES - 1) // tiles, (qlo + (t + STAGES - 1) % tiles) * BQ, Sq,
+                              stream_queries, tx)
+                ops.commit()
+                load_row_stats(lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ, Sq,
+                               want_dk, tx)
+                wait_for_tile()
+                ops.sync()
+                if tc:
+                    qk(S, stage(Qs, t % STAGES, BQ), Ks, tx)
                     if want_dk:
-                        if tc:
-                            key_grad(G, dS, Qs, tx)
-                            ops.sync()
-                            add_product(dK, G, BK, tx)
-                        else:
-                            add_key_grad(dK, dS, Qs, tx)
+                        qk(dP, stage(dOs, t % STAGES, BQ), Vs, tx)
+                    ops.sync()
+                scores(P, dS, S, dP, stage(Qs, t % STAGES, BQ), stage(dOs, t % STAGES, BQ), Ks, Vs, lse_r, D_r, alibi,
+                       mask, b, g * group + t // tiles, (qlo + t % tiles) * BQ, j0, Sq, Sk, want_dv, want_dk, tx)
+                ops.sync()
+                if want_dv:
+                    if tc:
+                        key_grad(G, P, stage(dOs, t % STAGES, BQ), tx)
+                        ops.sync()
+                        add_product(dV, G, BK, tx)
+                        if want_dk:
+                            ops.sync()  # G is reused for dS^T Q
+                    else:
+                        add_key_grad(dV, P, stage(dOs, t % STAGES, BQ), tx)
+                if want_dk:
+                    if tc:
+                        key_grad(G, dS, stage(Qs, t % STAGES, BQ), tx)
+                        ops.sync()
+                        add_product(dK, G, BK, tx)
+                    else:
+                        add_key_grad(dK, dS, stage(Qs, t % STAGES, BQ), tx)
             if want_dk:
                 store_rows(dk, dK, b, g, j0, BK, Sk, scale, tx)
             if want_dv:
@@ -244,8 +269,8 @@ class _Body:
         def query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
             Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
             dOs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
-            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
-            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
+            Ks = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=shared)  # STAGES tiles in flight
+            Vs = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=shared)
             S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
             dP = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
             G = T.alloc_buffer((BQ, DP) if tc else (1, 1), F32, scope=shared)
@@ -255,26 +280,37 @@ class _Body:
             dQ = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
             for i in range(_ceil(BQ * DP, NT)):
                 dQ[i] = T.float32(0)
-            load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, h, i0, Sq, True, tx)
+            load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy_queries, tx)
+            load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, True, tx)
             lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
                                     block_k=BK)
-            for kt in range(lo, hi):
-                ops.sync()  # the previous tile's readers are done with K, V, dS, G
-                load_keys(Ks, Vs, k, v, b, h // group, kt * BK, Sk, tx)
+            # key tile lo + t, streamed STAGES - 1 ahead
+            for t in range(STAGES - 1):
+                if lo + t < hi:
+                    load_keys(stage(Ks, t, BK), stage(Vs, t, BK), k, v, b, h // group, (lo + t) * BK, Sk, stream_keys,
+                              tx)
+                ops.commit()
+            for t in range(T.max(hi - lo, 0)):
+                ops.sync()  # the previous tile's readers are done with its stage, dS and G
+                if lo + t + STAGES - 1 < hi:
+                    load_keys(stage(Ks, (t + STAGES - 1) % STAGES, BK), stage(Vs, (t + STAGES - 1) % STAGES, BK), k, v,
+                              b, h // group, (lo + t + STAGES - 1) * BK, Sk, stream_keys, tx)
+                ops.commit()
+                wait_for_tile()
                 ops.sync()
                 if tc:
-                    qk(S, Qs, Ks, tx)
-                    qk(dP, dOs, Vs, tx)
+                    qk(S, Qs, stage(Ks, t % STAGES, BK), tx)
+                    qk(dP, dOs, stage(Vs, t % STAGES, BK), tx)
                     ops.sync()
-                scores(dS, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, kt * BK, Sq, Sk, False,
-                       True, tx)
+                scores(dS, dS, S, dP, Qs, dOs, stage(Ks, t % STAGES, BK), stage(Vs, t % STAGES, BK), lse_r, D_r, alibi,
+                       mask, b, h, i0, (lo + t) * BK, Sq, Sk, False, True, tx)
                 ops.sync()
                 if tc:
-                    query_grad(G, dS, Ks, tx)
+                    query_grad(G, dS, stage(Ks, t % STAGES, BK), tx)
                     ops.sync()
                     add_product(dQ, G, BQ, tx)
                 else:
-                    add_query_grad(dQ, dS, Ks, tx)
+                    add_query_grad(dQ, dS, stage(Ks, t % STAGES, BK), tx)
             store_rows(dq, dQ, b, h, i0, BQ, Sq, scale, tx)
 
         self.row_dots, self.key_block, self.query_block = row_dots, key_block, query_block

@@ -127,7 +127,8 @@ class _CudaRule(KernelRule):
     def _candidates(self, workload: Workload) -> list[CudaTiles]:
         half = workload.spec.dtype in HALF_TYPES
         shapes = [(64, 64), (64, 32), (32, 32), (16, 16)] if half else [(32, 32), (32, 16), (16, 16)]
-        return [CudaTiles(block_q=bq, block_k=bk) for bq, bk in shapes]
+        # a tile shape pipelined two deep, else loaded tile by tile, before a smaller shape
+        return [CudaTiles(block_q=bq, block_k=bk, stages=stages) for bq, bk in shapes for stages in (2, 1)]
 
     def _blocks(self, workload: Workload, tiles: CudaTiles) -> int | None:
         """Thread blocks of one split: batch x KV heads x row tiles (None where a dim is symbolic)."""
@@ -198,7 +199,7 @@ class CudaPagedAttention(_CudaRule):
         sq = workload.dim["Sq"]
         rows = None if sq is None else sq * workload.spec.group
         if rows is not None and rows <= 16:  # decode: one 16-row tile holds every query head of the group
-            return [CudaTiles(block_q=16, block_k=bk) for bk in (64, 32, 16)]
+            return [CudaTiles(block_q=16, block_k=bk, stages=stages) for bk in (64, 32, 16) for stages in (2, 1)]
         return super()._candidates(workload)
 
     def _tuned_defaults(self, workload, target, tiles):
@@ -237,9 +238,7 @@ class CudaFlashBackward(_CudaRule):
         return replace(tiles, threads=256) if workload.spec.dtype in HALF_TYPES and spills else tiles
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
-        # no split-KV and no K/V pipeline in the backward kernel (yet): neither knob changes it
-        return {name: values for name, values in super().knob_space(workload, target).items()
-                if name not in ("splits", "stages")}
+        return {name: values for name, values in super().knob_space(workload, target).items() if name != "splits"}
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
         from .backward import flash_backward

@@ -56,11 +56,14 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
 
 def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
     """(static, dynamic) bytes of a backward block: P, dS (input dtype) and the rows' lse and D
-    static; Q, dO, K, V tiles dynamic, plus on tensor cores S, dP and a [block, D] float32 product."""
-    BQ, BK, DP, e = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype)
+    static; Q, dO, K, V tiles dynamic (``stages`` of the pair a block streams: Q and dO in the dk/dv
+    kernel, K and V in the dq kernel; the larger of the two), plus on tensor cores S, dP and a
+    [block, D] float32 product."""
+    BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
     pad = TILE_PAD if dtype in HALF_TYPES else 0
     static = 2 * e * BQ * (BK + pad) + 8 * BQ
-    dynamic = e * (2 * BQ + 2 * BK) * (DP + pad) + ((8 * BQ * BK + 4 * max(BQ, BK) * DP) if dtype in HALF_TYPES else 0)
+    tiles_bytes = e * max(2 * BQ * ST + 2 * BK, 2 * BQ + 2 * BK * ST) * (DP + pad)
+    dynamic = tiles_bytes + ((8 * BQ * BK + 4 * max(BQ, BK) * DP) if dtype in HALF_TYPES else 0)
     return static, dynamic
 
 

@@ -50,6 +50,7 @@ from .node.environment import source_key
 
 ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
 LIMIT_BYTES = 48 * 1024 * 1024
+TUNE_POINTS = 100  # knob points per tune bucket by default (each costs ~50 KB of source and cubin)
 _NODE = Path(__file__).parent / "node"
 _RUN_PY = '''#!/usr/bin/env python3
 """Runs this tvm_fuel bundle here: python3 run.py [--stages smoke,check,bench,tune] [--out results.json]"""
@@ -210,7 +211,8 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
                  log: Callable[[str], None] = print) -> dict:
     """Build the bundle of ``suite`` for ``target`` (cuda with ``arch``, or llvm) into ``out``;
     return its manifest. ``small``: a reduced check matrix (the CI test's); ``tune_points``: at
-    most this many knob points per tune bucket (the hand-picked ones and a seeded sample)."""
+    most this many knob points per tune bucket (the hand-picked ones and a seeded sample; default
+    ``TUNE_POINTS``)."""
     tvm_target, arch = _target(target, arch)
     node_python = _python(python)
     cases = suites.cases(suite, target, small=small)  # validates the suite name
@@ -218,7 +220,8 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
     if suite == "tune" and not tune:
         raise ValueError("tvm_fuel bundle: the tune suite measures CUDA kernels; CPU kernels tune locally "
                          "(python -m tvm_fuel tune)")
-    if tune_points is not None and tune_points < 1:
+    tune_points = TUNE_POINTS if tune_points is None else tune_points
+    if tune_points < 1:
         raise ValueError(f"tvm_fuel bundle: --tune-points must be >= 1, got {tune_points}")
     if target == "cuda" and not cuda.nvcc_available():
         raise RuntimeError("tvm_fuel bundle: a cuda bundle needs nvcc here (the node compiles nothing)")
