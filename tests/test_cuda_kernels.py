@@ -172,6 +172,32 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
         assert_close(array, want, dtype, scale=4, what=f"d{name}")  # test_backward's scale
 
 
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_register_spills_at_the_benchmark_shapes(arch):
+    from tvm_fuel.deploy.suites import tune_buckets
+    from tvm_fuel.tuning.buckets import bucket_module
+
+    for op_name, shape in tune_buckets():  # the CUDA benchmark's shapes, hand-picked knobs
+        source = cuda.cuda_source(tvm_fuel.compile(bucket_module(op_name, shape), _target(arch), kernels="tuned"))
+        report = cuda.ptxas_report(source, arch)
+        assert report and all(k["registers"] > 0 for k in report.values()), report
+        spilled = {name: k for name, k in report.items() if k["spill_stores"] or k["spill_loads"]}
+        assert not spilled, (op_name, shape, spilled)
+
+
+def test_async_copies_address_tensors_past_2_gib():
+    """K and V of 2^32 bytes (B16 Hkv8 Sk64k D128 fp16): the tile copies take 64-bit source addresses
+    (TVM's own async-copy lowering narrows the offset to a 32-bit int)."""
+    mod = build(lambda q, k, v: op.flash_attn(q, k, v, causal=True),
+                dict(q=((16, 8, 128, 128), "float16"), k=((16, 8, 65536, 128), "float16"),
+                     v=((16, 8, 65536, 128), "float16")))
+    source = cuda.cuda_source(tvm_fuel.compile(mod, _target("sm_90"), kernels="tuned"))
+    assert "legacy" not in source
+    assert re.search(r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16;" *: *: *"r"\(__dst_mem\), '
+                     r'"l"\(__src_mem\)', source)
+
+
 def test_rules_decline_old_architectures_and_unfit_tiles():
     mod = _flash("float16")
     for target in (tvm.target.Target({"kind": "cuda", "arch": "sm_75"}), tvm.target.Target({"kind": "cuda"})):

@@ -10,8 +10,6 @@ Contents:
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Any
 
 import tvm
@@ -80,30 +78,7 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
     """
     target = as_target(target)
     legalized = legalize(mod, target, kernels=kernels, database=database, shipped_logs=shipped_logs)
-    return compile_legalized(legalized, target, **compile_options)
-
-
-def compile_legalized(mod: tvm.IRModule, target: Any, **compile_options):
-    """``tvm.compile`` of a module whose fuel ops are lowered (``legalize``) or of kernel PrimFuncs,
-    inside ``kernel_pass_context``."""
-    target = as_target(target)
-    with kernel_pass_context(target):
-        return tvm.compile(mod, target=target, **compile_options)
-
-
-@contextlib.contextmanager
-def kernel_pass_context(target: tvm.target.Target):
-    """The current PassContext with the settings the kernels need on ``target``: on CUDA,
-    ``tirx.use_async_copy`` lowers the kernels' async-scope tile copies to ``cp.async`` (without
-    it they stay plain, synchronous stores: slower, equally correct)."""
-    current = tvm.transform.PassContext.current()
-    config = dict(current.config)
-    if target.kind.name == "cuda":
-        config["tirx.use_async_copy"] = 1
-    with tvm.transform.PassContext(opt_level=current.opt_level, required_pass=current.required_pass,
-                                   disabled_pass=current.disabled_pass, instruments=current.instruments,
-                                   config=config):
-        yield
+    return tvm.compile(legalized, target=target, **compile_options)
 
 
 def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,

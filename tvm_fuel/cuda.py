@@ -8,6 +8,7 @@ Contents:
     cuda_source        -- the CUDA C of a built module (Executable or runtime.Module)
     kernel_names       -- the ``__global__`` kernels of a source
     compile_cubin      -- nvcc the source for an architecture (raises with nvcc's message)
+    ptxas_report       -- registers and spills of every kernel, as ptxas reports them
     shared_memory      -- (static, dynamic) shared-memory bytes of every kernel of a build
     build_with_shared_memory -- the build and those bytes, from one compile
     nvcc_available
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import tvm
@@ -59,6 +63,28 @@ def compile_cubin(source: str, arch: str) -> bytes:
 
     with tvm.target.Target({"kind": "cuda", "arch": arch}):  # nvcc reads the arch from the target scope
         return nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")
+
+
+def ptxas_report(source: str, arch: str) -> dict[str, dict[str, int]]:
+    """``{kernel: {"registers", "spill_stores", "spill_loads"}}`` as ptxas reports them (``-v``)
+    when nvcc compiles ``source`` for ``arch``."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernels.cu"
+        path.write_text(source)
+        done = subprocess.run(["nvcc", "--cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o",
+                               str(path.with_suffix(".cubin")), str(path)], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"nvcc failed: {done.stderr.strip()[:500]}")
+    report, kernel = {}, None
+    for line in done.stderr.splitlines():
+        if match := re.search(r"Compiling entry function '(\w+)'", line):
+            kernel = match.group(1)
+            report[kernel] = {"registers": 0, "spill_stores": 0, "spill_loads": 0}
+        elif kernel and (match := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            report[kernel].update(spill_stores=int(match.group(1)), spill_loads=int(match.group(2)))
+        elif kernel and (match := re.search(r"Used (\d+) registers", line)):
+            report[kernel]["registers"] = int(match.group(1))
+    return report
 
 
 def _sizes(stmt) -> list[tuple[str, int, str]]:
@@ -108,10 +134,8 @@ def build_with_shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.targ
             if info.name.endswith("ThreadSync") and not seen:
                 seen.update({gv.name_hint: f for gv, f in module.functions.items() if isinstance(f, tirx.PrimFunc)})
 
-    from .build import compile_legalized
-
     with tvm.transform.PassContext(instruments=[Capture()]):
-        built = compile_legalized(mod, target)
+        built = tvm.compile(mod, target=target)
     usage: dict[str, tuple[int, int]] = {}
     for name, func in seen.items():
         for kernel, size, scope in _sizes(func.body):
@@ -125,4 +149,5 @@ def shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target) 
     return build_with_shared_memory(mod, target)[1]
 
 
-__all__ = ["cuda_source", "kernel_names", "compile_cubin", "shared_memory", "build_with_shared_memory", "nvcc_available"]
+__all__ = ["cuda_source", "kernel_names", "compile_cubin", "ptxas_report", "shared_memory", "build_with_shared_memory",
+           "nvcc_available"]

@@ -19,11 +19,15 @@ registers. On the SIMT path (float32, and the llvm emulation) S and dP are compu
 straight from the tiles and P^T dO, dS^T Q, dS K are accumulated straight into the registers, so
 no float32 product tile is staged at all.
 
-Shared memory per block (e = bytes of the input dtype, DP = head dim padded to 16):
+The tiles a block walks stream through a ``stages``-deep ``cp.async`` pipeline: Q and dO in the
+dk/dv kernel (every query tile of every head of the group), K and V in the dq kernel.
+
+Shared memory per block (e = bytes of the input dtype, DP = head dim padded to 16, ST = stages;
+``tiles.backward_smem`` bounds both kernels):
     tensor cores  static  2 * e * BQ * BK + 8 * BQ               (P, dS, lse and D rows)
-                  dynamic e * (2 * BQ + 2 * BK) * DP + 8 * BQ * BK + 4 * max(BQ, BK) * DP
-                          (Q, dO, K, V; S, dP; one float32 product tile)
-    SIMT          static  2 * e * BQ * BK + 8 * BQ,  dynamic e * (2 * BQ + 2 * BK) * DP
+                  dynamic e * (2 * BQ * ST + 2 * BK) * DP (dk/dv; dq: 2 * BQ + 2 * BK * ST)
+                          + 8 * BQ * BK + 4 * max(BQ, BK) * DP   (S, dP; one float32 product tile)
+    SIMT          static  2 * e * BQ * BK + 8 * BQ,  dynamic the same tiles without S, dP, product
 (the dq kernel needs no P and only a [BQ, DP] product tile: at most the above). No buffer grows
 with Sq * Sk; positions past a sequence are never written.
 

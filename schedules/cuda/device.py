@@ -162,32 +162,33 @@ class TileOps:
         ``valid`` and ``src`` are Python functions of the tile row (and column) returning TIR
         expressions: each caller says where its rows come from (dense rows, pages of a cache).
         A thread moves 16 bytes per step where the width allows. ``asynchronous``: on the device
-        the valid rows go through ``cp.async`` (a store in an async scope, which TVM lowers with
-        ``tirx.use_async_copy``; without it, a plain store): the caller commits and waits.
+        the valid rows go through ``cp.async`` (16 bytes: ``.cg``, bypassing L1; 4 or 8: ``.ca``),
+        addressed with 64-bit pointers (``src`` must be a buffer load): the caller commits and
+        waits. Zero rows are plain stores either way.
         """
         NT = self.threads
         itemsize = 2 if self.dtype in HALF_TYPES else 4
         VW = next(w for w in (16 // itemsize, 4, 2, 1) if width % w == 0)
         CH = padded // VW  # vector chunks per row
         zero = T.Cast(self.dtype, 0)
-        # cp.async moves 4, 8 or 16 bytes
-        in_flight = asynchronous and not self.launch.emulate and VW * itemsize in (4, 8, 16)
+        nbytes = VW * itemsize
+        in_flight = asynchronous and not self.launch.emulate and nbytes in (4, 8, 16)
+        cp_async = f"cp.async.{'cg' if nbytes == 16 else 'ca'}.shared.global"
 
         @T.macro
         def store(dst, row0, src, r, c0):
-            for j in T.vectorized(VW):
-                dst[row0 + r, c0 + j] = src(r, c0 + j)
+            if in_flight:
+                T.ptx[cp_async](T.address_of(dst[row0 + r, c0]), T.address_of(src(r, c0)), nbytes)
+            else:
+                for j in T.vectorized(VW):
+                    dst[row0 + r, c0 + j] = src(r, c0 + j)
 
         @T.macro
         def copy_rows(dst, row0, valid, src, tx):
             for i in range((rows * CH + NT - 1) // NT):
                 if i * NT + tx < rows * CH:
                     if tirx.all(valid((i * NT + tx) // CH), (i * NT + tx) % CH * VW < width):
-                        if in_flight:
-                            with T.attr(0, "async_scope", 1):
-                                store(dst, row0, src, (i * NT + tx) // CH, (i * NT + tx) % CH * VW)
-                        else:
-                            store(dst, row0, src, (i * NT + tx) // CH, (i * NT + tx) % CH * VW)
+                        store(dst, row0, src, (i * NT + tx) // CH, (i * NT + tx) % CH * VW)
                     else:
                         for j in T.vectorized(VW):
                             dst[row0 + (i * NT + tx) // CH, (i * NT + tx) % CH * VW + j] = zero

@@ -22,8 +22,8 @@ def _bytes(dtype: str) -> int:
 class CudaTiles:
     """``block_q`` task rows (query positions x heads of a GQA group) and ``block_k`` keys per
     tile; ``splits`` thread blocks share one row tile's keys (split-KV, merged by lse);
-    ``threads`` per block; ``stages`` key tiles in flight (the forward kernels' ``cp.async``
-    pipeline: the next tiles load while this one is computed; 1 loads each tile before use).
+    ``threads`` per block; ``stages`` streamed tiles in flight (the ``cp.async`` pipeline of
+    every kernel: the next tiles load while this one is computed; 1 loads each tile before use).
     Tensor-core kernels need multiples of 16 for both tile sizes."""
 
     block_q: int = 64

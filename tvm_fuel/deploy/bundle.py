@@ -39,7 +39,7 @@ from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
 from .. import __version__, cuda
-from ..build import compile_legalized, legalize
+from ..build import legalize
 from ..schedules import rule_for
 from ..schedules.cuda.device import SHARED_MEMORY_LIMIT
 from ..tuning.buckets import bucket_module
@@ -50,7 +50,7 @@ from .node.environment import source_key
 
 ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
 LIMIT_BYTES = 48 * 1024 * 1024
-TUNE_POINTS = 100  # knob points per tune bucket by default (each costs ~50 KB of source and cubin)
+TUNE_POINTS = 80  # knob points per tune bucket by default (each costs ~60 KB of source and cubin)
 _NODE = Path(__file__).parent / "node"
 _RUN_PY = '''#!/usr/bin/env python3
 """Runs this tvm_fuel bundle here: python3 run.py [--stages smoke,check,bench,tune] [--out results.json]"""
@@ -133,7 +133,7 @@ def _export(mod: tvm.IRModule, target, kernels: str, path: Path, cubins: _Cubins
         if not used or floors:
             raise RuntimeError(f"tvm_fuel bundle: {what} falls back to the floor ({floors or 'no kernel'}) on {target}")
         info["kernels"] = used
-    built = compile_legalized(legalized, target)
+    built = tvm.compile(legalized, target=target)
     built.export_library(str(path))
     key = cubins.add(built)
     if key:
@@ -189,7 +189,7 @@ def tune_bucket(out: Path, name: str, workload, points: list[dict], target: tvm.
     rule = rule_for(workload.op, target)
     funcs = {f"point_{i}": rule.kernel(workload, knobs, static=True).with_attr("global_symbol", f"point_{i}")
              for i, knobs in enumerate(points)}
-    built = compile_legalized(tvm.IRModule(funcs), target)
+    built = tvm.compile(tvm.IRModule(funcs), target=target)
     (out / "tune").mkdir(exist_ok=True)
     built.export_library(str(out / "tune" / f"{name}.so"))
     bucket = {"id": name, "module": f"tune/{name}.so", "workload": workload.key, "describe": workload.describe(),

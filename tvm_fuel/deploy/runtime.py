@@ -33,11 +33,18 @@ _COMPILER_ONLY = {"libtvm_compiler.so", "libtvm_runtime_extra.so", "3rdparty", "
 
 
 def _copy_runtime(folder: Path) -> None:
-    """TVM's python package as runtime-only TVM uses it (``load_module``, the VM, ``time_evaluator``)."""
+    """TVM's python package as runtime-only TVM uses it (``load_module``, the VM, ``time_evaluator``):
+    of ``tvm.backend`` only the loader (runtime-only TVM loads no backend's Python; the bundle
+    loads the CUDA library itself)."""
     source = Path(tvm.__file__).parent
     top = {source, source / "lib"}
-    shutil.copytree(source, folder / "tvm", ignore=lambda where, names: [
-        n for n in names if n == "__pycache__" or (Path(where) in top and n in _COMPILER_ONLY)])
+
+    def ignore(where, names):
+        if Path(where) == source / "backend":
+            return [n for n in names if (source / "backend" / n).is_dir()]
+        return [n for n in names if n == "__pycache__" or (Path(where) in top and n in _COMPILER_ONLY)]
+
+    shutil.copytree(source, folder / "tvm", ignore=ignore)
     try:
         import typing_extensions  # tvm_ffi needs it; the node may lack it (used only if so)
 

@@ -26,7 +26,6 @@ EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=Fa
 
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
     """The kernel of a scheduled tuning module (its knob annotations), compiled for ``target``."""
-    from ..build import kernel_pass_context
     from ..schedules import rule_for
     from .space import knobs_of
 
@@ -35,8 +34,7 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) 
     if rule is None:
         raise ValueError(f"tvm_fuel tuning: no {target.kind.name} kernel serves {workload.op}")
     func = rule.kernel(workload, rule.knobs(workload, target, knobs), static=True)
-    with kernel_pass_context(target):
-        return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
 
 def _arrays(args_info) -> list[np.ndarray]:
