@@ -257,7 +257,7 @@ def test_gpu_flash_attn(sq, sk, d, options, dtype):
     atol, rtol = LSE_TOLERANCE
     np.testing.assert_allclose(lse, want_lse, atol=atol * DEVICE_SCALE, rtol=rtol * DEVICE_SCALE)
     floor, _ = _run_on_gpu(mod, [q, k, v], "decomposed")
-    assert_close(out, floor.astype(np.float64), dtype, scale=2 * DEVICE_SCALE, what="out vs floor")
+    assert_close(out, floor.astype(np.float64), dtype, scale=DEVICE_SCALE, what="out vs floor")
 
 
 @pytest.mark.gpu
@@ -274,7 +274,7 @@ def test_gpu_flash_attn_backward(name, dtype):
     want = dict(zip(("dq", "dk", "dv"), reference.flash_attn_backward(q, k, v, do, causal=True, softcap=5.0)))
     wanted = [g for g in ("dq", "dk", "dv") if name == "flash_attn_backward" or name.endswith("_" + g[1])]
     for grad, array in zip(wanted, got):
-        assert_close(array, want[grad], dtype, scale=4 * DEVICE_SCALE, what=grad)  # test_backward's scale, on a device
+        assert_close(array, want[grad], dtype, scale=max(4, DEVICE_SCALE), what=grad)  # test_backward's scale
 
 
 @pytest.mark.gpu

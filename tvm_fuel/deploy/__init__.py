@@ -6,7 +6,9 @@ runtime-only TVM and the tvm_ffi wheel for the node's Python, and writes ``DIR/m
 and ``DIR/run.py`` (``bundle``). ``node`` is what runs there.
 
 Contents:
-    suites -- the cases of each stage (smoke, check, bench, tune) for a target
-    bundle -- build_bundle
-    node   -- run.py and its worker (copied into the bundle)
+    suites  -- the cases of each stage (smoke, check, bench, tune) for a target
+    bundle  -- build_bundle, tune_bucket
+    runtime -- the runtime-only TVM and the wheels the node's Python needs
+    imports -- ``tune --import``: a node's tune measurements as tuning records
+    node    -- run.py, its supervisor and workers (copied into the bundle)
 """

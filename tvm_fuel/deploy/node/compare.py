@@ -3,7 +3,7 @@
 Contents:
     TOLERANCE     -- (atol, rtol) of an output against the float64 reference, per input dtype
     LSE_TOLERANCE -- (atol, rtol) of the log-sum-exp (float32 whatever the input dtype)
-    DEVICE_SCALE  -- the widening on a GPU (tensor-core accumulation order, fast exp)
+    DEVICE_SCALE  -- the least tolerance scale on a GPU (tensor-core accumulation order, fast exp)
     compare       -- one output against its expected values: ok, errors, and why not
 """
 
