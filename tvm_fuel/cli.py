@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle.add_argument("--python", help="the node's Python, e.g. 3.12 (default: this one)")
     bundle.add_argument("--out", required=True, help="the bundle folder (replaced if it holds a bundle)")
     bundle.add_argument("--small", action="store_true", help="a reduced check matrix (quick)")
-    bundle.add_argument("--tune-points", type=int, help="at most this many knob points per tune bucket (default 80)")
+    bundle.add_argument("--tune-points", type=int, help="at most this many knob points per tune bucket (default 64)")
     bundle.set_defaults(run=_bundle)
     tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
     tune.add_argument("--op", choices=TUNABLE_OPS)
