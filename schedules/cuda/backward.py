@@ -89,9 +89,6 @@ class _Body:
         stream_queries, stream_keys = ops.copy(BQ, D, DP, asynchronous=True), ops.copy(BK, D, DP, asynchronous=True)
         wait_for_tile = ops.wait(STAGES - 1)
 
-        def stage(tiles_buffer, index, rows):
-            """Stage ``index`` of a multi-stage tile buffer ([STAGES * rows, DP + PAD])."""
-            return Rows(tiles_buffer, index * rows, rows)
 
         @T.macro
         def load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy, tx):
@@ -226,13 +223,13 @@ class _Body:
             tiles = T.max(qhi - qlo, 0)
             for t in range(STAGES - 1):
                 if t < group * tiles:
-                    load_rows(stage(Qs, t, BQ), stage(dOs, t, BQ), q, do, b, g * group + t // tiles,
+                    load_rows(Rows.stage(Qs, t, BQ), Rows.stage(dOs, t, BQ), q, do, b, g * group + t // tiles,
                               (qlo + t % tiles) * BQ, Sq, stream_queries, tx)
                 ops.commit()
             for t in range(group * tiles):
                 ops.sync()  # the previous tile's readers are done with its stage, P, dS, G and the row stats
                 if t + STAGES - 1 < group * tiles:
-                    load_rows(stage(Qs, (t + STAGES - 1) % STAGES, BQ), stage(dOs, (t + STAGES - 1) % STAGES, BQ), q,
+                    load_rows(Rows.stage(Qs, (t + STAGES - 1) % STAGES, BQ), Rows.stage(dOs, (t + STAGES - 1) % STAGES, BQ), q,
                               do, b, g * group + (t + STAGES - 1) // tiles, (qlo + (t + STAGES - 1) % tiles) * BQ, Sq,
                               stream_queries, tx)
                 ops.commit()
@@ -241,29 +238,29 @@ class _Body:
                 wait_for_tile()
                 ops.sync()
                 if tc:
-                    qk(S, stage(Qs, t % STAGES, BQ), Ks, tx)
+                    qk(S, Rows.stage(Qs, t % STAGES, BQ), Ks, tx)
                     if want_dk:
-                        qk(dP, stage(dOs, t % STAGES, BQ), Vs, tx)
+                        qk(dP, Rows.stage(dOs, t % STAGES, BQ), Vs, tx)
                     ops.sync()
-                scores(P, dS, S, dP, stage(Qs, t % STAGES, BQ), stage(dOs, t % STAGES, BQ), Ks, Vs, lse_r, D_r, alibi,
+                scores(P, dS, S, dP, Rows.stage(Qs, t % STAGES, BQ), Rows.stage(dOs, t % STAGES, BQ), Ks, Vs, lse_r, D_r, alibi,
                        mask, b, g * group + t // tiles, (qlo + t % tiles) * BQ, j0, Sq, Sk, want_dv, want_dk, tx)
                 ops.sync()
                 if want_dv:
                     if tc:
-                        key_grad(G, P, stage(dOs, t % STAGES, BQ), tx)
+                        key_grad(G, P, Rows.stage(dOs, t % STAGES, BQ), tx)
                         ops.sync()
                         add_product(dV, G, BK, tx)
                         if want_dk:
                             ops.sync()  # G is reused for dS^T Q
                     else:
-                        add_key_grad(dV, P, stage(dOs, t % STAGES, BQ), tx)
+                        add_key_grad(dV, P, Rows.stage(dOs, t % STAGES, BQ), tx)
                 if want_dk:
                     if tc:
-                        key_grad(G, dS, stage(Qs, t % STAGES, BQ), tx)
+                        key_grad(G, dS, Rows.stage(Qs, t % STAGES, BQ), tx)
                         ops.sync()
                         add_product(dK, G, BK, tx)
                     else:
-                        add_key_grad(dK, dS, stage(Qs, t % STAGES, BQ), tx)
+                        add_key_grad(dK, dS, Rows.stage(Qs, t % STAGES, BQ), tx)
             if want_dk:
                 store_rows(dk, dK, b, g, j0, BK, Sk, scale, tx)
             if want_dv:
@@ -291,30 +288,30 @@ class _Body:
             # key tile lo + t, streamed STAGES - 1 ahead
             for t in range(STAGES - 1):
                 if lo + t < hi:
-                    load_keys(stage(Ks, t, BK), stage(Vs, t, BK), k, v, b, h // group, (lo + t) * BK, Sk, stream_keys,
+                    load_keys(Rows.stage(Ks, t, BK), Rows.stage(Vs, t, BK), k, v, b, h // group, (lo + t) * BK, Sk, stream_keys,
                               tx)
                 ops.commit()
             for t in range(T.max(hi - lo, 0)):
                 ops.sync()  # the previous tile's readers are done with its stage, dS and G
                 if lo + t + STAGES - 1 < hi:
-                    load_keys(stage(Ks, (t + STAGES - 1) % STAGES, BK), stage(Vs, (t + STAGES - 1) % STAGES, BK), k, v,
+                    load_keys(Rows.stage(Ks, (t + STAGES - 1) % STAGES, BK), Rows.stage(Vs, (t + STAGES - 1) % STAGES, BK), k, v,
                               b, h // group, (lo + t + STAGES - 1) * BK, Sk, stream_keys, tx)
                 ops.commit()
                 wait_for_tile()
                 ops.sync()
                 if tc:
-                    qk(S, Qs, stage(Ks, t % STAGES, BK), tx)
-                    qk(dP, dOs, stage(Vs, t % STAGES, BK), tx)
+                    qk(S, Qs, Rows.stage(Ks, t % STAGES, BK), tx)
+                    qk(dP, dOs, Rows.stage(Vs, t % STAGES, BK), tx)
                     ops.sync()
-                scores(dS, dS, S, dP, Qs, dOs, stage(Ks, t % STAGES, BK), stage(Vs, t % STAGES, BK), lse_r, D_r, alibi,
+                scores(dS, dS, S, dP, Qs, dOs, Rows.stage(Ks, t % STAGES, BK), Rows.stage(Vs, t % STAGES, BK), lse_r, D_r, alibi,
                        mask, b, h, i0, (lo + t) * BK, Sq, Sk, False, True, tx)
                 ops.sync()
                 if tc:
-                    query_grad(G, dS, stage(Ks, t % STAGES, BK), tx)
+                    query_grad(G, dS, Rows.stage(Ks, t % STAGES, BK), tx)
                     ops.sync()
                     add_product(dQ, G, BQ, tx)
                 else:
-                    add_query_grad(dQ, dS, stage(Ks, t % STAGES, BK), tx)
+                    add_query_grad(dQ, dS, Rows.stage(Ks, t % STAGES, BK), tx)
             store_rows(dq, dQ, b, h, i0, BQ, Sq, scale, tx)
 
         self.row_dots, self.key_block, self.query_block = row_dots, key_block, query_block

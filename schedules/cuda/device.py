@@ -117,6 +117,11 @@ class Rows:
         row, column = index
         return self.buffer[self.row0 + row, column]
 
+    @staticmethod
+    def stage(buffer: tirx.Buffer, index, rows: int) -> Rows:
+        """Stage ``index`` of a multi-stage tile buffer ([stages * rows, columns])."""
+        return Rows(buffer, index * rows, rows)
+
 
 class TileOps:
     """The macros a kernel body uses, specialised to one launch and one input dtype."""

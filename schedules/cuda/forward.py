@@ -56,9 +56,8 @@ class _Body:
         copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP, asynchronous=True)
         wait_for_tile = ops.wait(STAGES - 1)  # the oldest tile in flight has landed
 
-        def stage(tiles_buffer, index):
-            """Stage ``index`` of a multi-stage tile buffer ([STAGES * BK, DP + PAD]) as a [BK, DP + PAD] tile."""
-            return Rows(tiles_buffer, index * BK, BK)
+        def stage(tiles_buffer, index):  # a [BK, DP + PAD] stage of a K or V buffer
+            return Rows.stage(tiles_buffer, index, BK)
 
         @T.macro
         def load_queries(Qs, q, b, g, r0, rows, tx):

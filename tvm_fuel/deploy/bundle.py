@@ -43,6 +43,7 @@ from ..build import legalize
 from ..schedules import rule_for
 from ..schedules.cuda.device import SHARED_MEMORY_LIMIT
 from ..tuning.buckets import bucket_module
+from ..tuning.measure import input_specs
 from ..tuning.tune import workloads_of
 from . import suites
 from .runtime import node_runtime
@@ -145,25 +146,11 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
-def _point_inputs(func: tirx.PrimFunc, workload) -> list[dict]:
-    """Valid inputs of a kernel PrimFunc, by parameter name: a block table of live block ids,
-    full context lengths, a finite lse, normal floats."""
+def _point_inputs(func: tirx.PrimFunc) -> list[dict]:
+    """Valid inputs of a kernel PrimFunc (the tuner's fills), named by its parameters."""
     infos = ms.arg_info.ArgInfo.from_prim_func(func)
-    shapes = {p.name: [int(s) for s in info.shape] for p, info in zip(func.params, infos)}
-    inputs = []
-    for param, info in zip(func.params, infos):
-        name, dtype, shape = param.name, str(info.dtype), shapes[param.name]
-        if name in ("table", "block_table"):
-            cache = shapes.get("k_cache")
-            inputs.append(suites.tensor(name, shape, dtype, "blocks", num_blocks=cache[0], block_size=cache[1]))
-        elif name in ("lens", "context_lens"):
-            keys = shape[0] and workload.dim["max_blocks"] * workload.spec.block_size
-            inputs.append(suites.tensor(name, shape, dtype, "values", values=[keys] * shape[0]))
-        elif name == "lse":
-            inputs.append(suites.tensor(name, shape, dtype, "lse", keys=workload.dim.get("Sk") or 2))
-        else:
-            inputs.append(suites.tensor(name, shape, dtype, scale=0.5))
-    return inputs
+    specs = input_specs((info.dtype, info.shape) for info in infos)
+    return [{"name": param.name, **spec} for param, spec in zip(func.params, specs)]
 
 
 def _tune_stage(target, out: Path, cubins: _Cubins, limit: int | None, log) -> tuple[list[dict], list[dict]]:
@@ -193,7 +180,7 @@ def tune_bucket(out: Path, name: str, workload, points: list[dict], target: tvm.
     (out / "tune").mkdir(exist_ok=True)
     built.export_library(str(out / "tune" / f"{name}.so"))
     bucket = {"id": name, "module": f"tune/{name}.so", "workload": workload.key, "describe": workload.describe(),
-              "seed": 500 + len(name), "inputs": _point_inputs(funcs["point_0"], workload), "cubin": add_cubin(built),
+              "seed": 500, "inputs": _point_inputs(funcs["point_0"]), "cubin": add_cubin(built),
               "target": {"kind": target.kind.name, **({"arch": str(target.attrs["arch"])}
                                                        if target.kind.name == "cuda" else {})}}
     cases = [{"kind": "kernel", "stage": "tune", "name": f"tune/{name}/point_{i}", "module": bucket["module"],

@@ -8,6 +8,7 @@ integers would index out of the cache), floats are standard normal, the lse is f
 
 Contents:
     build_candidate             -- f_build of ``ms.builder.LocalBuilder``
+    input_specs                 -- valid fills of a kernel's parameters (also the deploy bundle's)
     alloc_arguments             -- f_alloc_argument of ``ms.runner.LocalRunner``
     alloc_arguments_rpc         -- f_alloc_argument of ``ms.runner.RPCRunner``
     local_runner, rpc_runner, builder
@@ -20,6 +21,8 @@ import os
 import numpy as np
 import tvm
 from tvm.s_tir import meta_schedule as ms
+
+from ..deploy.node.arrays import make_arrays
 
 EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=False)
 
@@ -37,29 +40,33 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) 
     return tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
 
-def _arrays(args_info) -> list[np.ndarray]:
-    """Valid inputs for a fuel kernel's parameters, from their (dtype, shape)."""
-    import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy
-
-    rng = np.random.default_rng(0)
-    specs = [(str(dtype), tuple(int(n) for n in shape)) for _, dtype, shape in args_info]
-    floats4 = [shape for dtype, shape in specs if len(shape) == 4 and dtype.startswith(("float", "bfloat"))]
-    arrays = []
-    for dtype, shape in specs:
+def input_specs(params) -> list[dict]:
+    """How to fill a fuel kernel's parameters with valid values, from their (dtype, shape) in
+    order (``deploy.node.arrays`` fills): a paged kernel gets a block table of block ids below the
+    cache's count and full context lengths, an lse is finite (about log Sk), masks mostly keep,
+    floats are normal. The shapes tell the parameters apart: MetaSchedule's runners know no names."""
+    params = [(str(dtype), [int(n) for n in shape]) for dtype, shape in params]
+    floats4 = [shape for dtype, shape in params if len(shape) == 4 and dtype.startswith(("float", "bfloat"))]
+    specs = []
+    for dtype, shape in params:
+        spec = {"shape": shape, "dtype": dtype, "fill": "normal", "scale": 0.5}
         if dtype.startswith(("int", "uint")) and len(shape) == 2:  # block table [B, max_blocks]
-            num_blocks = floats4[1][0]  # k_cache [num_blocks, block_size, Hkv, D] follows q
-            ids = np.arange(shape[0] * shape[1]) % num_blocks
-            arrays.append(rng.permutation(ids).reshape(shape).astype(dtype))
+            # k_cache [num_blocks, block_size, Hkv, D] follows q
+            spec.update(fill="blocks", num_blocks=floats4[1][0], block_size=floats4[1][1])
         elif dtype.startswith(("int", "uint")):  # context_lens [B]: every table full
-            table = next(s for d, s in specs if d.startswith(("int", "uint")) and len(s) == 2)
-            arrays.append(np.full(shape, table[1] * floats4[1][1], dtype))
+            table = next(s for d, s in params if d.startswith(("int", "uint")) and len(s) == 2)
+            spec.update(fill="values", values=[table[1] * floats4[1][1]] * shape[0])
         elif dtype == "bool":
-            arrays.append(rng.random(shape) < 0.9)
-        elif dtype == "float32" and len(shape) == 3:  # lse [B, Hq, Sq]: finite, about log(Sk)
-            arrays.append((np.log(max(floats4[1][2], 2)) + rng.random(shape)).astype(dtype))
-        else:
-            arrays.append((rng.standard_normal(shape) * 0.5).astype(dtype))
-    return arrays
+            spec.update(fill="keep", p=0.9)
+        elif dtype == "float32" and len(shape) == 3:  # lse [B, Hq, Sq]
+            spec.update(fill="lse", keys=floats4[1][2])
+        specs.append(spec)
+    return specs
+
+
+def _arrays(args_info) -> list[np.ndarray]:
+    """Valid inputs for a fuel kernel's parameters, from MetaSchedule's (kind, dtype, shape)."""
+    return make_arrays(input_specs((dtype, shape) for _, dtype, shape in args_info), seed=0)
 
 
 def alloc_arguments(device, args_info, alloc_repeat: int):
