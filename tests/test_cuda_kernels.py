@@ -3,7 +3,9 @@
 Without a GPU (CI): every kernel is built for sm_80 and sm_90, the emitted CUDA C is compiled
 with nvcc to a cubin, and the source is checked: each fuel kernel is a device kernel (an unbound
 PrimFunc would silently become host code), its shared memory fits the architecture, no global
-buffer grows with Sq * Sk, and float16/bfloat16 kernels use tensor-core (WMMA) instructions.
+buffer grows with Sq * Sk, and float16/bfloat16 kernels use tensor cores: the forward kernels
+register tiles (ldmatrix + mma.sync, no float32 store to shared memory inside the key loop), the
+backward WMMA.
 The kernels' numerics without a GPU: the ``kernels`` fixture's "cuda-emulated" runs every
 numeric test of test_flash_attn/test_paged_attn/test_backward through their llvm emulation.
 
@@ -17,6 +19,7 @@ import re
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from helpers import _flatten, assert_close, build, buffers_growing_with, legalize_cuda_emulated, randn
 from tvm import tirx
 
@@ -25,6 +28,7 @@ from tvm_fuel import cuda, op, reference
 from tvm_fuel.deploy.node.compare import DEVICE_SCALE, LSE_TOLERANCE
 from tvm_fuel.models import llama, peers
 from tvm_fuel.models.engine import LlamaEngine
+from tvm_fuel.schedules.cuda import mma
 from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
 from tvm_fuel.schedules.cuda.rules import STATIC_SHARED_LIMIT
 
@@ -98,12 +102,72 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     assert usage
     for kernel, (static, dynamic) in usage.items():
         assert static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch], (kernel, static, dynamic)
-    if dtype != "float32":  # half precision runs its GEMMs on tensor cores
+    if dtype != "float32" and "backward" in case:  # half precision runs its GEMMs on tensor cores
         assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
+    elif dtype != "float32":  # register tiles: S, P and O never leave the registers inside the key loop
+        ptx = "bf16" if dtype == "bfloat16" else "f16"
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in source and "wmma" not in source
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in source and "ldmatrix.sync.aligned.m8n8.x4.trans" in source
+        for name, func in kernels.items():
+            loop_ops, stores = _key_loop(func)
+            assert {"tirx.ptx_legacy.mma", "tirx.ptx_legacy.ldmatrix", "tirx.tvm_warp_shuffle_xor"} <= loop_ops, name
+            assert not [s for s in stores if s.buffer.dtype == "float32" and s.buffer.scope().startswith("shared")], (
+                name, sorted({s.buffer.name for s in stores}))
     assert _wmma_strides_fit(source)
     # the tiles a block walks (K/V; Q/dO in the backward's dk/dv kernel) stream through a cp.async pipeline
     assert "cp.async.cg.shared.global" in source and "cp.async.wait_group" in source
     assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile
+
+
+@pytest.mark.parametrize("operand", ["a", "b", "b_trans"])
+def test_ldmatrix_addresses_give_the_mma_fragments(operand):
+    """The per-lane shared-memory rows the kernels hand ldmatrix.x4 leave, by the ISA's rule, each
+    lane holding the elements the mma.m16n8k16 fragment layout (and the emulation) puts there:
+    Q as A, K stored n-major and V stored k-major (.trans) as two 16x8 B tiles."""
+    tile = [[100 * r + c for c in range(16)] for r in range(16)]
+    for lane, got in enumerate(mma.fragment_from_ldmatrix(tile, operand)):
+        if operand == "a":
+            want = [tile[r][c] for r, c in (mma.a_element(lane, i) for i in range(8))]
+        else:
+            kn = [mma.b_element(lane, i % 4) for i in range(8)]
+            at = [(k, n + 8 * (i // 4)) for i, (k, n) in enumerate(kn)]
+            want = [tile[k][n] if operand == "b_trans" else tile[n][k] for k, n in at]
+        assert got == want, (operand, lane)
+
+
+def test_fragment_layouts_cover_the_tiles_once():
+    """a_owner / b_owner (the emulated mma's gathers) invert the element maps; every entry of the
+    16x16 A, 16x8 B and 16x8 C tiles sits in exactly one (lane, element)."""
+    for element, owner, regs, size in ((mma.a_element, mma.a_owner, 8, 256), (mma.b_element, mma.b_owner, 4, 128)):
+        places = {element(lane, i): (lane, i) for lane in range(32) for i in range(regs)}
+        assert len(places) == size
+        assert all(owner(*place) == slot for place, slot in places.items())
+    assert len({mma.c_element(lane, i) for lane in range(32) for i in range(4)}) == 128
+    # and agree with TVM's own mma intrinsics (an independent statement of the ISA's layout)
+    from tvm.s_tir.tensor_intrin.cuda import shared_16x16_to_ldmatrix_32x8_layout as tvm_layout
+
+    assert all(tuple(tvm_layout(r, c)) == mma.a_owner(r, c) for r in range(16) for c in range(16))
+    assert all(tuple(tvm_layout(*mma.c_element(lane, i))) == (lane, i) for lane in range(32) for i in range(4))
+
+
+def _ops_in(node) -> set[str]:
+    found = set()
+    tvm_ffi.structural_walk(node, (tvm.ir.expr.Call, lambda n: found.add(n.op.name) if isinstance(n.op, tvm.ir.Op) else None),
+                            order="post")
+    return found
+
+
+def _key_loop(func: tirx.PrimFunc) -> tuple[set[str], list]:
+    """(ops, buffer stores) of a kernel's key loop: the innermost loop that both commits cp.async
+    groups and multiplies (the pipeline's steady state: one key tile per step)."""
+    loops = []
+    tvm_ffi.structural_walk(func.body, (tirx.For, loops.append), order="post")
+    steady = [loop for loop in loops if {"tirx.ptx.cp_async_commit_group", "tirx.ptx_legacy.mma"} <= _ops_in(loop.body)]
+    assert steady, "no loop both streams tiles and multiplies"
+    loop = steady[0]  # post order: the innermost comes first
+    stores = []
+    tvm_ffi.structural_walk(loop.body, (tirx.BufferStore, stores.append), order="post")
+    return _ops_in(loop.body), stores
 
 
 def _wmma_strides_fit(source: str) -> bool:
@@ -136,7 +200,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     rng = np.random.default_rng(stages)
     host = tvm.target.Target("llvm")
     q, k, v = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 2, 150, 64), dtype), randn(rng, (1, 2, 150, 64), dtype)
-    cases = [(dict(causal=True), dict(block_q=16, block_k=16)), (dict(window_size=(40, 0)), dict(block_k=32)),
+    cases = [(dict(causal=True), dict(block_q=16, block_k=16, threads=32)), (dict(window_size=(40, 0)), dict(block_k=32)),
              (dict(), dict(block_k=64, splits=2))]
     for options, knobs in cases:
         mod = build(lambda **a: op.flash_attn(**a, return_lse=True, **options),
@@ -156,7 +220,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     params = dict(q=(q.shape, dtype), k_cache=(k_cache.shape, dtype), v_cache=(v_cache.shape, dtype),
                   block_table=(table.shape, "int32"), context_lens=(lens.shape, "int32"))
     mod = build(lambda **a: op.paged_attn(**a), params)
-    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_k=16))
+    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_k=16, threads=32))
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
     (out,) = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k_cache, v_cache, table, lens))))
     assert_close(out, reference.paged_attn(q, k_cache, v_cache, table, lens), dtype, what="paged out")
@@ -165,7 +229,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     k, v = randn(rng, (1, 2, 70, 64), dtype), randn(rng, (1, 2, 70, 64), dtype)
     mod = build(lambda **a: op.flash_attn_backward(**a, causal=True),
                 {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v, do=do).items()})
-    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_q=16, block_k=16))
+    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_q=16, block_k=16, threads=32))
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
     got = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v, do))))
     for name, array, want in zip("qkv", got, reference.flash_attn_backward(q, k, v, do, causal=True)):

@@ -15,8 +15,8 @@ tensor-core instructions and the split of the work over threads only run on a de
 Contents:
     Launch   -- threads per block / emulation; grid and thread loops; scopes
     Rows     -- a row range of a tile buffer (one pipeline stage) used as a tile
-    TileOps  -- sync, tile copies (cp.async where asked), commit/wait of copy groups, tile GEMM
-                (WMMA or SIMT) for one launch and input dtype
+    TileOps  -- sync, tile copies (cp.async where asked), commit/wait of copy groups, the
+                multi-stage copy pipeline, tile GEMM (WMMA or SIMT) for one launch and input dtype
     SHARED_MEMORY_LIMIT -- bytes of shared memory a block may use per architecture
     padded_dim
 """
@@ -155,6 +155,32 @@ class TileOps:
 
         self.sync, self.commit, self.wait = sync, commit, wait
         self._gemms: dict = {}
+
+    def pipeline(self, stages: int):
+        """Macro ``pipeline(count, issue, compute)``: walks ``count`` tiles through a
+        ``stages``-deep copy pipeline. ``issue(t, st)`` starts the copies of tile t into stage st
+        (cp.async on the device); ``compute(t, st)`` uses tile t once it has landed. ``stages - 1``
+        tiles are issued ahead and one more each step; a step waits for its own tile only (every
+        thread commits one group per step, empty past the end), and the barrier before the
+        next issue keeps a stage from being overwritten while it is read."""
+        sync, commit, wait_for_tile = self.sync, self.commit, self.wait(stages - 1)
+
+        @T.macro
+        def pipeline(count, issue, compute):
+            for t in range(stages - 1):
+                if t < count:
+                    issue(t, t)
+                commit()
+            for t in range(count):
+                sync()  # the previous tile's readers are done with the stage about to be refilled
+                if t + stages - 1 < count:
+                    issue(t + stages - 1, (t + stages - 1) % stages)
+                commit()
+                wait_for_tile()
+                sync()
+                compute(t, t % stages)
+
+        return pipeline
 
     @cached_property
     def threads(self) -> int:

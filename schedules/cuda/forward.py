@@ -30,8 +30,9 @@ from tvm.script import tirx as T
 from ... import semantics as sem
 from ..common import (drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
                       row_position, shape_vars, tile_is_interior)
-from .device import F32, Launch, Rows, TileOps, padded_dim
-from .tiles import CudaTiles
+from .device import F32, HALF_TYPES, TILE_PAD, Launch, Rows, TileOps, padded_dim
+from .mma import WarpTiles, c_element
+from .tiles import CudaTiles, WarpLayout
 
 
 def _ceil(a: int, b: int) -> int:
@@ -48,13 +49,14 @@ class _Body:
         SPLITS, STAGES = tiles.splits, tiles.stages
         scale = spec.scale
         local = launch.local
-        qk = ops.gemm(BQ, BK, DP, b_trans=True)
-        pv = ops.gemm(BQ, DP, BK) if ops.tensor_cores else None
-        PAD = ops.pad
+        # float16/bfloat16: register tiles (mma.sync), on the device and, lane by lane, in the emulation
+        registers = spec.dtype in HALF_TYPES
+        qk = None if registers else ops.gemm(BQ, BK, DP, b_trans=True)
+        PAD = TILE_PAD if registers else 0
         self.ops = ops
 
         copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP, asynchronous=True)
-        wait_for_tile = ops.wait(STAGES - 1)  # the oldest tile in flight has landed
+        pipeline = ops.pipeline(STAGES)
 
         def stage(tiles_buffer, index):  # a [BK, DP + PAD] stage of a K or V buffer
             return Rows.stage(tiles_buffer, index, BK)
@@ -83,15 +85,15 @@ class _Body:
                 copy_keys(stage(Ks, st), lambda r: kt * BK + r < kv_len, lambda r, c: k[b, g, kt * BK + r, c], tx)
                 copy_keys(stage(Vs, st), lambda r: kt * BK + r < kv_len, lambda r, c: v[b, g, kt * BK + r, c], tx)
 
-        def logit(S, r, c, alibi, mask, b, h, pos, key, kv_len, delta, check):
-            s = sem.softcap(cfg, S[r, c] * T.float32(scale))
+        def logit_of(score, alibi, mask, b, h, pos, key, kv_len, delta, check):
+            s = sem.softcap(cfg, score * T.float32(scale))
             if spec.elementwise_logits:
                 return masked_logit(spec, s, alibi, mask, b, h, pos, key, kv_len, delta)
             return T.Select(check, masked_logit(spec, s, alibi, mask, b, h, pos, key, kv_len, delta), s)
 
         def row_logit(S, alibi, mask, b, g, r0, r, c, key0, kv_len, delta, check):
-            return logit(S, r, c, alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key0 + c,
-                         kv_len, delta, check)
+            return logit_of(S[r, c], alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key0 + c,
+                            kv_len, delta, check)
 
         # RT threads share a row of the softmax update (a power of two within a warp, combined by
         # shuffles), so every thread is busy and a warp reads S without bank conflicts
@@ -143,17 +145,63 @@ class _Body:
                     l[i] = l[i] * T.exp(m[i] - sem.safe_row_max(top[0])) + total[0]
                     m[i] = top[0]
 
+        def key_walk(r0, rows, split, kv_len, Sq):
+            """(first, count): the key tiles this block's split walks (those its rows can see)."""
+            lo, hi = key_tile_range(cfg, first_pos=row_position(r0, group),
+                                    last_pos=row_position(T.min(r0 + BQ, rows) - 1, group), kv_len=kv_len,
+                                    delta=kv_len - Sq, block_k=BK)
+            per = (hi - lo + SPLITS - 1) // SPLITS
+            return lo + split * per, T.max(lo + split * per, T.min(hi, lo + split * per + per)) - lo - split * per
+
+        def needs_mask(kt, r0, rows, kv_len, Sq):
+            """Whether key tile kt masks any element of the block's rows (interior tiles skip it)."""
+            if spec.elementwise_logits:
+                return T.bool(True)
+            return tirx.Not(tile_is_interior(
+                cfg, key_start=kt * BK, first_pos=row_position(r0, group),
+                last_pos=row_position(T.min(r0 + BQ, rows) - 1, group), kv_len=kv_len, delta=kv_len - Sq, block_k=BK))
+
         @T.macro
-        def attend(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
-                   num_blocks, tx):
-            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=launch.shared)
-            Ks = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=launch.shared)  # STAGES tiles in flight
-            Vs = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=launch.shared)
+        def emit(out, part_o, b, g, r0, rows, split, row, col, acc, row_sum):
+            # element (row, col) of the block's output: normalized (a split's partial O is float32)
+            if tirx.all(r0 + row < rows, col < D):
+                if SPLITS == 1:
+                    out[b, row_head(g, r0 + row, group), row_position(r0 + row, group), col] = T.Cast(dtype, sem.normalize(acc, row_sum))
+                else:
+                    part_o[b, row_head(g, r0 + row, group), row_position(r0 + row, group), split, col] = sem.normalize(acc, row_sum)
+
+        @T.macro
+        def emit_lse(lse, part_lse, b, g, r0, rows, split, row, row_max, row_sum):
+            if r0 + row < rows:
+                if SPLITS > 1:
+                    part_lse[b, row_head(g, r0 + row, group), row_position(r0 + row, group), split] = sem.log_sum_exp(sem.safe_row_max(row_max), row_sum)
+                elif spec.return_lse:
+                    lse[b, row_head(g, r0 + row, group), row_position(r0 + row, group)] = sem.log_sum_exp(sem.safe_row_max(row_max), row_sum)
+
+        @T.macro
+        def simt_tile(S, P, m, l, alpha, O, Qs, Ks, Vs, alibi, mask, b, g, r0, rows, kt, st, kv_len, Sq, tx):
+            qk(S, Qs, stage(Ks, st), tx)
+            ops.sync()
+            softmax_rows(S, P, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, kv_len, kv_len - Sq,
+                         needs_mask(kt, r0, rows, kv_len, Sq), tx)
+            ops.sync()
+            # each thread multiplies straight into the elements of O it owns
+            for i in launch.owned(_ceil(BQ * DP, NT)):
+                if i * NT + tx < BQ * DP:
+                    O[i] = O[i] * alpha[(i * NT + tx) // DP]
+                    for c in range(BK):
+                        O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, stage(Vs, st)[c, (i * NT + tx) % DP])
+
+        @T.macro
+        def attend_simt(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
+                        num_blocks, tx):
+            Qs = T.alloc_buffer((BQ, DP), dtype, scope=launch.shared)
+            Ks = T.alloc_buffer((STAGES * BK, DP), dtype, scope=launch.shared)  # STAGES tiles in flight
+            Vs = T.alloc_buffer((STAGES * BK, DP), dtype, scope=launch.shared)
             # S and P in static shared memory: TVM's sync planner tells them apart from the dynamic
             # tiles, so the passes reading one and writing the other need no extra barriers
             S = T.alloc_buffer((BQ, BK + 4), F32, scope=launch.small_shared)  # +4: fewer bank conflicts
-            P = T.alloc_buffer((BQ, BK + PAD), dtype, scope=launch.small_shared)
-            PV = T.alloc_buffer((BQ, DP) if ops.tensor_cores else (1, 1), F32, scope=launch.shared)
+            P = T.alloc_buffer((BQ, BK), dtype, scope=launch.small_shared)
             m = T.alloc_buffer((SLOTS,), F32, scope=local)  # max and sum of the rows this thread works on
             l = T.alloc_buffer((SLOTS,), F32, scope=local)
             row_max = T.alloc_buffer((BQ,), F32, scope=launch.small_shared)  # published after the last tile
@@ -167,49 +215,11 @@ class _Body:
                 l[i] = T.float32(0)
             for i in range(_ceil(BQ * DP, NT)):
                 O[i] = T.float32(0)
-            first_pos = row_position(r0, group)
-            last_pos = row_position(T.min(r0 + BQ, rows) - 1, group)
-            delta = kv_len - Sq
-            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=delta,
-                                    block_k=BK)
-            per = (hi - lo + SPLITS - 1) // SPLITS
-            first = lo + split * per  # this split's key tiles: first, first + 1, ..., first + count - 1
-            count = T.max(first, T.min(hi, first + per)) - first
-            # the pipeline: STAGES - 1 tiles are issued ahead, one more each step; a step waits for
-            # its own tile only (every thread commits one group per tile slot, empty past the end)
-            for t in range(STAGES - 1):
-                if t < count:
-                    load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, t, kv_len, num_blocks, tx)
-                ops.commit()
-            for t in range(count):
-                kt = first + t
-                ops.sync()  # the previous tile's readers are done with its stage, P and alpha
-                if t + STAGES - 1 < count:
-                    load_keys(Ks, Vs, pages, k, v, table, b, g, kt + STAGES - 1, (t + STAGES - 1) % STAGES, kv_len,
-                              num_blocks, tx)
-                ops.commit()
-                wait_for_tile()
-                ops.sync()
-                qk(S, Qs, stage(Ks, t % STAGES), tx)
-                ops.sync()
-                softmax_rows(S, P, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, kv_len, delta,
-                             T.bool(True) if spec.elementwise_logits else tirx.Not(tile_is_interior(
-                                 cfg, key_start=kt * BK, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len,
-                                 delta=delta, block_k=BK)), tx)
-                ops.sync()
-                if ops.tensor_cores:
-                    pv(PV, P, stage(Vs, t % STAGES), tx)
-                    ops.sync()
-                    for i in launch.owned(_ceil(BQ * DP, NT)):
-                        if i * NT + tx < BQ * DP:
-                            O[i] = O[i] * alpha[(i * NT + tx) // DP] + PV[(i * NT + tx) // DP, (i * NT + tx) % DP]
-                else:
-                    # SIMT: each thread multiplies straight into the elements of O it owns
-                    for i in launch.owned(_ceil(BQ * DP, NT)):
-                        if i * NT + tx < BQ * DP:
-                            O[i] = O[i] * alpha[(i * NT + tx) // DP]
-                            for c in range(BK):
-                                O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, stage(Vs, t % STAGES)[c, (i * NT + tx) % DP])
+            first, count = key_walk(r0, rows, split, kv_len, Sq)
+            pipeline(count,
+                     lambda t, st: load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, st, kv_len, num_blocks, tx),
+                     lambda t, st: simt_tile(S, P, m, l, alpha, O, Qs, Ks, Vs, alibi, mask, b, g, r0, rows, first + t,
+                                             st, kv_len, Sq, tx))
             for i in range(SLOTS):
                 if tirx.all(i * NT + tx < BQ * RT, slot_part(i, tx) == 0):
                     row_max[slot_row(i, tx)] = m[i]
@@ -217,17 +227,187 @@ class _Body:
             ops.sync()
             for i in range(_ceil(BQ * DP, NT)):
                 if i * NT + tx < BQ * DP:
-                    if tirx.all(r0 + (i * NT + tx) // DP < rows, (i * NT + tx) % DP < D):
-                        if SPLITS == 1:
-                            out[b, row_head(g, r0 + (i * NT + tx) // DP, group), row_position(r0 + (i * NT + tx) // DP, group), (i * NT + tx) % DP] = T.Cast(dtype, sem.normalize(O[i], row_sum[(i * NT + tx) // DP]))
-                        else:
-                            part_o[b, row_head(g, r0 + (i * NT + tx) // DP, group), row_position(r0 + (i * NT + tx) // DP, group), split, (i * NT + tx) % DP] = sem.normalize(O[i], row_sum[(i * NT + tx) // DP])
+                    emit(out, part_o, b, g, r0, rows, split, (i * NT + tx) // DP, (i * NT + tx) % DP, O[i],
+                         row_sum[(i * NT + tx) // DP])
             for i in range(_ceil(BQ, NT)):
-                if tirx.all(r0 + i * NT + tx < rows, i * NT + tx < BQ):
-                    if SPLITS > 1:
-                        part_lse[b, row_head(g, r0 + i * NT + tx, group), row_position(r0 + i * NT + tx, group), split] = sem.log_sum_exp(sem.safe_row_max(row_max[i * NT + tx]), row_sum[i * NT + tx])
-                    elif spec.return_lse:
-                        lse[b, row_head(g, r0 + i * NT + tx, group), row_position(r0 + i * NT + tx, group)] = sem.log_sum_exp(sem.safe_row_max(row_max[i * NT + tx]), row_sum[i * NT + tx])
+                if i * NT + tx < BQ:
+                    emit_lse(lse, part_lse, b, g, r0, rows, split, i * NT + tx, row_max[i * NT + tx], row_sum[i * NT + tx])
+
+        if registers:
+            # Register tiles (FlashAttention-2): warp (wm, wn) of the WarpLayout computes S for its
+            # 16-row strips and key slice with mma.sync, runs the online softmax on the fragments
+            # (row max and sum over the 4 lanes of a row by shuffles, l kept per lane and summed
+            # once at the end), rescales O in place and feeds P (converted to the input dtype in
+            # registers: S's C fragments are P's A fragments) to P V. Key-split warps merge their
+            # (max, sum, O) through shared memory at the end.
+            layout = WarpLayout.of(tiles)
+            wt = WarpTiles(launch, dtype, tiles.warps)
+            WM, WN, MT, KS = layout.row_warps, layout.key_warps, layout.m_tiles, layout.key_slice
+            NS, DT, KD, R, SL = KS // 8, DP // 8, DP // 16, 2 * layout.m_tiles, wt.slots
+            own = launch.owned
+
+            def frow(w, lane, mt, i):  # block row of C element i of the lane's strip mt
+                return (w % WM * MT + mt) * 16 + c_element(lane, i)[0]
+
+            def fkey(w, lane, nt, i):  # tile key of C element i of the lane's S tile nt
+                return w // WM * KS + nt * 8 + c_element(lane, i)[1]
+
+            @T.macro
+            def tile_scores(s, qa, kb, Qs, Ks, st, w, tx):
+                for li in wt.lanes():
+                    for e in own(MT * NS * 4):
+                        s[wt.slot(w, wt.lane_of(li, tx)), e] = T.float32(0)
+                for mt in own(MT):
+                    for kk in own(KD):
+                        wt.load_a(qa, 0, Qs, (w % WM * MT + mt) * 16, kk * 16, w, tx)
+                        for n2 in own(NS // 2):
+                            wt.load_b(kb, 0, Ks, st * BK + w // WM * KS + n2 * 16, kk * 16, w, tx)
+                            wt.mma(s, (mt * NS + 2 * n2) * 4, qa, 0, kb, 0, w)
+                            wt.mma(s, (mt * NS + 2 * n2 + 1) * 4, qa, 0, kb, 4, w)
+
+            @T.macro
+            def tile_softmax(s, o, m, l, mx, alpha, alibi, mask, b, g, r0, rows, key0, kv_len, delta, check, w, tx):
+                for li in wt.lanes():
+                    for r in own(R):
+                        mx[wt.slot(w, wt.lane_of(li, tx)), r] = m[wt.slot(w, wt.lane_of(li, tx)), r]
+                    for mt in own(MT):
+                        for nt in own(NS):
+                            for i in own(4):
+                                s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + nt) * 4 + i] = T.if_then_else(
+                                    r0 + frow(w, wt.lane_of(li, tx), mt, i) < rows,
+                                    logit_of(s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + nt) * 4 + i], alibi, mask, b,
+                                             row_head(g, r0 + frow(w, wt.lane_of(li, tx), mt, i), group),
+                                             row_position(r0 + frow(w, wt.lane_of(li, tx), mt, i), group),
+                                             key0 + fkey(w, wt.lane_of(li, tx), nt, i), kv_len, delta, check),
+                                    T.float32(float("-inf")))
+                                mx[wt.slot(w, wt.lane_of(li, tx)), mt * 2 + i // 2] = T.max(
+                                    mx[wt.slot(w, wt.lane_of(li, tx)), mt * 2 + i // 2],
+                                    s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + nt) * 4 + i])
+                wt.quad_max(mx, R, w, tx)
+                for li in wt.lanes():
+                    for r in own(R):
+                        alpha[wt.slot(w, wt.lane_of(li, tx)), r] = T.exp(
+                            m[wt.slot(w, wt.lane_of(li, tx)), r] - sem.safe_row_max(mx[wt.slot(w, wt.lane_of(li, tx)), r]))
+                        l[wt.slot(w, wt.lane_of(li, tx)), r] = l[wt.slot(w, wt.lane_of(li, tx)), r] * alpha[wt.slot(w, wt.lane_of(li, tx)), r]
+                        m[wt.slot(w, wt.lane_of(li, tx)), r] = mx[wt.slot(w, wt.lane_of(li, tx)), r]
+                    for mt in own(MT):
+                        for nt in own(NS):
+                            for i in own(4):
+                                s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + nt) * 4 + i] = T.exp(
+                                    s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + nt) * 4 + i]
+                                    - sem.safe_row_max(m[wt.slot(w, wt.lane_of(li, tx)), mt * 2 + i // 2]))
+                                l[wt.slot(w, wt.lane_of(li, tx)), mt * 2 + i // 2] = l[wt.slot(w, wt.lane_of(li, tx)), mt * 2 + i // 2] + s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + nt) * 4 + i]
+                        for dt in own(DT):
+                            for i in own(4):
+                                o[wt.slot(w, wt.lane_of(li, tx)), (mt * DT + dt) * 4 + i] = o[wt.slot(w, wt.lane_of(li, tx)), (mt * DT + dt) * 4 + i] * alpha[wt.slot(w, wt.lane_of(li, tx)), mt * 2 + i // 2]
+
+            @T.macro
+            def tile_values(s, o, pa, vb, Vs, st, w, tx):
+                for mt in own(MT):
+                    for kb in own(KS // 16):
+                        for li in wt.lanes():
+                            for i in own(8):
+                                pa[wt.slot(w, wt.lane_of(li, tx)), i] = T.Cast(dtype, s[wt.slot(w, wt.lane_of(li, tx)), (mt * NS + 2 * kb + i // 4) * 4 + i % 4])
+                        for d2 in own(DT // 2):
+                            wt.load_b_trans(vb, 0, Vs, st * BK + w // WM * KS + kb * 16, d2 * 16, w, tx)
+                            wt.mma(o, (mt * DT + 2 * d2) * 4, pa, 0, vb, 0, w)
+                            wt.mma(o, (mt * DT + 2 * d2 + 1) * 4, pa, 0, vb, 4, w)
+
+            @T.macro
+            def register_tile(frags, Qs, Ks, Vs, alibi, mask, b, g, r0, rows, kt, st, kv_len, Sq, tx):
+                for wi in wt.warp_loop():
+                    tile_scores(frags[0], frags[6], frags[7], Qs, Ks, st, wt.warp_of(wi, tx), tx)
+                    tile_softmax(frags[0], frags[1], frags[2], frags[3], frags[4], frags[5], alibi, mask, b, g, r0, rows,
+                                 kt * BK, kv_len, kv_len - Sq, needs_mask(kt, r0, rows, kv_len, Sq), wt.warp_of(wi, tx), tx)
+                    tile_values(frags[0], frags[1], frags[8], frags[9], Vs, st, wt.warp_of(wi, tx), tx)
+
+            @T.macro
+            def merge_warps(o, m, l, out, lse, part_o, part_lse, b, g, r0, rows, split, tx):
+                # the key-split warps' (max, sum, O) of each row, combined as split-KV's merge does
+                merged_o = T.alloc_buffer((WN, BQ, DP), F32, scope=launch.shared)
+                merged_m = T.alloc_buffer((WN, BQ), F32, scope=launch.small_shared)
+                merged_l = T.alloc_buffer((WN, BQ), F32, scope=launch.small_shared)
+                top = T.alloc_buffer((1,), F32, scope=local)
+                weight = T.alloc_buffer((1,), F32, scope=local)
+                acc = T.alloc_buffer((1,), F32, scope=local)
+                ops.sync()  # the last tile's readers are done (merged_o may share their memory)
+                for wi in wt.warp_loop():
+                    for li in wt.lanes():
+                        for mt in own(MT):
+                            if wt.lane_of(li, tx) % 4 == 0:
+                                for i in own(2):
+                                    merged_m[wt.warp_of(wi, tx) // WM, frow(wt.warp_of(wi, tx), wt.lane_of(li, tx), mt, 2 * i)] = m[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), mt * 2 + i]
+                                    merged_l[wt.warp_of(wi, tx) // WM, frow(wt.warp_of(wi, tx), wt.lane_of(li, tx), mt, 2 * i)] = l[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), mt * 2 + i]
+                            for dt in own(DT):
+                                for i in own(4):
+                                    merged_o[wt.warp_of(wi, tx) // WM, frow(wt.warp_of(wi, tx), wt.lane_of(li, tx), mt, i), dt * 8 + c_element(wt.lane_of(li, tx), i)[1]] = o[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), (mt * DT + dt) * 4 + i]
+                ops.sync()
+                for i in range(_ceil(BQ * DP, NT)):
+                    if i * NT + tx < BQ * DP:
+                        top[0] = T.float32(float("-inf"))
+                        for wn in range(WN):
+                            top[0] = T.max(top[0], merged_m[wn, (i * NT + tx) // DP])
+                        weight[0] = T.float32(0)
+                        acc[0] = T.float32(0)
+                        for wn in range(WN):
+                            weight[0] = weight[0] + merged_l[wn, (i * NT + tx) // DP] * T.exp(merged_m[wn, (i * NT + tx) // DP] - sem.safe_row_max(top[0]))
+                            acc[0] = acc[0] + merged_o[wn, (i * NT + tx) // DP, (i * NT + tx) % DP] * T.exp(merged_m[wn, (i * NT + tx) // DP] - sem.safe_row_max(top[0]))
+                        emit(out, part_o, b, g, r0, rows, split, (i * NT + tx) // DP, (i * NT + tx) % DP, acc[0], weight[0])
+                        if (i * NT + tx) % DP == 0:
+                            emit_lse(lse, part_lse, b, g, r0, rows, split, (i * NT + tx) // DP, top[0], weight[0])
+
+            @T.macro
+            def attend_registers(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq,
+                                 kv_len, num_blocks, tx):
+                Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=launch.shared)
+                Ks = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=launch.shared)  # STAGES tiles in flight
+                Vs = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=launch.shared)
+                pages = T.alloc_buffer((STAGES * BK,) if paged else (1,), "int64", scope=launch.small_shared)
+                s = T.alloc_buffer((SL, MT * NS * 4), F32, scope=local)  # S, then P, of the warp's strips x key slice
+                o = T.alloc_buffer((SL, MT * DT * 4), F32, scope=local)
+                m = T.alloc_buffer((SL, R), F32, scope=local)  # row max (quad-reduced) and per-lane partial sum
+                l = T.alloc_buffer((SL, R), F32, scope=local)
+                mx = T.alloc_buffer((SL, R), F32, scope=local)
+                alpha = T.alloc_buffer((SL, R), F32, scope=local)
+                qa = T.alloc_buffer((SL, 8), dtype, scope=local)
+                kb = T.alloc_buffer((SL, 8), dtype, scope=local)
+                pa = T.alloc_buffer((SL, 8), dtype, scope=local)
+                vb = T.alloc_buffer((SL, 8), dtype, scope=local)
+                load_queries(Qs, q, b, g, r0, rows, tx)
+                for wi in wt.warp_loop():
+                    for li in wt.lanes():
+                        for r in own(R):
+                            m[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), r] = T.float32(float("-inf"))
+                            l[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), r] = T.float32(0)
+                        for e in own(MT * DT * 4):
+                            o[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), e] = T.float32(0)
+                first, count = key_walk(r0, rows, split, kv_len, Sq)
+                pipeline(count,
+                         lambda t, st: load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, st, kv_len, num_blocks, tx),
+                         lambda t, st: register_tile((s, o, m, l, mx, alpha, qa, kb, pa, vb), Qs, Ks, Vs, alibi, mask, b,
+                                                     g, r0, rows, first + t, st, kv_len, Sq, tx))
+                for wi in wt.warp_loop():
+                    wt.quad_sum(l, R, wt.warp_of(wi, tx), tx)
+                if WN == 1:
+                    for wi in wt.warp_loop():
+                        for li in wt.lanes():
+                            for mt in own(MT):
+                                for dt in own(DT):
+                                    for i in own(4):
+                                        emit(out, part_o, b, g, r0, rows, split, frow(wt.warp_of(wi, tx), wt.lane_of(li, tx), mt, i),
+                                             dt * 8 + c_element(wt.lane_of(li, tx), i)[1],
+                                             o[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), (mt * DT + dt) * 4 + i],
+                                             l[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), mt * 2 + i // 2])
+                                if wt.lane_of(li, tx) % 4 == 0:
+                                    for i in own(2):
+                                        emit_lse(lse, part_lse, b, g, r0, rows, split,
+                                                 frow(wt.warp_of(wi, tx), wt.lane_of(li, tx), mt, 2 * i),
+                                                 m[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), mt * 2 + i],
+                                                 l[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), mt * 2 + i])
+                else:
+                    merge_warps(o, m, l, out, lse, part_o, part_lse, b, g, r0, rows, split, tx)
+
+        attend = attend_registers if registers else attend_simt
 
         @T.macro
         def merge(out, lse, part_o, part_lse, B, Hq, Sq, tx, bx):

@@ -1,6 +1,7 @@
 """Rules that put the CUDA kernels in place of the floor for fuel calls on cuda targets.
 
-A rule serves sm_80 and newer (WMMA for float16/bfloat16, bfloat16 needs sm_80) and declines
+A rule serves sm_80 and newer (tensor cores for float16/bfloat16: register tiles through
+``ldmatrix`` + ``mma.sync`` in the forward kernels, WMMA in the backward; bfloat16 needs sm_80) and declines
 (the floor, scheduled by dlight, then serves the call) when no tile shape fits the architecture's
 shared memory. ``emulated=True`` gives the same rules for llvm targets, building each kernel's
 one-thread emulation (``Launch.emulated``): how the tests check the CUDA kernels' numerics on
@@ -26,11 +27,12 @@ from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
 from .device import HALF_TYPES, SHARED_MEMORY_LIMIT, Launch, padded_dim
 from .forward import dense_forward, paged_forward
-from .tiles import CudaTiles, backward_smem, forward_smem, streaming_multiprocessors
+from .tiles import CudaTiles, WarpLayout, backward_smem, forward_smem, streaming_multiprocessors
 
 STATIC_SHARED_LIMIT = 48 * 1024
 SPLIT_GRID_LIMIT = 16  # blocks per SM beyond which knob_points tries no split-KV
-MAX_ACCUMULATORS = 64  # float32 accumulators per thread that tensor-core kernels keep without spilling (ptxas)
+MAX_ACCUMULATORS = 64  # float32 accumulators per thread that WMMA (backward) kernels keep without spilling (ptxas)
+MAX_REGISTER_TILES = 128  # float32 S and O fragment elements per thread of a register-tile forward (no spills, ptxas)
 EMULATED_ARCH = "sm_90"  # the architecture whose limits the emulated kernels obey
 
 
@@ -67,13 +69,21 @@ class _CudaRule(KernelRule):
             tiles = CudaTiles(**knobs)
         except (TypeError, ValueError) as err:
             return str(err)
-        if workload.spec.dtype in HALF_TYPES and not tiles.fits_tensor_cores():
-            return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
-        return None
+        return self.tensor_core_problem(tiles) if workload.spec.dtype in HALF_TYPES else None
+
+    def tensor_core_problem(self, tiles: CudaTiles) -> str | None:
+        """Why float16/bfloat16 tiles cannot be spread over the block's warps (register tiles)."""
+        return WarpLayout.of(tiles).problem(tiles)
 
     def accumulators(self, workload: Workload, tiles: CudaTiles) -> int:
-        """float32 accumulators each thread keeps in registers (its share of the O tile)."""
+        """float32 accumulators each thread keeps in registers: its share of the O tile, or on
+        tensor cores its S and O fragments."""
+        if workload.spec.dtype in HALF_TYPES:
+            return WarpLayout.of(tiles).registers(workload.spec.head_dim)
         return -(-tiles.block_q * padded_dim(workload.spec.head_dim) // tiles.threads)
+
+    def register_limit(self) -> int:
+        return MAX_REGISTER_TILES
 
     def check_fit(self, workload: Workload, target: tvm.target.Target, knobs: Knobs) -> str | None:
         """Why ``knobs`` do not fit ``target``'s shared memory, or None when they do."""
@@ -96,7 +106,7 @@ class _CudaRule(KernelRule):
         registers (no more accumulators per thread than ptxas keeps without spilling, or than
         the hand-picked point holds), the hand-picked point first: what the tune stage measures."""
         defaults = self.default_knobs(workload, target)
-        most = max(MAX_ACCUMULATORS, self.accumulators(workload, CudaTiles(**defaults)))
+        most = max(self.register_limit(), self.accumulators(workload, CudaTiles(**defaults)))
         space = self.knob_space(workload, target)
         sms = streaming_multiprocessors(self._arch(target))
         points = [self.knobs(workload, target, {name: defaults[name] for name in space})]
@@ -128,7 +138,15 @@ class _CudaRule(KernelRule):
         half = workload.spec.dtype in HALF_TYPES
         shapes = [(64, 64), (64, 32), (32, 32), (16, 16)] if half else [(32, 32), (32, 16), (16, 16)]
         # a tile shape pipelined two deep, else loaded tile by tile, before a smaller shape
-        return [CudaTiles(block_q=bq, block_k=bk, stages=stages) for bq, bk in shapes for stages in (2, 1)]
+        return [CudaTiles(block_q=bq, block_k=bk, stages=stages, threads=self._threads(workload, bq, bk))
+                for bq, bk in shapes for stages in (2, 1)]
+
+    def _threads(self, workload: Workload, block_q: int, block_k: int) -> int:
+        """128 threads, fewer where tensor-core warps would outnumber the tile's 16-row strips and
+        16-key slices."""
+        if workload.spec.dtype not in HALF_TYPES:
+            return 128
+        return 32 * min(4, block_q // 16 * (block_k // 16))
 
     def _blocks(self, workload: Workload, tiles: CudaTiles) -> int | None:
         """Thread blocks of one split: batch x KV heads x row tiles (None where a dim is symbolic)."""
@@ -199,7 +217,8 @@ class CudaPagedAttention(_CudaRule):
         sq = workload.dim["Sq"]
         rows = None if sq is None else sq * workload.spec.group
         if rows is not None and rows <= 16:  # decode: one 16-row tile holds every query head of the group
-            return [CudaTiles(block_q=16, block_k=bk, stages=stages) for bk in (64, 32, 16) for stages in (2, 1)]
+            return [CudaTiles(block_q=16, block_k=bk, stages=stages, threads=self._threads(workload, 16, bk))
+                    for bk in (64, 32, 16) for stages in (2, 1)]
         return super()._candidates(workload)
 
     def _tuned_defaults(self, workload, target, tiles):
@@ -231,6 +250,14 @@ class CudaFlashBackward(_CudaRule):
     def accumulators(self, workload: Workload, tiles: CudaTiles) -> int:
         """Each thread's share of the dK and dV tiles."""
         return -(-2 * tiles.block_k * padded_dim(workload.spec.head_dim) // tiles.threads)
+
+    def register_limit(self) -> int:
+        return MAX_ACCUMULATORS
+
+    def tensor_core_problem(self, tiles: CudaTiles) -> str | None:
+        if not tiles.fits_tensor_cores():  # WMMA tiles
+            return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
+        return None
 
     def _tuned_defaults(self, workload, target, tiles):
         # more accumulators than MAX_ACCUMULATORS spill on tensor-core kernels: such tiles run 256 threads

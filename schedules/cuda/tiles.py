@@ -2,6 +2,7 @@
 
 Contents:
     CudaTiles          -- the knobs of a CUDA kernel (rows and keys per tile, splits, threads)
+    WarpLayout         -- how a register-tile forward block spreads its rows and keys over warps
     forward_smem       -- shared-memory bytes of a forward (dense or paged) block
     backward_smem      -- shared-memory bytes of a backward block
     streaming_multiprocessors -- SM count of an architecture (how many blocks fill the GPU)
@@ -10,6 +11,7 @@ Contents:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 from .device import HALF_TYPES, MMA, TILE_PAD, padded_dim
 
@@ -42,16 +44,57 @@ class CudaTiles:
     def fits_tensor_cores(self) -> bool:
         return self.block_q % MMA == 0 and self.block_k % MMA == 0
 
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+
+@dataclass(frozen=True)
+class WarpLayout:
+    """A register-tile forward block's warps: ``row_warps`` x ``key_warps``. Warp (wm, wn) owns
+    row strips wm * m_tiles .. (wm + 1) * m_tiles - 1 (16 rows each) and keys wn * key_slice ..
+    of every key tile. Rows go first; warps left over split the keys (decode's single 16-row
+    strip still keeps every warp busy), and their partial softmax states merge at the end."""
+
+    row_warps: int
+    key_warps: int
+    m_tiles: int
+    key_slice: int
+
+    @staticmethod
+    def of(tiles: CudaTiles) -> WarpLayout:
+        strips = max(1, tiles.block_q // MMA)
+        row_warps = gcd(tiles.warps, strips)
+        key_warps = tiles.warps // row_warps
+        return WarpLayout(row_warps, key_warps, strips // row_warps, tiles.block_k // key_warps)
+
+    def problem(self, tiles: CudaTiles) -> str | None:
+        """Why the tiles cannot be spread so (None when they can)."""
+        if not tiles.fits_tensor_cores():
+            return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
+        if tiles.block_k % (MMA * self.key_warps):
+            return (f"block_k {tiles.block_k} must split into {self.key_warps} key slices of a multiple of 16 "
+                    f"({tiles.threads} threads over {tiles.block_q // MMA} row strips)")
+        return None
+
+    def registers(self, head_dim: int) -> int:
+        """float32 accumulators per thread: its share of the warp's S and O fragments."""
+        return self.m_tiles * (padded_dim(head_dim) + self.key_slice) // 2
+
 
 def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
-    """(static, dynamic) shared-memory bytes of a forward block: S (float32, rows padded), P, row state and
-    page ids (one set per stage) static; Q, K and V tiles (``stages`` of each) and, on tensor cores,
-    P@V (float32) dynamic."""
+    """(static, dynamic) shared-memory bytes of a forward block: page ids (one set per stage) and
+    row state static; Q, K and V tiles (``stages`` of each) dynamic. Float32 (SIMT) blocks also
+    hold S, P and the rows' alpha, max and sum; register-tile (tensor-core) blocks none of them,
+    but key-split warps merge their row max and sum (static) and O (float32, dynamic)."""
     BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
     pad = TILE_PAD if dtype in HALF_TYPES else 0
-    static = 4 * BQ * (BK + 4) + e * BQ * (BK + pad) + 4 * 3 * BQ + 8 * BK * ST
-    dynamic = e * (BQ + 2 * BK * ST) * (DP + pad) + (4 * BQ * DP if dtype in HALF_TYPES else 0)
-    return static, dynamic
+    tiles_bytes = e * (BQ + 2 * BK * ST) * (DP + pad)
+    if dtype in HALF_TYPES:
+        key_warps = WarpLayout.of(tiles).key_warps
+        merge = key_warps > 1
+        return 8 * BK * ST + (8 * key_warps * BQ if merge else 0), tiles_bytes + (4 * key_warps * BQ * DP if merge else 0)
+    return 4 * BQ * (BK + 4) + e * BQ * BK + 4 * 3 * BQ + 8 * BK * ST, tiles_bytes
 
 
 def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
@@ -72,4 +115,4 @@ def streaming_multiprocessors(arch: str) -> int:
     return {"sm_80": 108, "sm_90": 132}.get(arch, 80)
 
 
-__all__ = ["CudaTiles", "forward_smem", "backward_smem", "streaming_multiprocessors"]
+__all__ = ["CudaTiles", "WarpLayout", "forward_smem", "backward_smem", "streaming_multiprocessors"]
