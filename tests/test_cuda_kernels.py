@@ -3,9 +3,8 @@
 Without a GPU (CI): every kernel is built for sm_80 and sm_90, the emitted CUDA C is compiled
 with nvcc to a cubin, and the source is checked: each fuel kernel is a device kernel (an unbound
 PrimFunc would silently become host code), its shared memory fits the architecture, no global
-buffer grows with Sq * Sk, and float16/bfloat16 kernels use tensor cores: the forward kernels
-register tiles (ldmatrix + mma.sync, no float32 store to shared memory inside the key loop), the
-backward WMMA.
+buffer grows with Sq * Sk, and float16/bfloat16 kernels multiply in register tiles (ldmatrix +
+mma.sync, no float32 store to shared memory inside a key or query loop).
 The kernels' numerics without a GPU: the ``kernels`` fixture's "cuda-emulated" runs every
 numeric test of test_flash_attn/test_paged_attn/test_backward through their llvm emulation.
 
@@ -102,18 +101,17 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     assert usage
     for kernel, (static, dynamic) in usage.items():
         assert static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch], (kernel, static, dynamic)
-    if dtype != "float32" and "backward" in case:  # half precision runs its GEMMs on tensor cores
-        assert "wmma::mma_sync" in source and "wmma::fragment<nvcuda::wmma::matrix_a" in source
-    elif dtype != "float32":  # register tiles: S, P and O never leave the registers inside the key loop
+    if dtype != "float32":  # register tiles: S, P, dP, dS and the accumulators never leave the registers
         ptx = "bf16" if dtype == "bfloat16" else "f16"
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in source and "wmma" not in source
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in source and "ldmatrix.sync.aligned.m8n8.x4.trans" in source
         for name, func in kernels.items():
-            loop_ops, stores = _key_loop(func)
-            assert {"tirx.ptx_legacy.mma", "tirx.ptx_legacy.ldmatrix", "tirx.tvm_warp_shuffle_xor"} <= loop_ops, name
-            assert not [s for s in stores if s.buffer.dtype == "float32" and s.buffer.scope().startswith("shared")], (
-                name, sorted({s.buffer.name for s in stores}))
-    assert _wmma_strides_fit(source)
+            loops = _streaming_loops(func)
+            assert len(loops) == (2 if name == "fuel_flash_attn_backward_kernel" else 1), (name, len(loops))  # dk/dv, dq
+            for loop_ops, stores in loops:
+                assert {"tirx.ptx_legacy.mma", "tirx.ptx_legacy.ldmatrix"} <= loop_ops, name
+                assert "backward" in case or "tirx.tvm_warp_shuffle_xor" in loop_ops  # the forward's row max
+                assert not [s for s in stores if _stores_accumulator(s)], (name, sorted({s.buffer.name for s in stores}))
     # the tiles a block walks (K/V; Q/dO in the backward's dk/dv kernel) stream through a cp.async pipeline
     assert "cp.async.cg.shared.global" in source and "cp.async.wait_group" in source
     assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile
@@ -157,28 +155,36 @@ def _ops_in(node) -> set[str]:
     return found
 
 
-def _key_loop(func: tirx.PrimFunc) -> tuple[set[str], list]:
-    """(ops, buffer stores) of a kernel's key loop: the innermost loop that both commits cp.async
-    groups and multiplies (the pipeline's steady state: one key tile per step)."""
+def _stores_accumulator(store) -> bool:
+    """A float32 store into shared memory of a computed value (a row statistic copied in from
+    global memory, or a constant, is not one)."""
+    if store.buffer.dtype != "float32" or not store.buffer.scope().startswith("shared"):
+        return False
+    value = store.value
+    loaded = isinstance(value, tvm.ir.expr.TensorLoad) and value.source.scope() == "global"
+    return not (loaded or isinstance(value, tirx.FloatImm))
+
+
+def _streaming_loops(func: tirx.PrimFunc) -> list[tuple[set[str], list]]:
+    """(ops, buffer stores) of each loop that walks streamed tiles while multiplying: the
+    innermost loops that both commit cp.async groups and issue mma.sync (a pipeline's steady
+    state, one key or query tile per step)."""
     loops = []
     tvm_ffi.structural_walk(func.body, (tirx.For, loops.append), order="post")
     steady = [loop for loop in loops if {"tirx.ptx.cp_async_commit_group", "tirx.ptx_legacy.mma"} <= _ops_in(loop.body)]
-    assert steady, "no loop both streams tiles and multiplies"
-    loop = steady[0]  # post order: the innermost comes first
-    stores = []
-    tvm_ffi.structural_walk(loop.body, (tirx.BufferStore, stores.append), order="post")
-    return _ops_in(loop.body), stores
 
+    def inner(loop):  # the steady loops strictly inside ``loop``
+        found = []
+        tvm_ffi.structural_walk(loop.body, (tirx.For, found.append), order="post")
+        return [other for other in found if any(other.same_as(s) for s in steady)]
 
-def _wmma_strides_fit(source: str) -> bool:
-    """Every WMMA store into a static shared array uses a row stride that tiles the array (a stride
-    the array was not laid out with writes rows in the wrong place and past its end)."""
-
-    sizes = {name: int(n) for name, n in re.findall(r"__shared__ alignas\(\d+\) float (\w+)\[(\d+)\];", source)}
-    for name, stride in re.findall(r"store_matrix_sync\(\(&\((\w+)\[[^;]*?, (\d+), nvcuda::wmma::mem_row_major", source):
-        if name in sizes and sizes[name] % int(stride):
-            return False
-    return True
+    result = []
+    for loop in steady:
+        if not inner(loop):
+            stores = []
+            tvm_ffi.structural_walk(loop.body, (tirx.BufferStore, stores.append), order="post")
+            result.append((_ops_in(loop.body), stores))
+    return result
 
 
 class _Pinned:
@@ -266,7 +272,7 @@ def test_rules_decline_old_architectures_and_unfit_tiles():
     mod = _flash("float16")
     for target in (tvm.target.Target({"kind": "cuda", "arch": "sm_75"}), tvm.target.Target({"kind": "cuda"})):
         legalized = tvm_fuel.build.legalize(mod, target, kernels="tuned")
-        assert not _kernel_funcs(legalized), "sm_75 has no bfloat16 WMMA: the floor (dlight) serves it"
+        assert not _kernel_funcs(legalized), "sm_75 has no bfloat16 mma.sync: the floor (dlight) serves it"
     # head dim 1024 in float32 fits no tile shape in shared memory: the floor serves it
     big = build(lambda q, k, v: op.flash_attn(q, k, v),
                 dict(q=((1, 2, 64, 1024), "float32"), k=((1, 2, 64, 1024), "float32"),

@@ -12,24 +12,26 @@
 3. dq: a separate, deterministic kernel (no atomics), one block per (query tile, batch x query
    head), walking the key tiles its rows can see and accumulating ``dQ += dS K`` in registers.
 
-On tensor cores (float16/bfloat16) the five GEMMs are WMMA tile GEMMs through shared memory:
-S = Q K^T and dP = dO V^T (float32, dynamic shared), P and dS written in the input dtype to
-static shared memory, and P^T dO, dS^T Q, dS K (float32, dynamic shared) added into the
-registers. On the SIMT path (float32, and the llvm emulation) S and dP are computed per element
-straight from the tiles and P^T dO, dS^T Q, dS K are accumulated straight into the registers, so
-no float32 product tile is staged at all.
+On tensor cores (float16/bfloat16) every product is a register tile (``ldmatrix`` +
+``mma.sync``, ``schedules.cuda.mma``) and nothing but the streamed tiles and row statistics
+passes through shared memory. The dk/dv kernel computes the transposed scores ``S^T = K Q^T``
+and ``dP^T = V dO^T`` (warp w owns 16-key strips of the block's keys): their accumulator
+fragments, turned into P^T and dS^T in registers, are exactly the A operands of ``dV += P^T dO``
+and ``dK += dS^T Q`` (the k dimension is the queries), so no transpose is ever staged. The dq
+kernel computes ``S = Q K^T`` and ``dP = dO V^T`` for its 16-query strips and feeds dS to
+``dQ += dS K`` the same way. On the SIMT path (float32) each thread computes S and dP per
+element straight from the tiles (P and dS through static shared memory) and accumulates into
+its registers.
 
-The tiles a block walks stream through a ``stages``-deep ``cp.async`` pipeline: Q and dO in the
-dk/dv kernel (every query tile of every head of the group), K and V in the dq kernel.
+The tiles a block walks stream through a ``stages``-deep ``cp.async`` pipeline
+(``TileOps.pipeline``): Q and dO in the dk/dv kernel (every query tile of every head of the
+group), K and V in the dq kernel.
 
-Shared memory per block (e = bytes of the input dtype, DP = head dim padded to 16, ST = stages;
-``tiles.backward_smem`` bounds both kernels):
-    tensor cores  static  2 * e * BQ * BK + 8 * BQ               (P, dS, lse and D rows)
-                  dynamic e * (2 * BQ * ST + 2 * BK) * DP (dk/dv; dq: 2 * BQ + 2 * BK * ST)
-                          + 8 * BQ * BK + 4 * max(BQ, BK) * DP   (S, dP; one float32 product tile)
-    SIMT          static  2 * e * BQ * BK + 8 * BQ,  dynamic the same tiles without S, dP, product
-(the dq kernel needs no P and only a [BQ, DP] product tile: at most the above). No buffer grows
-with Sq * Sk; positions past a sequence are never written.
+Shared memory per block (e = bytes of the input dtype, DP = head dim padded to 16 (+8 columns
+on tensor cores), ST = stages; ``tiles.backward_smem`` bounds both kernels):
+    static   8 * BQ (lse and D rows); SIMT also 2 * e * BQ * BK (P, dS)
+    dynamic  e * (2 * BQ * ST + 2 * BK) * DP (dk/dv; dq: 2 * BQ + 2 * BK * ST)
+No buffer grows with Sq * Sk; positions past a sequence are never written.
 
 Contents:
     flash_backward -- PrimFunc(q, k, v, do, [alibi_slopes], [attn_mask], out, lse, [dq], [dk], [dv])
@@ -45,7 +47,8 @@ from tvm.script import tirx as T
 from ... import semantics as sem
 from ..common import (biased, drop_params, finish, KernelSpec, key_tile_range, param_buffers, query_tile_range,
                       shape_vars, visible)
-from .device import F32, Launch, Rows, TileOps, padded_dim
+from .device import F32, HALF_TYPES, TILE_PAD, Launch, Rows, TileOps, padded_dim
+from .mma import WarpTiles, c_element
 from .tiles import CudaTiles
 
 
@@ -62,14 +65,11 @@ class _Body:
         BQ, BK, DP, NT, STAGES = tiles.block_q, tiles.block_k, padded_dim(D), launch.threads, tiles.stages
         scale = spec.scale
         local, shared, small = launch.local, launch.shared, launch.small_shared
-        tc = ops.tensor_cores
-        PAD = ops.pad
+        registers = dtype in HALF_TYPES  # register tiles (mma.sync) on the device and in the emulation
+        PAD = TILE_PAD if registers else 0
         want_dk, want_dv = "dk" in grads, "dv" in grads
         capped = cfg.softcap > 0
-        if tc:
-            qk = ops.gemm(BQ, BK, DP, b_trans=True)  # S = Q K^T and dP = dO V^T
-            key_grad = ops.gemm(BK, DP, BQ, a_trans=True)  # P^T dO and dS^T Q
-            query_grad = ops.gemm(BQ, DP, BK)  # dS K
+        pipeline = ops.pipeline(STAGES)
         self.ops = ops
 
         @T.macro
@@ -83,12 +83,10 @@ class _Body:
                     acc[0] = acc[0] + T.Cast(F32, do[e // Sq // Hq, e // Sq % Hq, e % Sq, d]) * T.Cast(F32, out[e // Sq // Hq, e // Sq % Hq, e % Sq, d])
                 row_dot[e // Sq // Hq, e // Sq % Hq, e % Sq] = acc[0]
 
-        # a block streams the tiles it walks (Q and dO for dk/dv, K and V for dq) through a
-        # STAGES-deep cp.async pipeline and loads the tiles it keeps once, synchronously
+        # a block streams the tiles it walks (Q and dO for dk/dv, K and V for dq) through the
+        # cp.async pipeline and loads the tiles it keeps once, synchronously
         copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP)
         stream_queries, stream_keys = ops.copy(BQ, D, DP, asynchronous=True), ops.copy(BK, D, DP, asynchronous=True)
-        wait_for_tile = ops.wait(STAGES - 1)
-
 
         @T.macro
         def load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy, tx):
@@ -116,71 +114,20 @@ class _Body:
             copy(Ks, lambda r: j0 + r < Sk, lambda r, c: k[b, g, j0 + r, c], tx)
             copy(Vs, lambda r: j0 + r < Sk, lambda r, c: v[b, g, j0 + r, c], tx)
 
-        @T.macro
-        def tile_dot(out, product, A, B, r, c):
-            # out[0] = A[r] . B[c]: the tensor cores' product tile, or the SIMT dot product
-            if tc:
-                out[0] = product[r, c]
-            else:
-                out[0] = T.float32(0)
-                for d in range(D):
-                    out[0] = out[0] + T.Cast(F32, A[r, d]) * T.Cast(F32, B[c, d])
+        def probability(score, lse_row, b, h, i, j, Sq, Sk, alibi, mask):
+            # P of query i (row of the tile at lse_row) and key j from the raw score: 0 for a dropped
+            # key, a row past Sq (lazy: the mask is not read there) or a fully masked row
+            return T.if_then_else(i < Sq, T.Select(
+                visible(spec, mask, b, h, i, j, Sk, Sk - Sq),
+                sem.probability(biased(spec, sem.softcap(cfg, score * T.float32(scale)), alibi, mask, b, h, i, j, Sk - Sq),
+                                lse_row),
+                T.float32(0)), T.float32(0))
 
-        @T.macro
-        def scores(P, dS, S, dP, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, with_p, with_ds, tx):
-            # P = exp(logit - lse) (0 where the key is dropped) and dS = P * (dP - D) * softcap',
-            # both in the input dtype; each thread computes its elements in registers and writes
-            # them once (never read back in the same pass: no in-place shared update).
-            s = T.alloc_buffer((1,), F32, scope=local)
-            dp = T.alloc_buffer((1,), F32, scope=local)
-            cap = T.alloc_buffer((1,), F32, scope=local)
-            p = T.alloc_buffer((1,), F32, scope=local)
-            for i in range(_ceil(BQ * BK, NT)):
-                if i * NT + tx < BQ * BK:
-                    if i0 + (i * NT + tx) // BK < Sq:
-                        tile_dot(s, S, Qs, Ks, (i * NT + tx) // BK, (i * NT + tx) % BK)
-                        cap[0] = sem.softcap(cfg, s[0] * T.float32(scale))
-                        p[0] = T.Select(
-                            visible(spec, mask, b, h, i0 + (i * NT + tx) // BK, j0 + (i * NT + tx) % BK, Sk, Sk - Sq),
-                            sem.probability(biased(spec, cap[0], alibi, mask, b, h, i0 + (i * NT + tx) // BK,
-                                                   j0 + (i * NT + tx) % BK, Sk - Sq), lse_r[(i * NT + tx) // BK]),
-                            T.float32(0))
-                        if with_p:
-                            P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0])
-                        if with_ds:
-                            tile_dot(dp, dP, dOs, Vs, (i * NT + tx) // BK, (i * NT + tx) % BK)
-                            if capped:
-                                dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0] * (dp[0] - D_r[(i * NT + tx) // BK]) * sem.softcap_grad(cfg, cap[0]))
-                            else:
-                                dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, p[0] * (dp[0] - D_r[(i * NT + tx) // BK]))
-                    else:
-                        if with_p:
-                            P[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, 0)
-                        if with_ds:
-                            dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = T.Cast(dtype, 0)
-
-        @T.macro
-        def add_product(acc, G, rows, tx):
-            # registers += the float32 product tile G [rows, DP] (tensor-core path)
-            for i in range(_ceil(rows * DP, NT)):
-                if i * NT + tx < rows * DP:
-                    acc[i] = acc[i] + G[(i * NT + tx) // DP, (i * NT + tx) % DP]
-
-        @T.macro
-        def add_key_grad(acc, A, X, tx):
-            # SIMT: registers of [BK, DP] += A^T X with A [BQ, BK] (P or dS) and X [BQ, DP] (dO or Q)
-            for i in launch.owned(_ceil(BK * DP, NT)):
-                if i * NT + tx < BK * DP:
-                    for r in range(BQ):
-                        acc[i] = acc[i] + T.Cast(F32, A[r, (i * NT + tx) // DP]) * T.Cast(F32, X[r, (i * NT + tx) % DP])
-
-        @T.macro
-        def add_query_grad(acc, dS, Ks, tx):
-            # SIMT: registers of [BQ, DP] += dS K with dS [BQ, BK] and K [BK, DP]
-            for i in launch.owned(_ceil(BQ * DP, NT)):
-                if i * NT + tx < BQ * DP:
-                    for c in range(BK):
-                        acc[i] = acc[i] + T.Cast(F32, dS[(i * NT + tx) // DP, c]) * T.Cast(F32, Ks[c, (i * NT + tx) % DP])
+        def score_grad(p, dp, d_row, score):
+            # dS = P * (dP - D) * softcap'(capped score)
+            if capped:
+                return p * (dp - d_row) * sem.softcap_grad(cfg, sem.softcap(cfg, score * T.float32(scale)))
+            return p * (dp - d_row)
 
         @T.macro
         def store_rows(out, acc, b, head, row0, rows, limit, factor, tx):
@@ -192,20 +139,82 @@ class _Body:
                         out[b, head, row0 + (i * NT + tx) // DP, (i * NT + tx) % DP] = T.Cast(
                             dtype, acc[i] * T.float32(factor))
 
+        def query_tiles(j0, Sq, Sk):
+            # the query tiles the key tile at j0 meets: (first, count) per head of the group
+            qlo, qhi = query_tile_range(cfg, key_first=j0, key_last=T.min(j0 + BK, Sk) - 1, num_queries=Sq,
+                                        delta=Sk - Sq, block_q=BQ)
+            return qlo, T.max(qhi - qlo, 0)
+
+        # ---- SIMT (float32): per-element scores, P and dS through static shared memory ----
+
         @T.macro
-        def key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
-            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
-            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
-            Qs = T.alloc_buffer((STAGES * BQ, DP + PAD), dtype, scope=shared)  # STAGES tiles in flight
-            dOs = T.alloc_buffer((STAGES * BQ, DP + PAD), dtype, scope=shared)
-            # WMMA outputs (dynamic: the stores go through address_of)
-            S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
-            dP = T.alloc_buffer((BQ, BK) if tc and want_dk else (1, 1), F32, scope=shared)
-            G = T.alloc_buffer((BK, DP) if tc else (1, 1), F32, scope=shared)
-            # written by the element pass that reads S and dP: static shared (told apart by the
-            # sync planner)
-            P = T.alloc_buffer((BQ, BK + PAD) if want_dv else (1, 1), dtype, scope=small)
-            dS = T.alloc_buffer((BQ, BK + PAD) if want_dk else (1, 1), dtype, scope=small)
+        def scores(P, dS, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, with_p, with_ds, tx):
+            # P and dS of the tile, each thread computing its elements in registers and writing them once
+            s = T.alloc_buffer((1,), F32, scope=local)
+            dp = T.alloc_buffer((1,), F32, scope=local)
+            p = T.alloc_buffer((1,), F32, scope=local)
+            for i in range(_ceil(BQ * BK, NT)):
+                if i * NT + tx < BQ * BK:
+                    s[0] = T.float32(0)
+                    for d in range(D):
+                        s[0] = s[0] + T.Cast(F32, Qs[(i * NT + tx) // BK, d]) * T.Cast(F32, Ks[(i * NT + tx) % BK, d])
+                    p[0] = probability(s[0], lse_r[(i * NT + tx) // BK], b, h, i0 + (i * NT + tx) // BK,
+                                       j0 + (i * NT + tx) % BK, Sq, Sk, alibi, mask)
+                    if with_p:
+                        P[(i * NT + tx) // BK, (i * NT + tx) % BK] = p[0]
+                    if with_ds:
+                        dp[0] = T.float32(0)
+                        for d in range(D):
+                            dp[0] = dp[0] + T.Cast(F32, dOs[(i * NT + tx) // BK, d]) * T.Cast(F32, Vs[(i * NT + tx) % BK, d])
+                        dS[(i * NT + tx) // BK, (i * NT + tx) % BK] = score_grad(p[0], dp[0], D_r[(i * NT + tx) // BK], s[0])
+
+        @T.macro
+        def add_key_grad(acc, A, X, tx):
+            # registers of [BK, DP] += A^T X with A [BQ, BK] (P or dS) and X [BQ, DP] (dO or Q)
+            for i in launch.owned(_ceil(BK * DP, NT)):
+                if i * NT + tx < BK * DP:
+                    for r in range(BQ):
+                        acc[i] = acc[i] + A[r, (i * NT + tx) // DP] * T.Cast(F32, X[r, (i * NT + tx) % DP])
+
+        @T.macro
+        def add_query_grad(acc, dS, Ks, tx):
+            # registers of [BQ, DP] += dS K with dS [BQ, BK] and K [BK, DP]
+            for i in launch.owned(_ceil(BQ * DP, NT)):
+                if i * NT + tx < BQ * DP:
+                    for c in range(BK):
+                        acc[i] = acc[i] + dS[(i * NT + tx) // DP, c] * T.Cast(F32, Ks[c, (i * NT + tx) % DP])
+
+        @T.macro
+        def simt_query_tile(P, dS, dK, dV, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
+            scores(P, dS, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, want_dv, want_dk, tx)
+            ops.sync()
+            if want_dv:
+                add_key_grad(dV, P, dOs, tx)
+            if want_dk:
+                add_key_grad(dK, dS, Qs, tx)
+
+        @T.macro
+        def simt_key_tile(dS, dQ, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
+            scores(dS, dS, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, False, True, tx)
+            ops.sync()
+            add_query_grad(dQ, dS, Ks, tx)
+
+        @T.macro
+        def stats_then(lse_r, D_r, lse, row_dot, b, h, i0, Sq, tx, compute):
+            # the tile's row statistics (the stage barrier before this step guards their reuse), then compute
+            load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, want_dk, tx)
+            ops.sync()
+            compute()
+
+        @T.macro
+        def key_block_simt(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
+            Ks = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            Vs = T.alloc_buffer((BK, DP), dtype, scope=shared)
+            Qs = T.alloc_buffer((STAGES * BQ, DP), dtype, scope=shared)  # STAGES tiles in flight
+            dOs = T.alloc_buffer((STAGES * BQ, DP), dtype, scope=shared)
+            # written by the element pass: static shared (told apart from the tiles by the sync planner)
+            P = T.alloc_buffer((BQ, BK) if want_dv else (1, 1), F32, scope=small)
+            dS = T.alloc_buffer((BQ, BK) if want_dk else (1, 1), F32, scope=small)
             lse_r = T.alloc_buffer((BQ,), F32, scope=small)
             D_r = T.alloc_buffer((BQ,) if want_dk else (1,), F32, scope=small)
             dK = T.alloc_buffer((_ceil(BK * DP, NT),) if want_dk else (1,), F32, scope=local)
@@ -216,66 +225,28 @@ class _Body:
                 if want_dv:
                     dV[i] = T.float32(0)
             load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
-            qlo, qhi = query_tile_range(cfg, key_first=j0, key_last=T.min(j0 + BK, Sk) - 1, num_queries=Sq,
-                                        delta=Sk - Sq, block_q=BQ)
-            # the query tiles this key tile meets, over every head of the group: tile t is query tile
-            # qlo + t % tiles of head g * group + t // tiles; streamed STAGES - 1 ahead, one group each
-            tiles = T.max(qhi - qlo, 0)
-            for t in range(STAGES - 1):
-                if t < group * tiles:
-                    load_rows(Rows.stage(Qs, t, BQ), Rows.stage(dOs, t, BQ), q, do, b, g * group + t // tiles,
-                              (qlo + t % tiles) * BQ, Sq, stream_queries, tx)
-                ops.commit()
-            for t in range(group * tiles):
-                ops.sync()  # the previous tile's readers are done with its stage, P, dS, G and the row stats
-                if t + STAGES - 1 < group * tiles:
-                    load_rows(Rows.stage(Qs, (t + STAGES - 1) % STAGES, BQ), Rows.stage(dOs, (t + STAGES - 1) % STAGES, BQ), q,
-                              do, b, g * group + (t + STAGES - 1) // tiles, (qlo + (t + STAGES - 1) % tiles) * BQ, Sq,
-                              stream_queries, tx)
-                ops.commit()
-                load_row_stats(lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ, Sq,
-                               want_dk, tx)
-                wait_for_tile()
-                ops.sync()
-                if tc:
-                    qk(S, Rows.stage(Qs, t % STAGES, BQ), Ks, tx)
-                    if want_dk:
-                        qk(dP, Rows.stage(dOs, t % STAGES, BQ), Vs, tx)
-                    ops.sync()
-                scores(P, dS, S, dP, Rows.stage(Qs, t % STAGES, BQ), Rows.stage(dOs, t % STAGES, BQ), Ks, Vs, lse_r, D_r, alibi,
-                       mask, b, g * group + t // tiles, (qlo + t % tiles) * BQ, j0, Sq, Sk, want_dv, want_dk, tx)
-                ops.sync()
-                if want_dv:
-                    if tc:
-                        key_grad(G, P, Rows.stage(dOs, t % STAGES, BQ), tx)
-                        ops.sync()
-                        add_product(dV, G, BK, tx)
-                        if want_dk:
-                            ops.sync()  # G is reused for dS^T Q
-                    else:
-                        add_key_grad(dV, P, Rows.stage(dOs, t % STAGES, BQ), tx)
-                if want_dk:
-                    if tc:
-                        key_grad(G, dS, Rows.stage(Qs, t % STAGES, BQ), tx)
-                        ops.sync()
-                        add_product(dK, G, BK, tx)
-                    else:
-                        add_key_grad(dK, dS, Rows.stage(Qs, t % STAGES, BQ), tx)
+            qlo, tiles = query_tiles(j0, Sq, Sk)
+            # tile t: query tile qlo + t % tiles of head g * group + t // tiles
+            pipeline(group * tiles,
+                     lambda t, st: load_rows(Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), q, do, b,
+                                             g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, stream_queries, tx),
+                     lambda t, st: stats_then(
+                         lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, tx,
+                         lambda: simt_query_tile(P, dS, dK, dV, Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), Ks, Vs,
+                                                 lse_r, D_r, alibi, mask, b, g * group + t // tiles,
+                                                 (qlo + t % tiles) * BQ, j0, Sq, Sk, tx)))
             if want_dk:
                 store_rows(dk, dK, b, g, j0, BK, Sk, scale, tx)
             if want_dv:
                 store_rows(dv, dV, b, g, j0, BK, Sk, 1.0, tx)
 
         @T.macro
-        def query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
-            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
-            dOs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
-            Ks = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=shared)  # STAGES tiles in flight
-            Vs = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=shared)
-            S = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
-            dP = T.alloc_buffer((BQ, BK) if tc else (1, 1), F32, scope=shared)
-            G = T.alloc_buffer((BQ, DP) if tc else (1, 1), F32, scope=shared)
-            dS = T.alloc_buffer((BQ, BK + PAD), dtype, scope=small)
+        def query_block_simt(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
+            Qs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            dOs = T.alloc_buffer((BQ, DP), dtype, scope=shared)
+            Ks = T.alloc_buffer((STAGES * BK, DP), dtype, scope=shared)  # STAGES tiles in flight
+            Vs = T.alloc_buffer((STAGES * BK, DP), dtype, scope=shared)
+            dS = T.alloc_buffer((BQ, BK), F32, scope=small)
             lse_r = T.alloc_buffer((BQ,), F32, scope=small)
             D_r = T.alloc_buffer((BQ,), F32, scope=small)
             dQ = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
@@ -285,36 +256,185 @@ class _Body:
             load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, True, tx)
             lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
                                     block_k=BK)
-            # key tile lo + t, streamed STAGES - 1 ahead
-            for t in range(STAGES - 1):
-                if lo + t < hi:
-                    load_keys(Rows.stage(Ks, t, BK), Rows.stage(Vs, t, BK), k, v, b, h // group, (lo + t) * BK, Sk, stream_keys,
-                              tx)
-                ops.commit()
-            for t in range(T.max(hi - lo, 0)):
-                ops.sync()  # the previous tile's readers are done with its stage, dS and G
-                if lo + t + STAGES - 1 < hi:
-                    load_keys(Rows.stage(Ks, (t + STAGES - 1) % STAGES, BK), Rows.stage(Vs, (t + STAGES - 1) % STAGES, BK), k, v,
-                              b, h // group, (lo + t + STAGES - 1) * BK, Sk, stream_keys, tx)
-                ops.commit()
-                wait_for_tile()
-                ops.sync()
-                if tc:
-                    qk(S, Qs, Rows.stage(Ks, t % STAGES, BK), tx)
-                    qk(dP, dOs, Rows.stage(Vs, t % STAGES, BK), tx)
-                    ops.sync()
-                scores(dS, dS, S, dP, Qs, dOs, Rows.stage(Ks, t % STAGES, BK), Rows.stage(Vs, t % STAGES, BK), lse_r, D_r, alibi,
-                       mask, b, h, i0, (lo + t) * BK, Sq, Sk, False, True, tx)
-                ops.sync()
-                if tc:
-                    query_grad(G, dS, Rows.stage(Ks, t % STAGES, BK), tx)
-                    ops.sync()
-                    add_product(dQ, G, BQ, tx)
-                else:
-                    add_query_grad(dQ, dS, Rows.stage(Ks, t % STAGES, BK), tx)
+            pipeline(T.max(hi - lo, 0),
+                     lambda t, st: load_keys(Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), k, v, b, h // group,
+                                             (lo + t) * BK, Sk, stream_keys, tx),
+                     lambda t, st: simt_key_tile(dS, dQ, Qs, dOs, Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), lse_r,
+                                                 D_r, alibi, mask, b, h, i0, (lo + t) * BK, Sq, Sk, tx))
             store_rows(dq, dQ, b, h, i0, BQ, Sq, scale, tx)
 
-        self.row_dots, self.key_block, self.query_block = row_dots, key_block, query_block
+        self.row_dots, self.key_block, self.query_block = row_dots, key_block_simt, query_block_simt
+        if not registers:
+            return
+
+        # ---- register tiles (float16/bfloat16) ----
+        wt = WarpTiles(launch, dtype, tiles.warps)
+        W, DT, KD = tiles.warps, DP // 8, DP // 16
+        MK, MQ = BK // 16 // W, BQ // 16 // W  # 16-row strips per warp: keys (dk/dv kernel), queries (dq)
+        own = launch.owned
+
+        def slot(wi, li, tx):
+            return wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx))
+
+        def strip_row(wi, li, tx, strips, mt, i):  # block row of C element i of the lane's strip mt
+            return (wt.warp_of(wi, tx) * strips + mt) * 16 + c_element(wt.lane_of(li, tx), i)[0]
+
+        def tile_col(li, tx, nt, i):  # tile column of C element i of the lane's n-tile nt
+            return nt * 8 + c_element(wt.lane_of(li, tx), i)[1]
+
+        @T.macro
+        def strip_products(acc, a_frag, b_frag, A, a_row0, B, b_row0, strips, columns, wi, tx):
+            # acc[strips x columns / 8 tiles] = A[a strips] @ B[b_row0 .. + columns]^T (k = DP), zeroed first
+            for li in wt.lanes():
+                for e in own(strips * columns // 2):
+                    acc[slot(wi, li, tx), e] = T.float32(0)
+            for mt in own(strips):
+                for kk in own(KD):
+                    wt.load_a(a_frag, 0, A, a_row0 + (wt.warp_of(wi, tx) * strips + mt) * 16, kk * 16, wt.warp_of(wi, tx), tx)
+                    for n2 in own(columns // 16):
+                        wt.load_b(b_frag, 0, B, b_row0 + n2 * 16, kk * 16, wt.warp_of(wi, tx), tx)
+                        wt.mma(acc, (mt * columns // 8 + 2 * n2) * 4, a_frag, 0, b_frag, 0, wt.warp_of(wi, tx))
+                        wt.mma(acc, (mt * columns // 8 + 2 * n2 + 1) * 4, a_frag, 0, b_frag, 4, wt.warp_of(wi, tx))
+
+        @T.macro
+        def accumulate(acc, probs, p_frag, b_frag, X, x_row0, strips, inner, wi, tx):
+            # acc[strips x DP] += probs[strips x inner] (C fragments, as A) @ X[x_row0 .. + inner, :DP]
+            for mt in own(strips):
+                for kb in own(inner // 16):
+                    for li in wt.lanes():
+                        for i in own(8):
+                            p_frag[slot(wi, li, tx), i] = T.Cast(dtype, probs[slot(wi, li, tx), (mt * inner // 8 + 2 * kb + i // 4) * 4 + i % 4])
+                    for d2 in own(DT // 2):
+                        wt.load_b_trans(b_frag, 0, X, x_row0 + kb * 16, d2 * 16, wt.warp_of(wi, tx), tx)
+                        wt.mma(acc, (mt * DT + 2 * d2) * 4, p_frag, 0, b_frag, 0, wt.warp_of(wi, tx))
+                        wt.mma(acc, (mt * DT + 2 * d2 + 1) * 4, p_frag, 0, b_frag, 4, wt.warp_of(wi, tx))
+
+        @T.macro
+        def store_strips(out, acc, b, head, row0, strips, limit, factor, tx):
+            # out[b, head, row0 + r, :D] = acc * factor from the warps' strips (rows past limit unwritten)
+            for wi in wt.warp_loop():
+                for li in wt.lanes():
+                    for mt in own(strips):
+                        for dt in own(DT):
+                            for i in own(4):
+                                if tirx.all(row0 + strip_row(wi, li, tx, strips, mt, i) < limit, tile_col(li, tx, dt, i) < D):
+                                    out[b, head, row0 + strip_row(wi, li, tx, strips, mt, i), tile_col(li, tx, dt, i)] = T.Cast(
+                                        dtype, acc[slot(wi, li, tx), (mt * DT + dt) * 4 + i] * T.float32(factor))
+
+        @T.macro
+        def transposed_tile(frags, Qs, dOs, q0, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
+            # frags: (sT, dpT, dK, dV, a, bb, p): S^T and dP^T of the warp's key strips, their P^T and dS^T,
+            # then dV += P^T dO, dK += dS^T Q
+            for wi in wt.warp_loop():
+                strip_products(frags[0], frags[4], frags[5], Ks, 0, Qs, q0, MK, BQ, wi, tx)
+                if want_dk:
+                    strip_products(frags[1], frags[4], frags[5], Vs, 0, dOs, q0, MK, BQ, wi, tx)
+                for li in wt.lanes():
+                    for mt in own(MK):
+                        for nt in own(BQ // 8):
+                            for i in own(4):
+                                if want_dk:
+                                    frags[1][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = score_grad(
+                                        probability(frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i],
+                                                    lse_r[tile_col(li, tx, nt, i)], b, h, i0 + tile_col(li, tx, nt, i),
+                                                    j0 + strip_row(wi, li, tx, MK, mt, i), Sq, Sk, alibi, mask),
+                                        frags[1][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i], D_r[tile_col(li, tx, nt, i)],
+                                        frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i])
+                                frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = probability(
+                                    frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i], lse_r[tile_col(li, tx, nt, i)],
+                                    b, h, i0 + tile_col(li, tx, nt, i), j0 + strip_row(wi, li, tx, MK, mt, i), Sq, Sk,
+                                    alibi, mask)
+                if want_dv:
+                    accumulate(frags[3], frags[0], frags[6], frags[5], dOs, q0, MK, BQ, wi, tx)
+                if want_dk:
+                    accumulate(frags[2], frags[1], frags[6], frags[5], Qs, q0, MK, BQ, wi, tx)
+
+        @T.macro
+        def key_block_registers(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
+            Ks = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
+            Vs = T.alloc_buffer((BK, DP + PAD), dtype, scope=shared)
+            Qs = T.alloc_buffer((STAGES * BQ, DP + PAD), dtype, scope=shared)  # STAGES tiles in flight
+            dOs = T.alloc_buffer((STAGES * BQ, DP + PAD), dtype, scope=shared)
+            lse_r = T.alloc_buffer((BQ,), F32, scope=small)
+            D_r = T.alloc_buffer((BQ,) if want_dk else (1,), F32, scope=small)
+            sT = T.alloc_buffer((wt.slots, MK * BQ // 2), F32, scope=local)
+            dpT = T.alloc_buffer((wt.slots, MK * BQ // 2 if want_dk else 1), F32, scope=local)
+            dK = T.alloc_buffer((wt.slots, MK * DP // 2 if want_dk else 1), F32, scope=local)
+            dV = T.alloc_buffer((wt.slots, MK * DP // 2 if want_dv else 1), F32, scope=local)
+            a = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            bb = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            for wi in wt.warp_loop():
+                for li in wt.lanes():
+                    for e in own(MK * DP // 2):
+                        if want_dk:
+                            dK[slot(wi, li, tx), e] = T.float32(0)
+                        if want_dv:
+                            dV[slot(wi, li, tx), e] = T.float32(0)
+            load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
+            qlo, tiles = query_tiles(j0, Sq, Sk)
+            pipeline(group * tiles,
+                     lambda t, st: load_rows(Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), q, do, b,
+                                             g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, stream_queries, tx),
+                     lambda t, st: stats_then(
+                         lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, tx,
+                         lambda: transposed_tile((sT, dpT, dK, dV, a, bb, p), Qs, dOs, st * BQ, Ks, Vs, lse_r, D_r,
+                                                 alibi, mask, b, g * group + t // tiles, (qlo + t % tiles) * BQ, j0,
+                                                 Sq, Sk, tx)))
+            if want_dk:
+                store_strips(dk, dK, b, g, j0, MK, Sk, scale, tx)
+            if want_dv:
+                store_strips(dv, dV, b, g, j0, MK, Sk, 1.0, tx)
+
+        @T.macro
+        def row_tile(frags, Qs, dOs, Ks, Vs, k0, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
+            # frags: (s, dp, dQ, a, bb, p): S and dP of the warp's query strips, dS, then dQ += dS K
+            for wi in wt.warp_loop():
+                strip_products(frags[0], frags[3], frags[4], Qs, 0, Ks, k0, MQ, BK, wi, tx)
+                strip_products(frags[1], frags[3], frags[4], dOs, 0, Vs, k0, MQ, BK, wi, tx)
+                for li in wt.lanes():
+                    for mt in own(MQ):
+                        for nt in own(BK // 8):
+                            for i in own(4):
+                                frags[1][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i] = score_grad(
+                                    probability(frags[0][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
+                                                lse_r[strip_row(wi, li, tx, MQ, mt, i)], b, h,
+                                                i0 + strip_row(wi, li, tx, MQ, mt, i), j0 + tile_col(li, tx, nt, i), Sq,
+                                                Sk, alibi, mask),
+                                    frags[1][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
+                                    D_r[strip_row(wi, li, tx, MQ, mt, i)], frags[0][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i])
+                accumulate(frags[2], frags[1], frags[5], frags[4], Ks, k0, MQ, BK, wi, tx)
+
+        @T.macro
+        def query_block_registers(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
+            Qs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
+            dOs = T.alloc_buffer((BQ, DP + PAD), dtype, scope=shared)
+            Ks = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=shared)  # STAGES tiles in flight
+            Vs = T.alloc_buffer((STAGES * BK, DP + PAD), dtype, scope=shared)
+            lse_r = T.alloc_buffer((BQ,), F32, scope=small)
+            D_r = T.alloc_buffer((BQ,), F32, scope=small)
+            s = T.alloc_buffer((wt.slots, MQ * BK // 2), F32, scope=local)
+            dp = T.alloc_buffer((wt.slots, MQ * BK // 2), F32, scope=local)
+            dQ = T.alloc_buffer((wt.slots, MQ * DP // 2), F32, scope=local)
+            a = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            bb = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            for wi in wt.warp_loop():
+                for li in wt.lanes():
+                    for e in own(MQ * DP // 2):
+                        dQ[slot(wi, li, tx), e] = T.float32(0)
+            load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy_queries, tx)
+            load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, True, tx)
+            lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
+                                    block_k=BK)
+            pipeline(T.max(hi - lo, 0),
+                     lambda t, st: load_keys(Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), k, v, b, h // group,
+                                             (lo + t) * BK, Sk, stream_keys, tx),
+                     lambda t, st: row_tile((s, dp, dQ, a, bb, p), Qs, dOs, Ks, Vs, st * BK, lse_r, D_r, alibi, mask,
+                                            b, h, i0, (lo + t) * BK, Sq, Sk, tx))
+            store_strips(dq, dQ, b, h, i0, MQ, Sq, scale, tx)
+
+        self.key_block, self.query_block = key_block_registers, query_block_registers
 
 
 def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...], launch: Launch | None = None,

@@ -1,22 +1,21 @@
 """How the CUDA kernels meet the hardware: launch shape, memory scopes, syncs and tile GEMMs.
 
-A CUDA kernel of tvm_fuel is one thread program per thread block (the way TVM's own kv-cache
-kernels are written): tiles are staged in shared memory, every thread keeps its share of the
+A CUDA kernel of tvm_fuel is one thread program per thread block: streamed tiles are staged
+in shared memory through a ``cp.async`` pipeline, every thread keeps its share of the
 accumulators in registers, and the phases of a tile are separated by ``__syncthreads``. The
-GEMMs of a tile (``Q K^T``, ``P V``, and the backward's five) all go through ``TileOps.gemm``:
-tensor-core WMMA (16x16x16, float32 accumulation) for float16/bfloat16, a SIMT loop for
-float32.
+GEMMs of float16/bfloat16 kernels are warp register tiles (``schedules.cuda.mma``: ldmatrix +
+mma.sync); float32 kernels use ``TileOps.gemm``'s SIMT loop and per-thread dot products.
 
 ``Launch.emulated()`` gives the same thread program with one thread per block, serial blocks
 and global scratch: it builds for llvm, so the tests check every CUDA kernel's tiling, masking,
-split-KV merge and block-table walk against the reference on machines without a GPU (the
-tensor-core instructions and the split of the work over threads only run on a device).
+split-KV merge and block-table walk against the reference on machines without a GPU (register
+tiles run lane by lane there; the split of the copies over threads only runs on a device).
 
 Contents:
     Launch   -- threads per block / emulation; grid and thread loops; scopes
     Rows     -- a row range of a tile buffer (one pipeline stage) used as a tile
     TileOps  -- sync, tile copies (cp.async where asked), commit/wait of copy groups, the
-                multi-stage copy pipeline, tile GEMM (WMMA or SIMT) for one launch and input dtype
+                multi-stage copy pipeline, SIMT tile GEMM for one launch and input dtype
     SHARED_MEMORY_LIMIT -- bytes of shared memory a block may use per architecture
     padded_dim
 """
@@ -32,15 +31,17 @@ from tvm.script import tirx as T
 F32 = "float32"
 HALF_TYPES = ("float16", "bfloat16")
 WARP = 32
-MMA = 16  # WMMA tile edge (m16n16k16)
-TILE_PAD = 8  # columns added to the half-precision tiles on tensor cores (16 bytes: rows stay aligned)
+MMA = 16  # tensor-core tile edge (rows of a strip, k of mma.m16n8k16)
+# columns added to the half-precision tiles ldmatrix reads: a row of 2 * (n + 8) bytes keeps 16-byte
+# alignment and puts the 8 rows one ldmatrix phase reads in 8 different bank groups
+TILE_PAD = 8
 
 # opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table)
 SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
 
 
 def padded_dim(head_dim: int) -> int:
-    """Head dim rounded up to the WMMA tile edge (padding columns are zero)."""
+    """Head dim rounded up to the tensor-core tile edge (padding columns are zero)."""
     return -(-head_dim // MMA) * MMA
 
 
@@ -89,8 +90,6 @@ class Launch:
         stay in registers (the emulation's single thread owns every element: serial)."""
         return T.serial(n) if self.emulate else T.unroll(n)
 
-    def uses_tensor_cores(self, dtype: str) -> bool:
-        return not self.emulate and dtype in HALF_TYPES
 
 
 @dataclass(frozen=True)
@@ -128,10 +127,6 @@ class TileOps:
 
     def __init__(self, launch: Launch, dtype: str):
         self.launch, self.dtype = launch, dtype
-        self.tensor_cores = launch.uses_tensor_cores(dtype)
-        # extra columns of the half tiles WMMA reads: rows 2 * (n + 8) bytes apart start in
-        # different banks (n a multiple of 64 would put every row in the same ones)
-        self.pad = TILE_PAD if self.tensor_cores else 0
 
         @T.macro
         def sync():
@@ -154,7 +149,6 @@ class TileOps:
             return wait_group
 
         self.sync, self.commit, self.wait = sync, commit, wait
-        self._gemms: dict = {}
 
     def pipeline(self, stages: int):
         """Macro ``pipeline(count, issue, compute)``: walks ``count`` tiles through a
@@ -232,18 +226,9 @@ class TileOps:
         return copy
 
     def gemm(self, M: int, N: int, K: int, *, a_trans: bool = False, b_trans: bool = False):
-        """Macro ``gemm(C, A, B, tx)``: C[M, N] = A @ B in float32, all operands in shared memory.
-
-        A is [M, K] ([K, M] with ``a_trans``), B is [K, N] ([N, K] with ``b_trans``); C is
-        overwritten. On tensor cores M, N and K are multiples of 16; warp ``w`` computes the
-        16-row strips w, w + warps, ...
-        """
-        key = (M, N, K, a_trans, b_trans)
-        if key not in self._gemms:
-            self._gemms[key] = (self._wmma_gemm if self.tensor_cores else self._simt_gemm)(*key)
-        return self._gemms[key]
-
-    def _simt_gemm(self, M, N, K, a_trans, b_trans):
+        """Macro ``gemm(C, A, B, tx)``: C[M, N] = A @ B in float32 (SIMT, one output element per
+        thread at a time). A is [M, K] ([K, M] with ``a_trans``), B is [K, N] ([N, K] with
+        ``b_trans``); C is overwritten."""
         NT = self.threads
 
         def a_at(A, r, k):
@@ -261,51 +246,5 @@ class TileOps:
                     for k in range(K):
                         acc[0] = acc[0] + a_at(A, (i * NT + tx) // N, k) * b_at(B, k, (i * NT + tx) % N)
                     C[(i * NT + tx) // N, (i * NT + tx) % N] = acc[0]
-
-        return gemm
-
-    def _wmma_gemm(self, M, N, K, a_trans, b_trans):
-        assert M % MMA == 0 and N % MMA == 0 and K % MMA == 0, (M, N, K)
-        dtype, W = self.dtype, self.launch.warps
-        strips, NF = M // MMA, N // MMA
-        a_layout = "col_major" if a_trans else "row_major"
-        b_layout = "col_major" if b_trans else "row_major"
-
-        def a_ptr(A, strip, kk):  # top-left of the 16x16 block (strip, kk) of op(A)
-            ld = A.shape[1]
-            return A.access_ptr("r", offset=(kk * MMA * ld + strip * MMA) if a_trans else (strip * MMA * ld + kk * MMA))
-
-        def c_ptr(C, strip, n):
-            # static shared C: access_ptr marks the whole rest of C written, so TVM's buffer
-            # compaction keeps a padded row stride (the stride the store is given). Dynamic C shares
-            # the merged allocation with half tiles, where access_ptr's element type check fails:
-            # those are never padded.
-            if C.scope() == "shared.dyn":
-                return T.address_of(C[strip * MMA, n * MMA])
-            return C.access_ptr("w", offset=strip * MMA * C.shape[1] + n * MMA)
-
-        def b_ptr(B, kk, n):
-            ld = B.shape[1]
-            return B.access_ptr("r", offset=(n * MMA * ld + kk * MMA) if b_trans else (kk * MMA * ld + n * MMA))
-
-        @T.macro
-        def gemm(C, A, B, tx):
-            for si in range((strips + W - 1) // W):
-                if si * W + tx // WARP < strips:
-                    fa = T.alloc_buffer((MMA, MMA), dtype, scope="wmma.matrix_a")
-                    fb = T.alloc_buffer((MMA, MMA), dtype, scope="wmma.matrix_b")
-                    fc = T.alloc_buffer((NF * MMA, MMA), F32, scope="wmma.accumulator")
-                    for n in range(NF):
-                        T.evaluate(T.tvm_fill_fragment(fc.data, MMA, MMA, MMA, n, T.float32(0)))
-                    for kk in range(K // MMA):
-                        T.evaluate(T.tvm_load_matrix_sync(fa.data, MMA, MMA, MMA, 0, a_ptr(A, si * W + tx // WARP, kk),
-                                                          A.shape[1], a_layout))
-                        for n in range(NF):
-                            T.evaluate(T.tvm_load_matrix_sync(fb.data, MMA, MMA, MMA, 0, b_ptr(B, kk, n), B.shape[1],
-                                                              b_layout))
-                            T.evaluate(T.tvm_mma_sync(fc.data, n, fa.data, 0, fb.data, 0, fc.data, n))
-                    for n in range(NF):
-                        T.evaluate(T.tvm_store_matrix_sync(fc.data, MMA, MMA, MMA, n,
-                                                           c_ptr(C, si * W + tx // WARP, n), C.shape[1], "row_major"))
 
         return gemm

@@ -1,7 +1,7 @@
 """Rules that put the CUDA kernels in place of the floor for fuel calls on cuda targets.
 
 A rule serves sm_80 and newer (tensor cores for float16/bfloat16: register tiles through
-``ldmatrix`` + ``mma.sync`` in the forward kernels, WMMA in the backward; bfloat16 needs sm_80) and declines
+``ldmatrix`` + ``mma.sync``; bfloat16 needs sm_80) and declines
 (the floor, scheduled by dlight, then serves the call) when no tile shape fits the architecture's
 shared memory. ``emulated=True`` gives the same rules for llvm targets, building each kernel's
 one-thread emulation (``Launch.emulated``): how the tests check the CUDA kernels' numerics on
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from math import gcd
 from dataclasses import asdict, replace
 
 import tvm
@@ -27,12 +28,14 @@ from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
 from .device import HALF_TYPES, SHARED_MEMORY_LIMIT, Launch, padded_dim
 from .forward import dense_forward, paged_forward
-from .tiles import CudaTiles, WarpLayout, backward_smem, forward_smem, streaming_multiprocessors
+from .tiles import (CudaTiles, WarpLayout, backward_registers, backward_smem, backward_strips, forward_smem,
+                    streaming_multiprocessors)
 
 STATIC_SHARED_LIMIT = 48 * 1024
 SPLIT_GRID_LIMIT = 16  # blocks per SM beyond which knob_points tries no split-KV
-MAX_ACCUMULATORS = 64  # float32 accumulators per thread that WMMA (backward) kernels keep without spilling (ptxas)
-MAX_REGISTER_TILES = 128  # float32 S and O fragment elements per thread of a register-tile forward (no spills, ptxas)
+MAX_ACCUMULATORS = 64  # float32 accumulators per thread that SIMT kernels keep without spilling (ptxas)
+MAX_REGISTER_TILES = 128  # float32 fragment elements per thread of a register-tile forward (no spills, ptxas)
+MAX_BACKWARD_TILES = 160  # the same for the backward (dK, dV, S^T, dP^T: 192 at hdim 128 spilled at 255 registers)
 EMULATED_ARCH = "sm_90"  # the architecture whose limits the emulated kernels obey
 
 
@@ -126,13 +129,13 @@ class _CudaRule(KernelRule):
         return points
 
     def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
-        """The first candidate tile shape whose shared memory fits the target."""
+        """The first candidate tile shape whose shared memory and registers fit the target (the
+        last that fits the shared memory where none keeps to the register budget)."""
         spec, arch = workload.spec, self._arch(target)
-        for tiles in candidates:
-            if self.check_knobs(workload, asdict(tiles)) is None and shared_memory_fits(
-                    *self.smem(spec.dtype, spec.head_dim, tiles), arch):
-                return tiles
-        return None
+        fitting = [tiles for tiles in candidates if self.check_knobs(workload, asdict(tiles)) is None
+                   and shared_memory_fits(*self.smem(spec.dtype, spec.head_dim, tiles), arch)]
+        lean = [tiles for tiles in fitting if self.accumulators(workload, tiles) <= self.register_limit()]
+        return (lean or fitting[-1:] or [None])[0]
 
     def _candidates(self, workload: Workload) -> list[CudaTiles]:
         half = workload.spec.dtype in HALF_TYPES
@@ -248,21 +251,25 @@ class CudaFlashBackward(_CudaRule):
         return self._serves(dense_workload(self.op, call, grads=SPECS[self.op].grads), target)
 
     def accumulators(self, workload: Workload, tiles: CudaTiles) -> int:
-        """Each thread's share of the dK and dV tiles."""
+        """Each thread's share of the dK and dV tiles (SIMT) or of the larger kernel's fragments."""
+        if workload.spec.dtype in HALF_TYPES:
+            return backward_registers(workload.spec.head_dim, tiles)
         return -(-2 * tiles.block_k * padded_dim(workload.spec.head_dim) // tiles.threads)
 
     def register_limit(self) -> int:
-        return MAX_ACCUMULATORS
+        return MAX_BACKWARD_TILES
 
     def tensor_core_problem(self, tiles: CudaTiles) -> str | None:
-        if not tiles.fits_tensor_cores():  # WMMA tiles
-            return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
-        return None
+        return backward_strips(tiles)
+
+    def _threads(self, workload: Workload, block_q: int, block_k: int) -> int:
+        # every warp owns whole 16-row strips of the keys and of the queries
+        return 32 * gcd(4, block_q // 16, block_k // 16) if workload.spec.dtype in HALF_TYPES else 128
 
     def _tuned_defaults(self, workload, target, tiles):
-        # more accumulators than MAX_ACCUMULATORS spill on tensor-core kernels: such tiles run 256 threads
+        # a float32 tile with more accumulators than MAX_ACCUMULATORS spills: such tiles run 256 threads
         spills = self.accumulators(workload, tiles) > MAX_ACCUMULATORS
-        return replace(tiles, threads=256) if workload.spec.dtype in HALF_TYPES and spills else tiles
+        return replace(tiles, threads=256) if workload.spec.dtype not in HALF_TYPES and spills else tiles
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return {name: values for name, values in super().knob_space(workload, target).items() if name != "splits"}

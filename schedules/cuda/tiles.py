@@ -5,6 +5,7 @@ Contents:
     WarpLayout         -- how a register-tile forward block spreads its rows and keys over warps
     forward_smem       -- shared-memory bytes of a forward (dense or paged) block
     backward_smem      -- shared-memory bytes of a backward block
+    backward_strips, backward_registers -- the register-tile backward's warp fit and registers
     streaming_multiprocessors -- SM count of an architecture (how many blocks fill the GPU)
 """
 
@@ -98,16 +99,33 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
 
 
 def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
-    """(static, dynamic) bytes of a backward block: P, dS (input dtype) and the rows' lse and D
-    static; Q, dO, K, V tiles dynamic (``stages`` of the pair a block streams: Q and dO in the dk/dv
-    kernel, K and V in the dq kernel; the larger of the two), plus on tensor cores S, dP and a
-    [block, D] float32 product."""
+    """(static, dynamic) bytes of a backward block: the rows' lse and D static (and on the SIMT
+    path P and dS, float32); Q, dO, K, V tiles dynamic (``stages`` of the pair a block streams: Q
+    and dO in the dk/dv kernel, K and V in the dq kernel; the larger of the two)."""
     BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
-    pad = TILE_PAD if dtype in HALF_TYPES else 0
-    static = 2 * e * BQ * (BK + pad) + 8 * BQ
-    tiles_bytes = e * max(2 * BQ * ST + 2 * BK, 2 * BQ + 2 * BK * ST) * (DP + pad)
-    dynamic = tiles_bytes + ((8 * BQ * BK + 4 * max(BQ, BK) * DP) if dtype in HALF_TYPES else 0)
-    return static, dynamic
+    registers = dtype in HALF_TYPES
+    pad = TILE_PAD if registers else 0
+    static = 8 * BQ + (0 if registers else 2 * 4 * BQ * BK)
+    return static, e * max(2 * BQ * ST + 2 * BK, 2 * BQ + 2 * BK * ST) * (DP + pad)
+
+
+def backward_strips(tiles: CudaTiles) -> str | None:
+    """Why a register-tile backward cannot spread its tiles over the warps: every warp owns whole
+    16-row strips of the block's keys (dk/dv kernel) and of its queries (dq kernel)."""
+    if not tiles.fits_tensor_cores():
+        return f"block_q {tiles.block_q} and block_k {tiles.block_k} must be multiples of 16 on tensor cores"
+    for name in ("block_q", "block_k"):
+        if getattr(tiles, name) // MMA % tiles.warps:
+            return f"{name} {getattr(tiles, name)} has no whole 16-row strips for each of {tiles.warps} warps"
+    return None
+
+
+def backward_registers(head_dim: int, tiles: CudaTiles) -> int:
+    """float32 fragment elements per thread of the larger backward kernel: dK, dV, S^T and dP^T of
+    its key strips, or dQ, S and dP of its query strips."""
+    DP, W = padded_dim(head_dim), tiles.warps
+    key_strips, query_strips = tiles.block_k // MMA // W, tiles.block_q // MMA // W
+    return max(key_strips * (DP + tiles.block_q), query_strips * (DP // 2 + tiles.block_k))
 
 
 def streaming_multiprocessors(arch: str) -> int:
@@ -115,4 +133,4 @@ def streaming_multiprocessors(arch: str) -> int:
     return {"sm_80": 108, "sm_90": 132}.get(arch, 80)
 
 
-__all__ = ["CudaTiles", "WarpLayout", "forward_smem", "backward_smem", "streaming_multiprocessors"]
+__all__ = ["CudaTiles", "WarpLayout", "backward_strips", "backward_registers", "forward_smem", "backward_smem", "streaming_multiprocessors"]
