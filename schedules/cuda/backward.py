@@ -207,6 +207,31 @@ class _Body:
             compute()
 
         @T.macro
+        def walk_group_queries(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g, j0, Sq, Sk, tx, compute):
+            # every query tile of every head of KV head g's group that sees the key tile at j0, streamed
+            # through the pipeline: tile t is query tile qlo + t % tiles of head g * group + t // tiles;
+            # compute(h, i0, st) once its Q/dO stage and row statistics are in
+            qlo, tiles = query_tiles(j0, Sq, Sk)
+            pipeline(group * tiles,
+                     lambda t, st: load_rows(Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), q, do, b,
+                                             g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, stream_queries, tx),
+                     lambda t, st: stats_then(lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ,
+                                              Sq, tx, lambda: compute(g * group + t // tiles, (qlo + t % tiles) * BQ, st)))
+
+        @T.macro
+        def walk_keys(Qs, dOs, Ks, Vs, lse_r, D_r, q, k, v, do, lse, row_dot, b, h, i0, Sq, Sk, tx, compute):
+            # the dq block: its Q and dO rows and row statistics once, then every key tile they see
+            # streamed through the pipeline; compute(j0, st) once the tile at key j0 is in stage st
+            load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy_queries, tx)
+            load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, True, tx)
+            lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
+                                    block_k=BK)
+            pipeline(T.max(hi - lo, 0),
+                     lambda t, st: load_keys(Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), k, v, b, h // group,
+                                             (lo + t) * BK, Sk, stream_keys, tx),
+                     lambda t, st: compute((lo + t) * BK, st))
+
+        @T.macro
         def key_block_simt(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
             Ks = T.alloc_buffer((BK, DP), dtype, scope=shared)
             Vs = T.alloc_buffer((BK, DP), dtype, scope=shared)
@@ -225,16 +250,10 @@ class _Body:
                 if want_dv:
                     dV[i] = T.float32(0)
             load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
-            qlo, tiles = query_tiles(j0, Sq, Sk)
-            # tile t: query tile qlo + t % tiles of head g * group + t // tiles
-            pipeline(group * tiles,
-                     lambda t, st: load_rows(Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), q, do, b,
-                                             g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, stream_queries, tx),
-                     lambda t, st: stats_then(
-                         lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, tx,
-                         lambda: simt_query_tile(P, dS, dK, dV, Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), Ks, Vs,
-                                                 lse_r, D_r, alibi, mask, b, g * group + t // tiles,
-                                                 (qlo + t % tiles) * BQ, j0, Sq, Sk, tx)))
+            walk_group_queries(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g, j0, Sq, Sk, tx,
+                               lambda h, i0, st: simt_query_tile(P, dS, dK, dV, Rows.stage(Qs, st, BQ),
+                                                                 Rows.stage(dOs, st, BQ), Ks, Vs, lse_r, D_r, alibi,
+                                                                 mask, b, h, i0, j0, Sq, Sk, tx))
             if want_dk:
                 store_rows(dk, dK, b, g, j0, BK, Sk, scale, tx)
             if want_dv:
@@ -252,15 +271,9 @@ class _Body:
             dQ = T.alloc_buffer((_ceil(BQ * DP, NT),), F32, scope=local)
             for i in range(_ceil(BQ * DP, NT)):
                 dQ[i] = T.float32(0)
-            load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy_queries, tx)
-            load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, True, tx)
-            lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
-                                    block_k=BK)
-            pipeline(T.max(hi - lo, 0),
-                     lambda t, st: load_keys(Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), k, v, b, h // group,
-                                             (lo + t) * BK, Sk, stream_keys, tx),
-                     lambda t, st: simt_key_tile(dS, dQ, Qs, dOs, Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), lse_r,
-                                                 D_r, alibi, mask, b, h, i0, (lo + t) * BK, Sq, Sk, tx))
+            walk_keys(Qs, dOs, Ks, Vs, lse_r, D_r, q, k, v, do, lse, row_dot, b, h, i0, Sq, Sk, tx,
+                      lambda j0, st: simt_key_tile(dS, dQ, Qs, dOs, Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK),
+                                                   lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx))
             store_rows(dq, dQ, b, h, i0, BQ, Sq, scale, tx)
 
         self.row_dots, self.key_block, self.query_block = row_dots, key_block_simt, query_block_simt
@@ -364,23 +377,14 @@ class _Body:
             a = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             bb = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
-            for wi in wt.warp_loop():
-                for li in wt.lanes():
-                    for e in own(MK * DP // 2):
-                        if want_dk:
-                            dK[slot(wi, li, tx), e] = T.float32(0)
-                        if want_dv:
-                            dV[slot(wi, li, tx), e] = T.float32(0)
+            if want_dk:
+                wt.fill(dK, MK * DP // 2, T.float32(0), tx)
+            if want_dv:
+                wt.fill(dV, MK * DP // 2, T.float32(0), tx)
             load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
-            qlo, tiles = query_tiles(j0, Sq, Sk)
-            pipeline(group * tiles,
-                     lambda t, st: load_rows(Rows.stage(Qs, st, BQ), Rows.stage(dOs, st, BQ), q, do, b,
-                                             g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, stream_queries, tx),
-                     lambda t, st: stats_then(
-                         lse_r, D_r, lse, row_dot, b, g * group + t // tiles, (qlo + t % tiles) * BQ, Sq, tx,
-                         lambda: transposed_tile((sT, dpT, dK, dV, a, bb, p), Qs, dOs, st * BQ, Ks, Vs, lse_r, D_r,
-                                                 alibi, mask, b, g * group + t // tiles, (qlo + t % tiles) * BQ, j0,
-                                                 Sq, Sk, tx)))
+            walk_group_queries(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g, j0, Sq, Sk, tx,
+                               lambda h, i0, st: transposed_tile((sT, dpT, dK, dV, a, bb, p), Qs, dOs, st * BQ, Ks, Vs,
+                                                                 lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx))
             if want_dk:
                 store_strips(dk, dK, b, g, j0, MK, Sk, scale, tx)
             if want_dv:
@@ -419,19 +423,10 @@ class _Body:
             a = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             bb = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
-            for wi in wt.warp_loop():
-                for li in wt.lanes():
-                    for e in own(MQ * DP // 2):
-                        dQ[slot(wi, li, tx), e] = T.float32(0)
-            load_rows(Qs, dOs, q, do, b, h, i0, Sq, copy_queries, tx)
-            load_row_stats(lse_r, D_r, lse, row_dot, b, h, i0, Sq, True, tx)
-            lo, hi = key_tile_range(cfg, first_pos=i0, last_pos=T.min(i0 + BQ, Sq) - 1, kv_len=Sk, delta=Sk - Sq,
-                                    block_k=BK)
-            pipeline(T.max(hi - lo, 0),
-                     lambda t, st: load_keys(Rows.stage(Ks, st, BK), Rows.stage(Vs, st, BK), k, v, b, h // group,
-                                             (lo + t) * BK, Sk, stream_keys, tx),
-                     lambda t, st: row_tile((s, dp, dQ, a, bb, p), Qs, dOs, Ks, Vs, st * BK, lse_r, D_r, alibi, mask,
-                                            b, h, i0, (lo + t) * BK, Sq, Sk, tx))
+            wt.fill(dQ, MQ * DP // 2, T.float32(0), tx)
+            walk_keys(Qs, dOs, Ks, Vs, lse_r, D_r, q, k, v, do, lse, row_dot, b, h, i0, Sq, Sk, tx,
+                      lambda j0, st: row_tile((s, dp, dQ, a, bb, p), Qs, dOs, Ks, Vs, st * BK, lse_r, D_r, alibi, mask,
+                                              b, h, i0, j0, Sq, Sk, tx))
             store_strips(dq, dQ, b, h, i0, MQ, Sq, scale, tx)
 
         self.key_block, self.query_block = key_block_registers, query_block_registers

@@ -374,13 +374,9 @@ class _Body:
                 pa = T.alloc_buffer((SL, 8), dtype, scope=local)
                 vb = T.alloc_buffer((SL, 8), dtype, scope=local)
                 load_queries(Qs, q, b, g, r0, rows, tx)
-                for wi in wt.warp_loop():
-                    for li in wt.lanes():
-                        for r in own(R):
-                            m[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), r] = T.float32(float("-inf"))
-                            l[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), r] = T.float32(0)
-                        for e in own(MT * DT * 4):
-                            o[wt.slot(wt.warp_of(wi, tx), wt.lane_of(li, tx)), e] = T.float32(0)
+                wt.fill(m, R, T.float32(float("-inf")), tx)
+                wt.fill(l, R, T.float32(0), tx)
+                wt.fill(o, MT * DT * 4, T.float32(0), tx)
                 first, count = key_walk(r0, rows, split, kv_len, Sq)
                 pipeline(count,
                          lambda t, st: load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, st, kv_len, num_blocks, tx),

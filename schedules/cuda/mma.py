@@ -193,6 +193,16 @@ class WarpTiles:
         self.quad_max = reduce(lambda x, y: T.max(x, y))
         self.quad_sum = reduce(lambda x, y: x + y)
 
+        @T.macro
+        def fill(buf, n, value, tx):
+            # buf[.., 0:n] = value in every lane of every warp this thread runs
+            for wi in self.warp_loop():
+                for li in self.lanes():
+                    for e in launch.owned(n):
+                        buf[slot(self.warp_of(wi, tx), self.lane_of(li, tx)), e] = value
+
+        self.fill = fill
+
     def warp_loop(self):
         """The warps this thread runs: all of them, one after the other, in the emulation."""
         return T.serial(self.warps if self.launch.emulate else 1)
