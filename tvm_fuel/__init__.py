@@ -1,7 +1,9 @@
 """tvm_fuel: fused attention operators for Apache TVM Relax.
 
 Importing the package registers the ops (``R.fuel.*``): their type rules, their legalization to
-TE compute (the always-correct floor) and their TVMScript parsing.
+TE compute (the always-correct floor) and their TVMScript parsing. It also sizes TVM's CPU
+thread pool to the physical cores where the user set neither ``TVM_NUM_THREADS`` nor
+``OMP_NUM_THREADS`` (``tvm_fuel.threads``; TVM alone would use half of them).
 
 Contents:
     op         -- Relax constructors: flash_attn, flash_attn_backward(_q/_k/_v), paged_attn,
@@ -21,10 +23,14 @@ Contents:
     AttnConfig -- the validated attention options
 """
 
-from . import op, reference, transform
-from .build import compile, host_target  # noqa: A004  (mirrors tvm.compile)
-from .config import AttnConfig
-from .registry import register as _register
+from . import threads
+
+threads.configure()  # before any TVM kernel starts the runtime's thread pool
+
+from . import op, reference, transform  # noqa: E402
+from .build import compile, host_target  # noqa: A004,E402  (mirrors tvm.compile)
+from .config import AttnConfig  # noqa: E402
+from .registry import register as _register  # noqa: E402
 
 _register()
 

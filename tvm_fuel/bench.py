@@ -38,6 +38,7 @@ from .build import compile as fuel_compile
 from .build import host_target
 from .deploy.node.peers import paged_gather_sdpa
 from .shapes import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite
+from .threads import physical_cores, thread_count
 
 def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int = 10) -> tuple[float, int]:
     """Median seconds of ``fn`` after one warm-up run, and the number of timed runs."""
@@ -125,7 +126,7 @@ def _torch():
         import torch
     except ImportError:
         return None
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(thread_count())  # the same threads as TVM's pool
     return torch
 
 
@@ -286,13 +287,16 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
     torch = _torch()
     report: dict = {
         "machine": {"cpu": tvm.target.codegen.llvm_get_system_cpu(), "cores": os.cpu_count(),
+                    "physical_cores": physical_cores(),
+                    "threads": {"tvm": tvm.runtime.num_threads(), "torch": torch.get_num_threads() if torch else None},
                     "platform": platform.platform(), "tvm": tvm.__version__,
                     "torch": torch.__version__ if torch is not None else None, "target": str(target)},
         "cases": [], "sweep": [],
     }
     report["machine"].update(machine_peaks(target))
     peaks = report["machine"]
-    print(f"machine: {peaks['cpu']}, {peaks['cores']} cores; fp32 GEMM {peaks['gemm_gflops']:.1f} GFLOP/s, "
+    print(f"machine: {peaks['cpu']}, {peaks['cores']} cores ({peaks['physical_cores']} physical); threads: "
+          f"TVM {peaks['threads']['tvm']}, PyTorch {peaks['threads']['torch']}; fp32 GEMM {peaks['gemm_gflops']:.1f} GFLOP/s, "
           f"read {peaks['read_gbps']:.1f} GB/s")
     flash, paged = default_suite()
     for case in flash:

@@ -105,8 +105,9 @@ def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompo
 
 
 def host_target(num_cores: int | None = None) -> tvm.target.Target:
-    """llvm for this machine's CPU (its vector units), using ``num_cores`` threads (default: all)."""
-    import os
+    """llvm for this machine's CPU (its vector units), using ``num_cores`` threads (default: the
+    threads of TVM's pool, ``tvm_fuel.threads.thread_count``: the physical cores unless set)."""
+    from .threads import thread_count
 
     return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-                              "num-cores": num_cores or os.cpu_count() or 1})
+                              "num-cores": num_cores or thread_count()})
