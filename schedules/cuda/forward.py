@@ -57,6 +57,7 @@ class _Body:
 
         copy_queries, copy_keys = ops.copy(BQ, D, DP), ops.copy(BK, D, DP, asynchronous=True)
         pipeline = ops.pipeline(STAGES)
+        drain = ops.wait(0)  # every copy this thread issued has landed
 
         def stage(tiles_buffer, index):  # a [BK, DP + PAD] stage of a K or V buffer
             return Rows.stage(tiles_buffer, index, BK)
@@ -330,6 +331,7 @@ class _Body:
                 top = T.alloc_buffer((1,), F32, scope=local)
                 weight = T.alloc_buffer((1,), F32, scope=local)
                 acc = T.alloc_buffer((1,), F32, scope=local)
+                drain()  # no copy may still be landing in memory merged_o shares (the tail groups are empty today)
                 ops.sync()  # the last tile's readers are done (merged_o may share their memory)
                 for wi in wt.warp_loop():
                     for li in wt.lanes():
