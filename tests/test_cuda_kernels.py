@@ -252,8 +252,9 @@ def test_no_register_spills_at_the_benchmark_shapes(arch):
         source = cuda.cuda_source(tvm_fuel.compile(bucket_module(op_name, shape), _target(arch), kernels="tuned"))
         report = cuda.ptxas_report(source, arch)
         assert report and all(k["registers"] > 0 for k in report.values()), report
-        spilled = {name: k for name, k in report.items() if k["spill_stores"] or k["spill_loads"]}
-        assert not spilled, (op_name, shape, spilled)
+        spilled = {name: k for name, k in report.items() if k["spill_stores"] or k["spill_loads"] or k["stack_frame"]}
+        assert not spilled, (op_name, shape, spilled)  # the register tiles stay in registers
+        assert "#pragma unroll" in source  # fragment loops left to nvcc (the CUDA C stays compact)
 
 
 def test_async_copies_address_tensors_past_2_gib():

@@ -8,7 +8,7 @@ Contents:
     cuda_source        -- the CUDA C of a built module (Executable or runtime.Module)
     kernel_names       -- the ``__global__`` kernels of a source
     compile_cubin      -- nvcc the source for an architecture (raises with nvcc's message)
-    ptxas_report       -- registers and spills of every kernel, as ptxas reports them
+    ptxas_report       -- registers, stack frame and spills of every kernel, as ptxas reports them
     shared_memory      -- (static, dynamic) shared-memory bytes of every kernel of a build
     build_with_shared_memory -- the build and those bytes, from one compile
     nvcc_available
@@ -66,8 +66,9 @@ def compile_cubin(source: str, arch: str) -> bytes:
 
 
 def ptxas_report(source: str, arch: str) -> dict[str, dict[str, int]]:
-    """``{kernel: {"registers", "spill_stores", "spill_loads"}}`` as ptxas reports them (``-v``)
-    when nvcc compiles ``source`` for ``arch``."""
+    """``{kernel: {"registers", "stack_frame", "spill_stores", "spill_loads"}}`` as ptxas reports
+    them (``-v``) when nvcc compiles ``source`` for ``arch`` (a stack frame means local memory:
+    e.g. a register array indexed by a value nvcc could not unroll into a constant)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernels.cu"
         path.write_text(source)
@@ -79,9 +80,11 @@ def ptxas_report(source: str, arch: str) -> dict[str, dict[str, int]]:
     for line in done.stderr.splitlines():
         if match := re.search(r"Compiling entry function '(\w+)'", line):
             kernel = match.group(1)
-            report[kernel] = {"registers": 0, "spill_stores": 0, "spill_loads": 0}
-        elif kernel and (match := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
-            report[kernel].update(spill_stores=int(match.group(1)), spill_loads=int(match.group(2)))
+            report[kernel] = {"registers": 0, "stack_frame": 0, "spill_stores": 0, "spill_loads": 0}
+        elif kernel and (match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                                            line)):
+            report[kernel].update(stack_frame=int(match.group(1)), spill_stores=int(match.group(2)),
+                                  spill_loads=int(match.group(3)))
         elif kernel and (match := re.search(r"Used (\d+) registers", line)):
             report[kernel]["registers"] = int(match.group(1))
     return report

@@ -469,16 +469,19 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
                 for by in launch.grid(B, "y"):
                     for bz in launch.grid(Hkv, "z"):
                         for tx in launch.block():
-                            body.key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, T.Cast("int64", by),
-                                           T.Cast("int64", bz), T.Cast("int64", bx) * BK, Sq, Sk, tx)
+                            # #pragma unroll for nvcc instead of TVM's expansion (see forward.py)
+                            with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
+                                body.key_block(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, T.Cast("int64", by),
+                                               T.Cast("int64", bz), T.Cast("int64", bx) * BK, Sq, Sk, tx)
         # 3. dq: one block per (query tile, batch x query head)
         if want_dq:
             for bx in launch.grid((Sq + BQ - 1) // BQ, "x"):
                 for by in launch.grid(B, "y"):
                     for bz in launch.grid(Hq, "z"):
                         for tx in launch.block():
-                            body.query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, T.Cast("int64", by),
-                                             T.Cast("int64", bz), T.Cast("int64", bx) * BQ, Sq, Sk, tx)
+                            with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
+                                body.query_block(q, k, v, do, alibi, mask, lse, row_dot, dq, T.Cast("int64", by),
+                                                 T.Cast("int64", bz), T.Cast("int64", bx) * BQ, Sq, Sk, tx)
     # fmt: on
 
     unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}
