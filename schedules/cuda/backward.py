@@ -335,32 +335,32 @@ class _Body:
                                         dtype, acc[slot(wi, li, tx), (mt * DT + dt) * 4 + i] * T.float32(factor))
 
         @T.macro
-        def transposed_tile(frags, Qs, dOs, q0, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
-            # frags: (sT, dpT, dK, dV, a, bb, p): S^T and dP^T of the warp's key strips, their P^T and dS^T,
-            # then dV += P^T dO, dK += dS^T Q
+        def transposed_tile(sT, dpT, dK, dV, a, bb, p, Qs, dOs, q0, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq,
+                            Sk, tx):
+            # S^T and dP^T of the warp's key strips become P^T and dS^T in place (P computed once per
+            # element, before S^T is overwritten: dS needs the raw score for softcap'), then
+            # dV += P^T dO, dK += dS^T Q. a, bb, p: operand fragments
             for wi in wt.warp_loop():
-                strip_products(frags[0], frags[4], frags[5], Ks, 0, Qs, q0, MK, BQ, wi, tx)
+                strip_products(sT, a, bb, Ks, 0, Qs, q0, MK, BQ, wi, tx)
                 if want_dk:
-                    strip_products(frags[1], frags[4], frags[5], Vs, 0, dOs, q0, MK, BQ, wi, tx)
+                    strip_products(dpT, a, bb, Vs, 0, dOs, q0, MK, BQ, wi, tx)
                 for li in wt.lanes():
                     for mt in own(MK):
                         for nt in own(BQ // 8):
                             for i in own(4):
-                                if want_dk:
-                                    frags[1][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = score_grad(
-                                        probability(frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i],
-                                                    lse_r[tile_col(li, tx, nt, i)], b, h, i0 + tile_col(li, tx, nt, i),
-                                                    j0 + strip_row(wi, li, tx, MK, mt, i), Sq, Sk, alibi, mask),
-                                        frags[1][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i], D_r[tile_col(li, tx, nt, i)],
-                                        frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i])
-                                frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = probability(
-                                    frags[0][slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i], lse_r[tile_col(li, tx, nt, i)],
+                                prob: T.float32 = probability(
+                                    sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i], lse_r[tile_col(li, tx, nt, i)],
                                     b, h, i0 + tile_col(li, tx, nt, i), j0 + strip_row(wi, li, tx, MK, mt, i), Sq, Sk,
                                     alibi, mask)
+                                if want_dk:
+                                    dpT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = score_grad(
+                                        prob, dpT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i],
+                                        D_r[tile_col(li, tx, nt, i)], sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i])
+                                sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = prob
                 if want_dv:
-                    accumulate(frags[3], frags[0], frags[6], frags[5], dOs, q0, MK, BQ, wi, tx)
+                    accumulate(dV, sT, p, bb, dOs, q0, MK, BQ, wi, tx)
                 if want_dk:
-                    accumulate(frags[2], frags[1], frags[6], frags[5], Qs, q0, MK, BQ, wi, tx)
+                    accumulate(dK, dpT, p, bb, Qs, q0, MK, BQ, wi, tx)
 
         @T.macro
         def key_block_registers(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
@@ -383,7 +383,7 @@ class _Body:
                 wt.fill(dV, MK * DP // 2, T.float32(0), tx)
             load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
             walk_group_queries(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g, j0, Sq, Sk, tx,
-                               lambda h, i0, st: transposed_tile((sT, dpT, dK, dV, a, bb, p), Qs, dOs, st * BQ, Ks, Vs,
+                               lambda h, i0, st: transposed_tile(sT, dpT, dK, dV, a, bb, p, Qs, dOs, st * BQ, Ks, Vs,
                                                                  lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx))
             if want_dk:
                 store_strips(dk, dK, b, g, j0, MK, Sk, scale, tx)
@@ -391,23 +391,23 @@ class _Body:
                 store_strips(dv, dV, b, g, j0, MK, Sk, 1.0, tx)
 
         @T.macro
-        def row_tile(frags, Qs, dOs, Ks, Vs, k0, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
-            # frags: (s, dp, dQ, a, bb, p): S and dP of the warp's query strips, dS, then dQ += dS K
+        def row_tile(s, dp, dQ, a, bb, p, Qs, dOs, Ks, Vs, k0, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
+            # S and dP of the warp's query strips, dS in place of dP, then dQ += dS K (a, bb, p: operand fragments)
             for wi in wt.warp_loop():
-                strip_products(frags[0], frags[3], frags[4], Qs, 0, Ks, k0, MQ, BK, wi, tx)
-                strip_products(frags[1], frags[3], frags[4], dOs, 0, Vs, k0, MQ, BK, wi, tx)
+                strip_products(s, a, bb, Qs, 0, Ks, k0, MQ, BK, wi, tx)
+                strip_products(dp, a, bb, dOs, 0, Vs, k0, MQ, BK, wi, tx)
                 for li in wt.lanes():
                     for mt in own(MQ):
                         for nt in own(BK // 8):
                             for i in own(4):
-                                frags[1][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i] = score_grad(
-                                    probability(frags[0][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
+                                dp[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i] = score_grad(
+                                    probability(s[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
                                                 lse_r[strip_row(wi, li, tx, MQ, mt, i)], b, h,
                                                 i0 + strip_row(wi, li, tx, MQ, mt, i), j0 + tile_col(li, tx, nt, i), Sq,
                                                 Sk, alibi, mask),
-                                    frags[1][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
-                                    D_r[strip_row(wi, li, tx, MQ, mt, i)], frags[0][slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i])
-                accumulate(frags[2], frags[1], frags[5], frags[4], Ks, k0, MQ, BK, wi, tx)
+                                    dp[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
+                                    D_r[strip_row(wi, li, tx, MQ, mt, i)], s[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i])
+                accumulate(dQ, dp, p, bb, Ks, k0, MQ, BK, wi, tx)
 
         @T.macro
         def query_block_registers(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
@@ -425,7 +425,7 @@ class _Body:
             p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             wt.fill(dQ, MQ * DP // 2, T.float32(0), tx)
             walk_keys(Qs, dOs, Ks, Vs, lse_r, D_r, q, k, v, do, lse, row_dot, b, h, i0, Sq, Sk, tx,
-                      lambda j0, st: row_tile((s, dp, dQ, a, bb, p), Qs, dOs, Ks, Vs, st * BK, lse_r, D_r, alibi, mask,
+                      lambda j0, st: row_tile(s, dp, dQ, a, bb, p, Qs, dOs, Ks, Vs, st * BK, lse_r, D_r, alibi, mask,
                                               b, h, i0, j0, Sq, Sk, tx))
             store_strips(dq, dQ, b, h, i0, MQ, Sq, scale, tx)
 

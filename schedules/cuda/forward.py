@@ -315,12 +315,13 @@ class _Body:
                             wt.mma(o, (mt * DT + 2 * d2 + 1) * 4, pa, 0, vb, 4, w)
 
             @T.macro
-            def register_tile(frags, Qs, Ks, Vs, alibi, mask, b, g, r0, rows, kt, st, kv_len, Sq, tx):
+            def register_tile(s, o, m, l, mx, alpha, qa, kb, pa, vb, Qs, Ks, Vs, alibi, mask, b, g, r0, rows, kt, st,
+                              kv_len, Sq, tx):
                 for wi in wt.warp_loop():
-                    tile_scores(frags[0], frags[6], frags[7], Qs, Ks, st, wt.warp_of(wi, tx), tx)
-                    tile_softmax(frags[0], frags[1], frags[2], frags[3], frags[4], frags[5], alibi, mask, b, g, r0, rows,
+                    tile_scores(s, qa, kb, Qs, Ks, st, wt.warp_of(wi, tx), tx)
+                    tile_softmax(s, o, m, l, mx, alpha, alibi, mask, b, g, r0, rows,
                                  kt * BK, kv_len, kv_len - Sq, needs_mask(kt, r0, rows, kv_len, Sq), wt.warp_of(wi, tx), tx)
-                    tile_values(frags[0], frags[1], frags[8], frags[9], Vs, st, wt.warp_of(wi, tx), tx)
+                    tile_values(s, o, pa, vb, Vs, st, wt.warp_of(wi, tx), tx)
 
             @T.macro
             def merge_warps(o, m, l, out, lse, part_o, part_lse, b, g, r0, rows, split, tx):
@@ -382,7 +383,7 @@ class _Body:
                 first, count = key_walk(r0, rows, split, kv_len, Sq)
                 pipeline(count,
                          lambda t, st: load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, st, kv_len, num_blocks, tx),
-                         lambda t, st: register_tile((s, o, m, l, mx, alpha, qa, kb, pa, vb), Qs, Ks, Vs, alibi, mask, b,
+                         lambda t, st: register_tile(s, o, m, l, mx, alpha, qa, kb, pa, vb, Qs, Ks, Vs, alibi, mask, b,
                                                      g, r0, rows, first + t, st, kv_len, Sq, tx))
                 for wi in wt.warp_loop():
                     wt.quad_sum(l, R, wt.warp_of(wi, tx), tx)

@@ -36,7 +36,7 @@ from tvm.script import tirx as T
 from .device import F32, WARP, Launch
 
 PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
-A_REGS, B_REGS, C_REGS = 8, 4, 4  # elements per lane of a 16x16 A, a 16x8 B and a 16x8 C tile
+C_REGS = 4  # float32 elements per lane of a 16x8 C (accumulator) tile
 QUAD_STEPS = (1, 2)  # xor distances that combine the 4 lanes of a row group
 
 
@@ -217,10 +217,6 @@ class WarpTiles:
     def lane_of(self, li, tx):
         return li if self.launch.emulate else tx % WARP
 
-    def owned(self, n: int):
-        """Loop over ``n`` fragment elements: unrolled on the device (constant register indices)."""
-        return self.launch.owned(n)
-
 
 __all__ = ["WarpTiles", "a_element", "b_element", "c_element", "a_owner", "b_owner", "ldmatrix_row",
-           "fragment_from_ldmatrix", "A_REGS", "B_REGS", "C_REGS"]
+           "fragment_from_ldmatrix", "C_REGS"]
