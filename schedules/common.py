@@ -24,16 +24,29 @@ from .workload import KernelSpec  # noqa: F401 (the kernels' spec, re-exported)
 F32 = "float32"
 
 
-def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
-    """[lo, hi) of the key tiles that rows at query positions first_pos..last_pos can see."""
+def key_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta):
+    """[lo, hi) of the keys that rows at query positions first_pos..last_pos can see."""
     lo = tirx.const(0, "int64")
     hi = sem.as_int64(kv_len)
     if cfg.window_left >= 0:
         lo = tirx.max(lo, first_pos + delta - cfg.window_left)
     if cfg.window_right >= 0:
         hi = tirx.min(hi, last_pos + delta + cfg.window_right + 1)
+    return lo, hi
+
+
+def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int):
+    """[lo, hi) of the key tiles that rows at query positions first_pos..last_pos can see."""
+    lo, hi = key_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=delta)
     tile_lo = tirx.floordiv(lo, block_k)
     return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_k - 1, block_k))
+
+
+def tile_width(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int, step: int):
+    """Keys of the tile at ``key_start`` up to the last one the rows can see, rounded up to ``step``
+    (at most block_k): a causal diagonal tile computes only its visible part."""
+    _, hi = key_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=delta)
+    return tirx.min(tirx.const(block_k, "int64"), tirx.floordiv(hi - key_start + step - 1, step) * step)
 
 
 def tile_is_interior(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int):

@@ -25,12 +25,10 @@ from tvm.script import tirx as T
 
 from ... import semantics as sem
 from ..common import (F32, drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
-                      row_position, shape_vars, tile_is_interior)
+                      row_position, shape_vars, tile_is_interior, tile_width)
 from .common import prefetch
 from .micro import Micro
-from .tiles import CpuTiles
-
-STREAMING_ROWS = 8  # at most this many rows per task: read K/V rows in place rather than packing tiles
+from .tiles import STREAMING_ROWS, CpuTiles
 
 
 class _Body:
@@ -72,7 +70,7 @@ class _Body:
 
         @T.macro
         def normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
-                           last_pos):
+                           last_pos, width):
             # scores -> masked logits -> exp(logit - running max); O rescaled to the new max
             if spec.elementwise_logits:
                 logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
@@ -80,17 +78,20 @@ class _Body:
                 if not tile_is_interior(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
                                         kv_len=kv_len, delta=delta, block_k=BK):
                     logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
-            micro.online_softmax(S, m, l, alpha, BQ, BK)
+            micro.online_softmax(S, m, l, alpha, BQ, width)
             micro.scale_rows(O, alpha, BQ, DP)
 
         @T.macro
         def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
                         first_pos, last_pos):
-            # a packed key tile: both products are register-tiled GEMMs
-            micro.gemm(S, Qs, Kt, BQ, BK, D, tiles.key_vecs, False, False)
+            # a packed key tile: both products are register-tiled GEMMs over its first `width` keys
+            # (past them no row sees a key: the rest of a causal diagonal tile is skipped)
+            width: T.int64 = tile_width(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
+                                        kv_len=kv_len, delta=delta, block_k=BK, step=tiles.key_vecs * L)
+            micro.gemm(S, Qs, Kt, BQ, width, D, tiles.key_vecs, False, False)
             normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
-                           last_pos)
-            micro.gemm(O, S, Vt, BQ, DP, BK, tiles.dim_vecs, False, True)
+                           last_pos, width)
+            micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True)
 
         @T.macro
         def store(out, lse, O, m, l, b, g, r0, rows):
@@ -269,7 +270,7 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         for gi in range(HT):
             body.normalize_tile(_head(S_all, gi), _head(O_all, gi), _head(m_all, gi), _head(l_all, gi),
                                 _head(alpha_all, gi), alibi, alibi, b, g0 + gi, r0, rows, kt * BK, kv_len,
-                                kv_len - Sq, first_pos, last_pos)
+                                kv_len - Sq, first_pos, last_pos, BK)
         live = T.min(kv_len - kt * BK, BK)
         # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
         # VT tokens; each token's value row is still read as one contiguous run over the heads

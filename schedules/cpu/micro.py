@@ -18,12 +18,24 @@ from ... import semantics as sem
 from .tiles import CpuTiles
 
 
+def _add(a, b):
+    return a + b
+
+
+def lane_tree(combine, part, lanes: int):
+    """``part[0] ∘ part[1] ∘ ... ∘ part[lanes - 1]`` as a balanced tree: log2(lanes) dependent steps
+    where a running fold would take ``lanes`` (the row max and sum end every softmax row)."""
+    values = [part[v] for v in range(lanes)]
+    while len(values) > 1:
+        values = [combine(*values[i:i + 2]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
+
+
 class Micro:
     """Macros specialised to one ``CpuTiles``; used inside the kernels' ``@T.prim_func`` bodies."""
 
     def __init__(self, tiles: CpuTiles):
         MR, L = tiles.micro_rows, tiles.lanes
-        NEG_INF = T.float32(float("-inf"))
 
         @T.macro
         def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate):
@@ -73,18 +85,14 @@ class Micro:
                 for c0 in range(N // L):
                     for v in T.vectorized(L):
                         part_max[v] = T.max(part_max[v], S[r, c0 * L + v])
-                row[0] = NEG_INF
-                for v in range(L):
-                    row[0] = T.max(row[0], part_max[v])
+                row[0] = lane_tree(T.max, part_max, L)
                 shift: T.float32 = sem.safe_row_max(row[0])
                 alpha[r] = sem.fast_exp(m[r] - shift)
                 for c0 in range(N // L):
                     for v in T.vectorized(L):
                         S[r, c0 * L + v] = sem.fast_exp(S[r, c0 * L + v] - shift)
                         part_sum[v] = part_sum[v] + S[r, c0 * L + v]
-                row[1] = T.float32(0)
-                for v in range(L):
-                    row[1] = row[1] + part_sum[v]
+                row[1] = lane_tree(_add, part_sum, L)
                 l[r] = l[r] * alpha[r] + row[1]
                 m[r] = row[0]
 

@@ -15,8 +15,8 @@ from ...op import SPECS
 from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
 from .backward import flash_backward
-from .forward import STREAMING_ROWS, dense_forward, paged_forward
-from .tiles import CpuTiles, cores, streaming_space, tile_space, tiles_for
+from .forward import dense_forward, paged_forward
+from .tiles import STREAMING_ROWS, CpuTiles, cores, streaming_space, tile_space, tiles_for
 
 
 def _rows(workload: Workload) -> int | None:

@@ -2,7 +2,9 @@
 
 Contents:
     CpuTiles      -- frozen tile sizes of one kernel instance
+    STREAMING_ROWS -- the most query rows per task that stream keys in place (decode)
     vector_lanes  -- float32 lanes of the target's widest vector unit (4, 8 or 16)
+    vector_registers -- the target's architectural vector registers (16 or 32)
     tiles_for     -- the hand-picked tiles for a target, head dim and row count
     tile_space, streaming_space -- the knob candidates the tuner samples
     cores         -- the target's thread count
@@ -13,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import tvm
+
+
+STREAMING_ROWS = 8  # at most this many rows per task: read K/V rows in place rather than packing tiles
 
 
 @dataclass(frozen=True)
@@ -77,9 +82,18 @@ def vector_lanes(target: tvm.target.Target) -> int:
     return 4
 
 
+def vector_registers(target: tvm.target.Target) -> int:
+    """Architectural vector registers: 32 with AVX-512 (zmm0-31), 16 otherwise on x86 (and assumed
+    elsewhere)."""
+    if target.attrs.get("mcpu") is not None and tvm.target.codegen.target_has_features("avx512f", target):
+        return 32
+    return 16
+
+
 def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num_kv_heads: int = 1,
               batch: int | None = None) -> CpuTiles:
-    """Hand-picked tiles: 64 x 64 score tiles (they and a key tile fit a 32 KiB L1 in float32).
+    """Hand-picked tiles: 64 x 64 score tiles (they and a key tile fit a 32 KiB L1 in float32);
+    64 x 128 with AVX-512, whose larger register tiles pay for the longer key tiles.
 
     ``rows`` (query positions x group heads, when static) shrinks block_q for decode, where a
     task streams ``kv_heads`` heads at once: enough tasks remain for every core, and each page
@@ -87,11 +101,21 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
     read) unless a static ``batch`` smaller than the core count needs head chunks to fill cores.
     """
     lanes = vector_lanes(target)
-    tiles = CpuTiles(lanes=lanes, key_vecs=max(1, 16 // lanes), dim_vecs=2 if head_dim > lanes else 1)
+    # A register tile's accumulators fill about half the vector registers (the rest hold the
+    # streamed vectors and broadcasts): 4 x 2 vectors with 16 registers, 8 x 2 with AVX-512's 32,
+    # whose FMA latency needs the 16 independent chains (measured on Zen 5: 4 x 1 reached 54 % of
+    # the FMA peak at hdim 128, 8 x 2 with 128-key tiles 75 %).
+    wide = vector_registers(target) >= 32
+    tiles = CpuTiles(lanes=lanes, key_vecs=max(2, 16 // lanes), dim_vecs=2 if head_dim > lanes else 1,
+                     micro_rows=8 if wide else 4, block_k=128 if wide else 64)
     if -(-head_dim // lanes) % tiles.dim_vecs:  # e.g. head dim 40 with 8 lanes: 5 vectors
         tiles = replace(tiles, dim_vecs=1)
     if rows is not None and rows < tiles.block_q:
-        tiles = replace(tiles, block_q=-(-rows // tiles.micro_rows) * tiles.micro_rows)
+        # decode-sized row counts stream their keys (no register-tiled GEMM): pad rows to 4 only
+        micro_rows = min(tiles.micro_rows, 4) if rows <= STREAMING_ROWS else tiles.micro_rows
+        tiles = replace(tiles, micro_rows=micro_rows, block_q=-(-rows // micro_rows) * micro_rows)
+    if rows is not None and rows <= STREAMING_ROWS:
+        tiles = replace(tiles, value_tokens=4)  # one accumulator load/store per 4 value rows (~5 % on Zen 5)
     threads = cores(target)
     chunks = 1 if batch is None or batch >= threads else min(num_kv_heads, -(-threads // batch))
     kv_heads = max(h for h in range(1, num_kv_heads // chunks + 1) if num_kv_heads % h == 0)
