@@ -157,3 +157,21 @@ def test_avx512_targets_get_16_lane_kernels():
     kernel = _prim_funcs(legalized)["fuel_flash_attn_kernel"]
     assembly = tvm.compile(kernel, target=target).mod.inspect_source("asm")
     assert "zmm" in assembly and "vfmadd" in assembly
+
+
+def test_hand_picked_register_tiles_follow_the_vector_registers():
+    """AVX-512's 32 registers take 8 x 2-vector register tiles over 128-key tiles (16 accumulators:
+    the FMA chains its latency needs), AVX2's 16 take 4 x 2 over 64 keys; decode rows (streamed, no
+    GEMM) pad only to 4 and add 4 value rows per accumulator pass."""
+    from tvm_fuel.schedules.cpu.tiles import tiles_for, vector_registers
+
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    assert (vector_registers(avx512), vector_registers(avx2)) == (32, 16)
+    wide = tiles_for(avx512, head_dim=128, rows=None)
+    assert (wide.lanes, wide.micro_rows, wide.key_vecs, wide.dim_vecs, wide.block_k) == (16, 8, 2, 2, 128)
+    narrow = tiles_for(avx2, head_dim=128, rows=None)
+    assert (narrow.lanes, narrow.micro_rows, narrow.key_vecs, narrow.dim_vecs, narrow.block_k) == (8, 4, 2, 2, 64)
+    decode = tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8)
+    assert (decode.block_q, decode.value_tokens) == (4, 4)
+    assert tiles_for(avx512, head_dim=128, rows=17).block_q == 24  # GEMM rows: whole register tiles
