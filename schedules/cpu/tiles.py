@@ -85,9 +85,7 @@ def vector_lanes(target: tvm.target.Target) -> int:
 def vector_registers(target: tvm.target.Target) -> int:
     """Architectural vector registers: 32 with AVX-512 (zmm0-31), 16 otherwise on x86 (and assumed
     elsewhere)."""
-    if target.attrs.get("mcpu") is not None and tvm.target.codegen.target_has_features("avx512f", target):
-        return 32
-    return 16
+    return 32 if vector_lanes(target) == 16 else 16
 
 
 def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num_kv_heads: int = 1,
@@ -110,12 +108,13 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
                      micro_rows=8 if wide else 4, block_k=128 if wide else 64)
     if -(-head_dim // lanes) % tiles.dim_vecs:  # e.g. head dim 40 with 8 lanes: 5 vectors
         tiles = replace(tiles, dim_vecs=1)
-    if rows is not None and rows < tiles.block_q:
-        # decode-sized row counts stream their keys (no register-tiled GEMM): pad rows to 4 only
-        micro_rows = min(tiles.micro_rows, 4) if rows <= STREAMING_ROWS else tiles.micro_rows
-        tiles = replace(tiles, micro_rows=micro_rows, block_q=-(-rows // micro_rows) * micro_rows)
     if rows is not None and rows <= STREAMING_ROWS:
-        tiles = replace(tiles, value_tokens=4)  # one accumulator load/store per 4 value rows (~5 % on Zen 5)
+        # decode rows stream their keys (no register-tiled GEMM): pad rows to 4 only, and load and
+        # store the accumulator once per 4 value rows (~5 % on Zen 5)
+        micro_rows = min(tiles.micro_rows, 4)
+        tiles = replace(tiles, micro_rows=micro_rows, block_q=-(-rows // micro_rows) * micro_rows, value_tokens=4)
+    elif rows is not None and rows < tiles.block_q:
+        tiles = replace(tiles, block_q=-(-rows // tiles.micro_rows) * tiles.micro_rows)
     threads = cores(target)
     chunks = 1 if batch is None or batch >= threads else min(num_kv_heads, -(-threads // batch))
     kv_heads = max(h for h in range(1, num_kv_heads // chunks + 1) if num_kv_heads % h == 0)
