@@ -162,7 +162,7 @@ def test_avx512_targets_get_16_lane_kernels():
 def test_hand_picked_register_tiles_follow_the_vector_registers():
     """AVX-512's 32 registers take 8 x 2-vector register tiles over 128-key tiles (16 accumulators:
     the FMA chains its latency needs), AVX2's 16 take 4 x 2 over 64 keys; decode rows (streamed, no
-    GEMM) pad only to 4 and add 4 value rows per accumulator pass."""
+    GEMM) pad only to 4, add 4 value rows per accumulator pass and prefetch ~64 KiB of rows ahead."""
     from tvm_fuel.schedules.cpu.tiles import tiles_for, vector_registers
 
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
@@ -173,5 +173,34 @@ def test_hand_picked_register_tiles_follow_the_vector_registers():
     narrow = tiles_for(avx2, head_dim=128, rows=None)
     assert (narrow.lanes, narrow.micro_rows, narrow.key_vecs, narrow.dim_vecs, narrow.block_k) == (8, 4, 2, 2, 64)
     decode = tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8)
-    assert (decode.block_q, decode.value_tokens) == (4, 4)
+    assert (decode.block_q, decode.value_tokens, decode.prefetch) == (4, 4, 16)
+    assert tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8, element_bytes=2).prefetch == 32
+    assert tiles_for(avx512, head_dim=128, rows=None).prefetch == 0  # GEMM paths stream nothing
     assert tiles_for(avx512, head_dim=128, rows=17).block_q == 24  # GEMM rows: whole register tiles
+
+
+@pytest.mark.parametrize("rows, lanes", [(1, 16), (3, 16), (4, 16), (6, 8), (8, 4), (8, 16), (5, 1), (16, 4)])
+def test_row_sums_shuffle_tree_matches_numpy(rows, lanes):
+    """Decode's q.k ends in horizontal sums folded across rows by shuffles: every row's sum lands
+    where the kernel reads it, for padded row counts, rows beyond the lanes, and scalar lanes."""
+    from tvm.script import tirx as T
+
+    from tvm_fuel.schedules.cpu.micro import store_row_sums
+
+    padded = 1 << (rows - 1).bit_length()
+
+    @T.prim_func
+    def row_sums(x: T.Buffer((rows, lanes), "float32"), out: T.Buffer((rows,), "float32")):
+        acc = T.alloc_buffer((rows, lanes), "float32", scope="local")
+        sums = T.alloc_buffer((padded,), "float32", scope="local")
+        for r in T.unroll(rows):
+            for v in T.vectorized(lanes):
+                acc[r, v] = x[r, v]
+        store_row_sums(sums, acc, rows, lanes)
+        for r in range(rows):
+            out[r] = sums[r]
+
+    x = np.random.default_rng(rows * lanes).standard_normal((rows, lanes)).astype(np.float32)
+    out = tvm.runtime.tensor(np.zeros(rows, np.float32))
+    tvm.compile(row_sums, target=HOST)(tvm.runtime.tensor(x), out)
+    np.testing.assert_allclose(out.numpy(), x.sum(axis=1), rtol=1e-5, atol=1e-5)

@@ -1,7 +1,8 @@
 """``python -m tvm_fuel bench``: the floor, the tuned kernels and PyTorch, side by side in one run.
 
 Every figure is measured in the same process, against this machine's own peaks measured in the
-same run (float32 GEMM GFLOP/s, streaming read GB/s). FLOPs follow FlashAttention: forward
+same run (float32 GEMM GFLOP/s, streaming read GB/s; paged decode's read fraction against a read
+probe timed in turns with it, as this machine's bandwidth drifts). FLOPs follow FlashAttention: forward
 ``4 * B * Hq * Sq * Sk * D``, halved when causal; backward 2.5x the forward. Paged decode is
 also reported in GB/s of K/V read. "tuned" kernels use the shipped tuning logs (where they hold a
 record for this CPU class), "hand_picked" the same kernels with the rules' own knobs. Results go to
@@ -9,6 +10,7 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 
 Contents:
     (the shapes and their work counts live in ``tvm_fuel.shapes``)
+    read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
     measure, measure_side_by_side -- median timings (side by side: in turns)
     run_bench            -- run the default suite, write JSON and PNG, return the report
@@ -28,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 import tvm
 from tvm import relax
@@ -71,10 +74,13 @@ def measure_side_by_side(fns: dict[str, Callable[[], object]], *, min_seconds: f
     return {name: (statistics.median(t), len(t)) for name, t in times.items()}
 
 
-def _timed_builds(mod, target, tensors, *, with_floor: bool = True, floor_skip: str = "") -> dict:
-    """Tuned and hand-picked kernels timed side by side; then the floor (or why it is skipped)."""
+def _timed_builds(mod, target, tensors, *, with_floor: bool = True, floor_skip: str = "",
+                  alongside: dict | None = None) -> dict:
+    """Tuned and hand-picked kernels timed side by side (with the ``alongside`` callables, e.g. the
+    read-bandwidth probe); then the floor (or why it is skipped)."""
     vms = {impl: _vm(mod, target, **BUILDS[impl]) for impl in ("tuned", "hand_picked")}
-    timed = measure_side_by_side({impl: (lambda vm=vm: vm["main"](*tensors)) for impl, vm in vms.items()})
+    timed = measure_side_by_side({**{impl: (lambda vm=vm: vm["main"](*tensors)) for impl, vm in vms.items()},
+                                  **(alongside or {})})
     results = {impl: {"ms": seconds * 1e3, "runs": runs} for impl, (seconds, runs) in timed.items()}
     if with_floor:
         vm = _vm(mod, target, **BUILDS["floor"])
@@ -128,6 +134,16 @@ def _fma_kernel(parts: int, lanes: int, chains: int = 16, iters: int = 1 << 20):
     return fma_peak, parts * iters * chains * lanes * 2
 
 
+def read_probe(target: tvm.target.Target):
+    """``(run, bytes)``: a streaming read of 256 MiB (far beyond the caches) on all cores."""
+    size = 64 * 1024 * 1024
+    parts = 8 * int(target.attrs.get("num-cores", 1) or 1)
+    lib = tvm.compile(_read_kernel(size, parts), target=target)
+    data = tvm.runtime.tensor(np.ones(size, np.float32))
+    out = tvm.runtime.tensor(np.zeros(parts, np.float32))
+    return (lambda: lib(data, out)), size * 4
+
+
 def machine_peaks(target: tvm.target.Target) -> dict:
     """All-core float32 FMA peak GFLOP/s (our own register-resident FMA kernel), GEMM GFLOP/s
     (best of numpy and torch) and all-core streaming read GB/s."""
@@ -138,12 +154,8 @@ def machine_peaks(target: tvm.target.Target) -> dict:
     if torch is not None:
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)
         gemm["torch"] = 2 * n**3 / measure(lambda: ta @ tb)[0] / 1e9
-    size = 64 * 1024 * 1024  # 256 MiB: far beyond the caches
-    parts = 8 * int(target.attrs.get("num-cores", 1) or 1)
-    lib = tvm.compile(_read_kernel(size, parts), target=target)
-    data = tvm.runtime.tensor(np.ones(size, np.float32))
-    out = tvm.runtime.tensor(np.zeros(parts, np.float32))
-    read = size * 4 / measure(lambda: lib(data, out))[0] / 1e9
+    read_all, nbytes = read_probe(target)
+    read = nbytes / measure(read_all)[0] / 1e9
     cores = int(target.attrs.get("num-cores", 1) or 1)
     kernel, flops = _fma_kernel(cores, vector_lanes(target))
     fma = tvm.compile(kernel, target=target)
@@ -227,30 +239,38 @@ def _paged_timings(case: PagedCase, target) -> dict:
     rng = np.random.default_rng(0)
     max_blocks = case.capacity // case.block_size
     num_blocks = case.B * max_blocks
-    k_cache, v_cache = (rng.standard_normal((num_blocks, case.block_size, case.Hkv, case.D)).astype(np.float32)
+    dtype = ml_dtypes.bfloat16 if case.dtype == "bfloat16" else np.dtype(case.dtype)
+    k_cache, v_cache = (rng.standard_normal((num_blocks, case.block_size, case.Hkv, case.D)).astype(dtype)
                         for _ in range(2))
     table = rng.permutation(num_blocks).reshape(case.B, max_blocks).astype(np.int32)
     lens = np.full(case.B, case.context, np.int32)
-    q = rng.standard_normal((case.B, case.Hq, 1, case.D)).astype(np.float32)
+    q = rng.standard_normal((case.B, case.Hq, 1, case.D)).astype(dtype)
     arrays = [q, k_cache, v_cache, table, lens]
-    params = [relax.Var(n, relax.TensorType(a.shape, str(a.dtype)))
+    params = [relax.Var(n, relax.TensorType(a.shape, case.dtype if a.dtype == dtype else str(a.dtype)))
               for n, a in zip(("q", "k_cache", "v_cache", "block_table", "context_lens"), arrays)]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         bb.emit_func_output(bb.emit(op.paged_attn(*params)))
     mod = bb.get()
     tensors = [tvm.runtime.tensor(a) for a in arrays]
-    results = _timed_builds(mod, target, tensors)
+    # the machine's read bandwidth drifts by 2x within minutes here (shared memory bus): the
+    # fraction of it the kernel reaches is measured against a probe timed side by side with it
+    read_all, read_bytes = read_probe(target)
+    results = _timed_builds(mod, target, tensors, alongside={"read_probe": read_all})
+    results["read_probe"]["gbps"] = read_bytes / results["read_probe"]["ms"] / 1e6
     torch = _torch()
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
     else:
-        gather_sdpa = paged_gather_sdpa(torch, *(torch.from_numpy(a) for a in (q, k_cache, v_cache, table)), case.context)
+        as_torch = [torch.from_numpy(a.astype(np.float32)) if a.dtype == dtype else torch.from_numpy(a)
+                    for a in (q, k_cache, v_cache, table)]
+        as_torch[:3] = [t.to(getattr(torch, case.dtype)) for t in as_torch[:3]]
+        gather_sdpa = paged_gather_sdpa(torch, *as_torch, case.context)
         with torch.no_grad():
             seconds, runs = measure(gather_sdpa)
         results["torch"] = {"ms": seconds * 1e3, "runs": runs}
-    for entry in results.values():
-        if "ms" in entry:
+    for name, entry in results.items():
+        if "ms" in entry and name != "read_probe":
             entry["gbps"] = case.bytes_read / entry["ms"] / 1e6
             entry["gflops"] = case.flops / entry["ms"] / 1e6
     return results
@@ -338,8 +358,10 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
         report["cases"].append(_summarize(case, results, peaks))
     for case in paged:
         report["cases"].append(_summarize(case, _paged_timings(case, target), peaks))
-    full, quarter = (c for c in report["cases"] if c["kind"] == "paged")
+    full, quarter, half_width = (c for c in report["cases"] if c["kind"] == "paged")
     report["paged_occupancy_speedup"] = full["results"]["tuned"]["ms"] / quarter["results"]["tuned"]["ms"]
+    # bfloat16 reads half the bytes of float32 at the same shape: 0.5 when time follows bytes
+    report["paged_bf16_time_ratio"] = half_width["results"]["tuned"]["ms"] / full["results"]["tuned"]["ms"]
     if sweep:
         for s in (256, 512, 1024, 2048):
             for causal in (False, True):
@@ -373,7 +395,7 @@ def _summarize(case, results: dict, peaks: dict) -> dict:
     if "ms" in floor:
         entry["floor_over_tuned"] = floor["ms"] / tuned["ms"]
     if isinstance(case, PagedCase):
-        entry["read_fraction"] = tuned["gbps"] / peaks["read_gbps"]
+        entry["read_fraction"] = tuned["gbps"] / results["read_probe"]["gbps"]
     else:
         entry["fma_fraction"] = tuned["gflops"] / peaks["fma_gflops"]
     return entry
@@ -395,10 +417,15 @@ def _print(report: dict) -> None:
               f"{c.get('tuned_speedup', float('nan')):10.2f} {frac:8.0%}")
     print("(flash: GFLOP/s; paged: GB/s of K/V read; tuned/torch < 1 means tuned is faster; tuned: knobs of the "
           "shipped tuning logs where they hold a record for this CPU, hand-picked: the rules' own knobs; of peak: "
-          "flash of the all-core FMA peak, paged of the all-core read bandwidth)")
+          "flash of the all-core FMA peak, paged of the all-core read bandwidth timed alongside it)")
+    for c in report["cases"]:
+        if "read_probe" in c["results"]:
+            print(f"{c['name']}: read probe alongside {c['results']['read_probe']['gbps']:.1f} GB/s")
     if "paged_occupancy_speedup" in report:
         print(f"paged decode, full vs quarter occupancy (same table capacity): "
               f"{report['paged_occupancy_speedup']:.2f}x")
+    if "paged_bf16_time_ratio" in report:
+        print(f"paged decode, bfloat16 vs float32 cache time (half the bytes): {report['paged_bf16_time_ratio']:.2f}")
     lc = report.get("long_context")
     if lc and "peak_rss_mib" in lc:
         print(f"long context fwd+bwd S={lc['S']} H={lc['H']} D={lc['D']} causal: {lc['fwd_bwd_s']:.2f} s, "

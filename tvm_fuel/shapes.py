@@ -76,10 +76,11 @@ class PagedCase:
 
 
 def default_suite() -> tuple[list[FlashCase], list[PagedCase]]:
-    """The CPU benchmark's shapes (float32)."""
+    """The CPU benchmark's shapes (float32; paged decode also over a bfloat16 cache)."""
     flash = [FlashCase(1, 8, s, d, c, bwd) for bwd in (False, True) for (s, d) in ((1024, 64), (2048, 128))
              for c in (False, True)]
-    paged = [PagedCase(8, 32, 8, 128, 16, 4096, 4096), PagedCase(8, 32, 8, 128, 16, 1024, 4096)]
+    paged = [PagedCase(8, 32, 8, 128, 16, 4096, 4096), PagedCase(8, 32, 8, 128, 16, 1024, 4096),
+             PagedCase(8, 32, 8, 128, 16, 4096, 4096, dtype="bfloat16")]
     return flash, paged
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -27,7 +28,7 @@ from ... import semantics as sem
 from ..common import (F32, drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
                       row_position, shape_vars, tile_is_interior, tile_width)
 from .common import prefetch
-from .micro import Micro
+from .micro import Micro, store_row_sums
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -198,18 +199,22 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
     VT = tiles.value_tokens
     PREFETCH = tiles.prefetch
-    PER_LINE = 64 // (2 if dtype in ("float16", "bfloat16") else 4)  # elements per 64-byte cache line
-    LINES = -(-HT * D // PER_LINE)  # cache lines of one token's row over the task's KV heads
+    PER_LINE = 64 // (tvm.DataType(dtype).bits // 8)  # elements per 64-byte cache line
+    LINES = -(-D // PER_LINE)  # cache lines of one head's row of a token
+    ROWS_POW2 = 1 << (BQ - 1).bit_length()  # rows of the score shuffle tree
 
     def page_of(table, b, j, num_blocks):
         # a live token's block id was validated before the kernel (CPU check); clamp all the same
         return T.max(T.min(T.Cast("int64", table[b, j // BS]), num_blocks - 1), T.int64(0))
 
     @T.macro
-    def halve(acc, width: T.int32):
-        for r in T.unroll(BQ):
-            for v in T.vectorized(width):
-                acc[r, v] = acc[r, v] + acc[r, v + width]
+    def prefetch_row(cache, pages_ahead, token, kv_len, g, c):
+        # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
+        # pass. The hardware prefetchers alone leave the read ~15 % short (they restart at every
+        # 4 KiB page, and a cache page is a jump through the block table).
+        ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
+        for line in T.unroll(LINES):
+            prefetch(T.address_of(cache[pages_ahead[c], ahead % BS, g, T.min(line * PER_LINE, D - 1)]))
 
     @T.macro
     def add_values(O_all, S_all, pages, v_cache, kt, g0, gi, first, count: T.int32):
@@ -232,38 +237,30 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                     kt, kv_len, Sq, num_blocks, first_pos, last_pos):
         # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
         pages = T.alloc_buffer((BK,), "int64", scope="local")
+        sums = T.alloc_buffer((ROWS_POW2,), F32, scope="local")
         for c in range(BK):
             pages[c] = page_of(table, b, T.min(kt * BK + c, kv_len - 1), num_blocks)
+        # and of the token PREFETCH ahead of each (the last live one past the end)
+        pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64", scope="local")
+        if PREFETCH > 0:
+            for c in range(BK):
+                pages_ahead[c] = page_of(table, b, T.min(kt * BK + c + PREFETCH, kv_len - 1), num_blocks)
         for c in range(BK):
             if kt * BK + c < kv_len:
-                if PREFETCH > 0:
-                    # pages are scattered, and hardware prefetchers stop at 4 KiB boundaries: fetch the
-                    # K and V rows of the token PREFETCH ahead (all the task's heads) from here
-                    ahead: T.int64 = T.min(kt * BK + c + PREFETCH, kv_len - 1)
-                    page_ahead: T.int64 = page_of(table, b, ahead, num_blocks)
-                    for line in range(LINES):
-                        prefetch(T.address_of(k_cache[page_ahead, ahead % BS, g0 + line * PER_LINE // D, line * PER_LINE % D]))
-                        prefetch(T.address_of(v_cache[page_ahead, ahead % BS, g0 + line * PER_LINE // D, line * PER_LINE % D]))
                 for gi in range(HT):
                     acc = T.alloc_buffer((BQ, LD), F32, scope="local")
                     for r in T.unroll(BQ):
                         for v in T.vectorized(LD):
                             acc[r, v] = T.float32(0)
+                    if PREFETCH > 0:
+                        prefetch_row(k_cache, pages_ahead, kt * BK + c, kv_len, g0 + gi, c)
                     for d0 in range(D // LD):
                         for r in T.unroll(BQ):
                             for v in T.vectorized(LD):
                                 acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[pages[c], (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
-                    # lanes summed as a tree of halvings (a serial chain of LD adds is latency bound)
-                    if LD > 8:
-                        halve(acc, 8)
-                    if LD > 4:
-                        halve(acc, 4)
-                    if LD > 2:
-                        halve(acc, 2)
-                    if LD > 1:
-                        halve(acc, 1)
+                    store_row_sums(sums, acc, BQ, LD)
                     for r in T.unroll(BQ):
-                        S_all[gi, r, c] = acc[r, 0]
+                        S_all[gi, r, c] = sums[r]
             else:
                 for gi, r in T.grid(HT, BQ):
                     S_all[gi, r, c] = T.float32(0)
@@ -276,6 +273,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         # VT tokens; each token's value row is still read as one contiguous run over the heads
         for c0 in range(live // VT):
             for gi in range(HT):
+                if PREFETCH > 0:
+                    for u in T.unroll(VT):
+                        prefetch_row(v_cache, pages_ahead, kt * BK + c0 * VT + u, kv_len, g0 + gi, c0 * VT + u)
                 add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c0 * VT, VT)
         for c in range(live // VT * VT, live):
             for gi in range(HT):

@@ -4,6 +4,8 @@ All buffers here are per-task float32 scratch: a score tile S [block_q, block_k]
 [block_q, padded_dim], and row statistics [block_q]. Nothing here grows with the sequence.
 
 Contents:
+    lane_tree     -- a balanced tree over the scalar lanes of a small buffer
+    store_row_sums -- the lane sums of several vector rows as one transposing shuffle tree
     Micro         -- the macros of one tile configuration:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed)
         scale_rows      C[r, :] *= factor[r]
@@ -12,6 +14,7 @@ Contents:
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
@@ -29,6 +32,44 @@ def lane_tree(combine, part, lanes: int):
     while len(values) > 1:
         values = [combine(*values[i:i + 2]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
     return values[0]
+
+
+def store_row_sums(out, buffer, rows: int, lanes: int):
+    """``out[r] = sum(buffer[r, 0:lanes])`` for r < rows (``out`` holds rows rounded up to a power of
+    two), emitted as statements where it is called in a macro: vectors of partial rows folded
+    pairwise by shuffles: [a0 a1 | b0 b1] -> [a0+a1, b0+b1]. A dot product per key along the head
+    dim ends in such a horizontal sum; per row it costs log2(lanes) dependent shuffles, and LLVM
+    scalarizes half-width slices of a local buffer through general registers (~25 instructions a
+    row). Transposing rows into one vector shares the shuffles: ~2 a row.
+
+    """
+    if lanes == 1:
+        for r in range(rows):
+            T.buffer_store(out, tirx.BufferLoad(buffer, [r, 0]), [r])
+        return
+    ramp = tirx.Ramp(0, 1, lanes)
+    vectors = [tirx.BufferLoad(buffer, [r, ramp]) for r in range(rows)]
+    while len(vectors) & (len(vectors) - 1):
+        vectors.append(tirx.Broadcast(tirx.const(0, "float32"), lanes))
+    groups, width = 1, lanes  # each vector holds `groups` rows of `width` partial lanes
+    while len(vectors) > 1 and width > 1:
+        half = width // 2
+        low = [g * width + j for g in range(2 * groups) for j in range(half)]
+        vectors = [_shuffle(a, b, low) + _shuffle(a, b, [i + half for i in low])
+                   for a, b in zip(vectors[0::2], vectors[1::2])]
+        groups, width = 2 * groups, half
+    while width > 1:  # fewer rows than lanes: halve within each row
+        half = width // 2
+        low = [g * width + j for g in range(groups) for j in range(half)]
+        vectors = [_shuffle(v, None, low) + _shuffle(v, None, [i + half for i in low]) for v in vectors]
+        width = half
+    for k, vector in enumerate(vectors):
+        T.buffer_store(out, vector, [tirx.Ramp(k * groups, 1, groups) if groups > 1 else k])
+
+
+def _shuffle(a, b, indices):
+    # lanes of a then b (TIR's Shuffle concatenates its vectors); a single lane is a scalar
+    return tirx.Shuffle([a] if b is None else [a, b], [tirx.const(i, "int32") for i in indices])
 
 
 class Micro:

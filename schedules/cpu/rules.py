@@ -112,7 +112,8 @@ class PagedAttention(_CpuRule):
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         spec = workload.spec
         return asdict(tiles_for(target, head_dim=spec.head_dim, rows=_rows(workload),
-                                num_kv_heads=spec.num_kv_heads, batch=workload.dim["B"]))
+                                num_kv_heads=spec.num_kv_heads, batch=workload.dim["B"],
+                                element_bytes=tvm.DataType(spec.dtype).bits // 8))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         rows = _rows(workload)

@@ -89,7 +89,7 @@ def vector_registers(target: tvm.target.Target) -> int:
 
 
 def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num_kv_heads: int = 1,
-              batch: int | None = None) -> CpuTiles:
+              batch: int | None = None, element_bytes: int = 4) -> CpuTiles:
     """Hand-picked tiles: 64 x 64 score tiles (they and a key tile fit a 32 KiB L1 in float32);
     64 x 128 with AVX-512, whose larger register tiles pay for the longer key tiles.
 
@@ -97,6 +97,8 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
     task streams ``kv_heads`` heads at once: enough tasks remain for every core, and each page
     row it reads is one contiguous run. All heads go to one task (whole page rows, the fastest
     read) unless a static ``batch`` smaller than the core count needs head chunks to fill cores.
+    Decode prefetches the rows of the token ~64 KiB of the task's reads ahead (``element_bytes``:
+    the cache's element size).
     """
     lanes = vector_lanes(target)
     # A register tile's accumulators fill about half the vector registers (the rest hold the
@@ -118,7 +120,13 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
     threads = cores(target)
     chunks = 1 if batch is None or batch >= threads else min(num_kv_heads, -(-threads // batch))
     kv_heads = max(h for h in range(1, num_kv_heads // chunks + 1) if num_kv_heads % h == 0)
-    return replace(tiles, kv_heads=kv_heads)
+    tiles = replace(tiles, kv_heads=kv_heads)
+    if rows is not None and rows <= STREAMING_ROWS:
+        # measured on Zen 5 (B 8, Hkv 8, hdim 128, 4096 tokens): 16 tokens ahead in float32, 32 in
+        # float16 read 5-30 % faster than the hardware prefetchers alone; nearer is slower
+        row_bytes = kv_heads * head_dim * element_bytes
+        tiles = replace(tiles, prefetch=max(4, min(64, (64 << 10) // row_bytes)))
+    return tiles
 
 
 def tile_space(target: tvm.target.Target, *, rows: int | None) -> dict[str, tuple[int, ...]]:
@@ -150,5 +158,5 @@ def streaming_space(target: tvm.target.Target, *, num_kv_heads: int) -> dict[str
         "block_k": (16, 32, 64, 128, 256),
         "kv_heads": tuple(h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0),
         "value_tokens": (1, 2, 4),
-        "prefetch": (0, 4, 16),
+        "prefetch": (0, 8, 16, 32, 64),
     }

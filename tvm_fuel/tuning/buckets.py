@@ -102,8 +102,8 @@ def benchmark_buckets(op: str) -> list[dict]:
 
     flash, paged = default_suite()
     if op == "paged_attn":
-        # the quarter-occupancy case shares the full one's shapes (and knobs)
+        # the quarter-occupancy case shares the full one's shapes (and knobs); the float32 cache's
         return [dict(B=c.B, Hq=c.Hq, Hkv=c.Hkv, D=c.D, block_size=c.block_size, ctx=c.capacity)
-                for c in paged if c.context == c.capacity]
+                for c in paged if c.context == c.capacity and c.dtype == "float32"]
     backward = op == "flash_attn_backward"
     return [dict(B=c.B, H=c.H, S=c.S, D=c.D, causal=int(c.causal)) for c in flash if c.backward == backward]
