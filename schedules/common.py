@@ -6,6 +6,7 @@ Contents:
     shape_vars        -- the runtime dims of a kernel: symbolic vars or constants
     key_tile_range    -- the key tiles a range of query positions can see
     query_tile_range  -- the query tiles that can see a range of keys (backward)
+    balanced_order    -- a task order whose contiguous chunks carry equal causal work
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
     row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased, masked_logit -- the element-wise mask and logit transform (via tvm_fuel.semantics)
@@ -69,6 +70,16 @@ def query_tile_range(cfg: AttnConfig, *, key_first, key_last, num_queries, delta
         hi = tirx.min(hi, key_last - delta + cfg.window_left + 1)
     tile_lo = tirx.floordiv(lo, block_q)
     return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_q - 1, block_q))
+
+
+def balanced_order(j, n):
+    """The ``j``-th of ``n`` tiles in the order 0, n-1, 1, n-2, ... (a bijection on [0, n)).
+
+    Causal work grows with the tile index, and a parallel loop hands each thread a contiguous
+    chunk of tasks: in this order every chunk holds light and heavy tiles in pairs, so the
+    threads finish together even when B * Hkv is below the thread count (1.48x imbalanced with
+    tiles in order and B * Hkv = 1 or 3)."""
+    return tirx.Select(j % 2 == 0, j // 2, n - 1 - j // 2)
 
 
 def shape_vars(dims, names: tuple[str, ...]) -> tuple:

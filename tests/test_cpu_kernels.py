@@ -204,3 +204,17 @@ def test_row_sums_shuffle_tree_matches_numpy(rows, lanes):
     out = tvm.runtime.tensor(np.zeros(rows, np.float32))
     tvm.compile(row_sums, target=HOST)(tvm.runtime.tensor(x), out)
     np.testing.assert_allclose(out.numpy(), x.sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 17])
+def test_balanced_order_pairs_light_and_heavy_tiles(n):
+    """Causal tasks are ordered 0, n-1, 1, n-2, ...: a permutation, so that each contiguous chunk
+    a thread takes holds tiles whose causal work sums evenly."""
+    from tvm_fuel.schedules.common import balanced_order
+
+    analyzer = tvm.sym.Analyzer()
+    order = [int(analyzer.simplify(balanced_order(tirx.const(j, "int64"), tirx.const(n, "int64")))) for j in range(n)]
+    assert sorted(order) == list(range(n))
+    work = [t + 1 for t in order]  # causal work of row tile t
+    halves = sum(work[: (n + 1) // 2]), sum(work[(n + 1) // 2:])
+    assert max(halves) <= min(halves) + n  # in order, the second half would carry ~3x the first

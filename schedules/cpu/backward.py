@@ -25,8 +25,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (F32, biased, drop_params, finish, KernelSpec, param_buffers, query_tile_range, shape_vars,
-                      visible)
+from ..common import (F32, balanced_order, biased, drop_params, finish, KernelSpec, param_buffers, query_tile_range,
+                      shape_vars, visible)
 from .micro import Micro
 from .tiles import CpuTiles
 
@@ -145,7 +145,8 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
             S = T.alloc_buffer((BQ, BK), F32)
             dP = T.alloc_buffer((BQ, BK), F32)
             Cap = T.alloc_buffer((BQ, BK), F32)
-            for kt in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
+            for i in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
+                kt: T.int64 = balanced_order(i, n_key_tiles)  # causal work falls with kt: pair them
                 for c in range(BK):
                     if kt * BK + c < Sk:
                         for d in range(D):

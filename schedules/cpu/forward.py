@@ -25,8 +25,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ... import semantics as sem
-from ..common import (F32, drop_params, finish, KernelSpec, key_tile_range, masked_logit, param_buffers, row_head,
-                      row_position, shape_vars, tile_is_interior, tile_width)
+from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
+                      param_buffers, row_head, row_position, shape_vars, tile_is_interior, tile_width)
 from .common import prefetch
 from .micro import Micro, store_row_sums
 from .tiles import STREAMING_ROWS, CpuTiles
@@ -113,7 +113,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     body = _Body(spec, tiles)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
     cfg = spec.cfg
     has_mask = len(spec.mask_broadcast) > 0
 
@@ -136,21 +136,31 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
             pb: T.int64 = pack // (Hkv * n_key_tiles)
             pg: T.int64 = pack // n_key_tiles % Hkv
             pt: T.int64 = pack % n_key_tiles
+            # K^T in panels of L keys: a panel's L source rows and its D destination lines stay in
+            # L1 while every line is filled (a whole-tile transpose at hdim 128 missed on each store)
+            for c0 in range(BK // L):
+                if pt * BK + c0 * L + L <= Sk:
+                    for d in range(D):
+                        for c1 in T.vectorized(L):
+                            k_tiles[pb, pg, pt, d, c0 * L + c1] = k[pb, pg, pt * BK + c0 * L + c1, d].astype(F32)
+                else:
+                    for d, c1 in T.grid(D, L):
+                        k_tiles[pb, pg, pt, d, c0 * L + c1] = T.if_then_else(
+                            pt * BK + c0 * L + c1 < Sk,
+                            k[pb, pg, T.min(pt * BK + c0 * L + c1, Sk - 1), d].astype(F32), T.float32(0))
             for c in range(BK):
                 if pt * BK + c < Sk:
-                    for d in range(D):
-                        k_tiles[pb, pg, pt, d, c] = k[pb, pg, pt * BK + c, d].astype(F32)
+                    for d in T.vectorized(D):
                         v_tiles[pb, pg, pt, c, d] = v[pb, pg, pt * BK + c, d].astype(F32)
                 else:
                     for d in range(D):
-                        k_tiles[pb, pg, pt, d, c] = T.float32(0)
                         v_tiles[pb, pg, pt, c, d] = T.float32(0)
                 for d in range(D, DP):
                     v_tiles[pb, pg, pt, c, d] = T.float32(0)
         for task in T.parallel(B * Hkv * n_row_tiles):
             b: T.int64 = task // (Hkv * n_row_tiles)
             g: T.int64 = task // n_row_tiles % Hkv
-            r0: T.int64 = task % n_row_tiles * BQ
+            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
             first_pos: T.int64 = row_position(r0, group)
             last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
             Qs = T.alloc_buffer((BQ, D), F32)
@@ -313,7 +323,7 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
             b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
             g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
-            r0: T.int64 = task % n_row_tiles * BQ
+            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
             kv_len: T.int64 = T.Cast("int64", lens[b])
             first_pos: T.int64 = row_position(r0, group)
             last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
