@@ -168,19 +168,19 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                                                 num_queries=Sq, delta=Sk - Sq, block_q=BQ)
                     for qt in range(qlo, qhi):
                         load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g * group + hr, qt * BQ, Sq)
-                        micro.gemm(S, Qs, Kt, BQ, BK, D, KV, False, False)
+                        micro.gemm(S, Qs, Kt, BQ, BK, D, KV, False, False, None)
                         probabilities(S, Cap, lse_r, alibi, mask, b, g * group + hr, qt * BQ, kt * BK, Sq, Sk)
                         if want_dv:
-                            micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True)
+                            micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True, None)
                         if want_ds:
-                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KV, False, False)
+                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KV, False, False, None)
                             score_grads(dP, S, Cap, D_r)
                             if want_dk:
-                                micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True)
+                                micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True, None)
                             if want_dq:
                                 dQv = T.decl_buffer((BQ, DP), F32, data=dq_part.data, elem_offset=(
                                     ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
-                                micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True)
+                                micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True, None)
                 for c in range(BK):
                     if kt * BK + c < Sk:
                         for d in range(D):

@@ -70,9 +70,9 @@ class _Body:
                         S[r, c] = masked_logit(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta)
 
         @T.macro
-        def normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
+        def normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
                            last_pos, width):
-            # scores -> masked logits -> exp(logit - running max); O rescaled to the new max
+            # scores -> masked logits -> exp(logit - running max); alpha: O's rescale to the new max
             if spec.elementwise_logits:
                 logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
             else:
@@ -80,7 +80,6 @@ class _Body:
                                         kv_len=kv_len, delta=delta, block_k=BK):
                     logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
             micro.online_softmax(S, m, l, alpha, BQ, width)
-            micro.scale_rows(O, alpha, BQ, DP)
 
         @T.macro
         def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
@@ -89,10 +88,10 @@ class _Body:
             # (past them no row sees a key: the rest of a causal diagonal tile is skipped)
             width: T.int64 = tile_width(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
                                         kv_len=kv_len, delta=delta, block_k=BK, step=tiles.key_vecs * L)
-            micro.gemm(S, Qs, Kt, BQ, width, D, tiles.key_vecs, False, False)
-            normalize_tile(S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
+            micro.gemm(S, Qs, Kt, BQ, width, D, tiles.key_vecs, False, False, None)
+            normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
                            last_pos, width)
-            micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True)
+            micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True, alpha)
 
         @T.macro
         def store(out, lse, O, m, l, b, g, r0, rows):
@@ -104,7 +103,7 @@ class _Body:
                         lse[b, row_head(g, r0 + r, group), row_position(r0 + r, group)] = sem.log_sum_exp(sem.safe_row_max(m[r]), l[r])
 
         self.load_queries, self.init_state, self.store = load_queries, init_state, store
-        self.normalize_tile, self.attend_tile = normalize_tile, attend_tile
+        self.normalize_tile, self.attend_tile, self.scale_rows = normalize_tile, attend_tile, micro.scale_rows
 
 
 def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
@@ -275,9 +274,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                 for gi, r in T.grid(HT, BQ):
                     S_all[gi, r, c] = T.float32(0)
         for gi in range(HT):
-            body.normalize_tile(_head(S_all, gi), _head(O_all, gi), _head(m_all, gi), _head(l_all, gi),
-                                _head(alpha_all, gi), alibi, alibi, b, g0 + gi, r0, rows, kt * BK, kv_len,
-                                kv_len - Sq, first_pos, last_pos, BK)
+            body.normalize_tile(_head(S_all, gi), _head(m_all, gi), _head(l_all, gi), _head(alpha_all, gi), alibi,
+                                alibi, b, g0 + gi, r0, rows, kt * BK, kv_len, kv_len - Sq, first_pos, last_pos, BK)
+            body.scale_rows(_head(O_all, gi), _head(alpha_all, gi), BQ, DP)
         live = T.min(kv_len - kt * BK, BK)
         # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
         # VT tokens; each token's value row is still read as one contiguous run over the heads

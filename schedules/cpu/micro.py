@@ -7,7 +7,8 @@ Contents:
     lane_tree     -- a balanced tree over the scalar lanes of a small buffer
     store_row_sums -- the lane sums of several vector rows as one transposing shuffle tree
     Micro         -- the macros of one tile configuration:
-        gemm            C (+)= A @ B on register tiles (A optionally read transposed)
+        gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
+                        rescaled per row as it is loaded)
         scale_rows      C[r, :] *= factor[r]
         online_softmax  the FlashAttention-2 row update of (m, l) and S -> exp(S - m)
 """
@@ -79,8 +80,10 @@ class Micro:
         MR, L = tiles.micro_rows, tiles.lanes
 
         @T.macro
-        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate):
+        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate, row_scale):
             # C[m, n] (+)= sum_k A[m, k] * Bm[k, n]; register tile MR x (vecs * L), n vectorized.
+            # row_scale (accumulating; None or a [M] buffer): C[m, :] * row_scale[m] + A @ B, the
+            # online softmax's rescale of the accumulator applied as it is loaded (no pass of its own).
             # Requires M % MR == 0 and N % (vecs * L) == 0.
             for m0, n0 in T.grid(M // MR, N // (vecs * L)):
                 acc = T.alloc_buffer((MR, vecs * L), "float32", scope="local")
@@ -88,7 +91,10 @@ class Micro:
                     for nj in T.unroll(vecs):
                         for v in T.vectorized(L):
                             if accumulate:
-                                acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v]
+                                if row_scale is None:
+                                    acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v]
+                                else:
+                                    acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v] * row_scale[m0 * MR + mi]
                             else:
                                 acc[mi, nj * L + v] = T.float32(0)
                 for k in range(K):
