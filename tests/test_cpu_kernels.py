@@ -218,3 +218,24 @@ def test_balanced_order_pairs_light_and_heavy_tiles(n):
     work = [t + 1 for t in order]  # causal work of row tile t
     halves = sum(work[: (n + 1) // 2]), sum(work[(n + 1) // 2:])
     assert max(halves) <= min(halves) + n  # in order, the second half would carry ~3x the first
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_kernels_call_no_scalar_libm_exp(softcap):
+    """Every exp of the CPU kernels stays in vector registers: LLVM lowers a vector ``exp`` to one
+    libm ``expf`` call per lane, which had cost the backward a third of its time."""
+    from tvm_fuel.config import AttnConfig
+    from tvm_fuel.schedules.cpu.backward import flash_backward
+    from tvm_fuel.schedules.cpu.forward import dense_forward
+    from tvm_fuel.schedules.cpu.tiles import tiles_for
+    from tvm_fuel.schedules.workload import KernelSpec
+
+    spec = KernelSpec(dtype="float32", num_q_heads=4, num_kv_heads=2, head_dim=64,
+                      cfg=AttnConfig(causal=True, softcap=softcap))
+    tiles = tiles_for(HOST, head_dim=64, rows=None)
+    dims = dict(B=1, Sq=128, Sk=128)
+    for kernel in (dense_forward(spec, tiles, dims=dims),
+                   flash_backward(spec, tiles, grads=("dq", "dk", "dv"), dims=dims)):
+        lib = tvm.compile(tvm.IRModule({"main": kernel}), target=HOST)
+        asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
+        assert "expf" not in asm and "tanhf" not in asm

@@ -109,9 +109,12 @@ def log_sum_exp(shift, row_sum):
     return tirx.Select(row_sum > _ZERO, shift + te.log(row_sum), NEG_INF)
 
 
-def probability(logit, lse):
-    """``exp(logit - lse)``, and 0 for rows whose ``lse`` is ``-inf`` (fully masked)."""
-    return tirx.Select(lse == NEG_INF, _ZERO, te.exp(logit - lse))
+def probability(logit, lse, *, fast: bool = False):
+    """``exp(logit - lse)``, and 0 for rows whose ``lse`` is ``-inf`` (fully masked).
+
+    ``fast`` uses ``fast_exp``: LLVM turns a vector ``exp`` into one libm call per lane.
+    """
+    return tirx.Select(lse == NEG_INF, _ZERO, (fast_exp if fast else te.exp)(logit - lse))
 
 
 _EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
