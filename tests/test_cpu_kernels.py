@@ -239,3 +239,58 @@ def test_kernels_call_no_scalar_libm_exp(softcap):
         lib = tvm.compile(tvm.IRModule({"main": kernel}), target=HOST)
         asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
         assert "expf" not in asm and "tanhf" not in asm
+
+
+@pytest.mark.parametrize("name", ["fast_exp", "fast_exp2", "fast_tanh"])
+def test_vectorized_transcendentals_match_numpy(name):
+    """The kernels' own exp, exp2 and tanh (they vectorize where LLVM's call libm per lane): within
+    a few float32 ulp of numpy in float64, exactly 0 far below (and at -inf), NaN kept NaN."""
+    from tvm import te
+
+    from tvm_fuel import semantics as sem
+
+    fn, exact, lo, hi, floor = {"fast_exp": (sem.fast_exp, np.exp, -90.0, 88.0, -87.0),
+                                "fast_exp2": (sem.fast_exp2, np.exp2, -130.0, 127.0, -126.0),
+                                "fast_tanh": (sem.fast_tanh, np.tanh, -12.0, 12.0, None)}[name]
+    x = te.placeholder((1 << 16,), "float32")
+    y = te.compute(x.shape, lambda i: fn(x[i]))
+    built = tvm.compile(te.create_prim_func([x, y]), target=HOST)
+    xs = np.concatenate([np.linspace(lo, hi, (1 << 16) - 2, dtype=np.float32), [-np.inf, np.nan]]).astype(np.float32)
+    out = tvm.runtime.tensor(np.zeros_like(xs))
+    built(tvm.runtime.tensor(xs), out)
+    got, want = out.numpy()[:-2].astype(np.float64), exact(xs[:-2].astype(np.float64))
+    if name == "fast_tanh":
+        np.testing.assert_allclose(got, want, atol=2e-7)
+        assert out.numpy()[-2] == -1.0
+    else:
+        normal = want > 1e-37
+        assert np.max(np.abs(got[normal] - want[normal]) / want[normal]) < 4e-7
+        assert np.all(got[xs[:-2] < floor] == 0) and out.numpy()[-2] == 0.0
+    assert np.isnan(out.numpy()[-1])
+
+
+@pytest.mark.parametrize("which", ["flash_attn", "paged_attn"])
+def test_a_nan_key_makes_exactly_the_rows_that_see_it_nan(which):
+    """IEEE: a NaN in a key reaches every output row that attends to it (kernel and floor alike);
+    causal rows before it stay finite and equal to the floor."""
+    rng = np.random.default_rng(5)
+    if which == "paged_attn":
+        k_cache = rng.standard_normal((4, 16, 1, 64)).astype(np.float32)
+        k_cache[1, 3, 0, 7] = np.nan  # token 19 of the sequence
+        inputs = dict(q=rng.standard_normal((1, 2, 24, 64)).astype(np.float32), k_cache=k_cache,
+                      v_cache=rng.standard_normal((4, 16, 1, 64)).astype(np.float32),
+                      block_table=np.array([[0, 1]], np.int32), context_lens=np.array([24], np.int32))
+        make = lambda **a: op.paged_attn(**a, causal=True)  # noqa: E731
+        nan_from = 19
+    else:
+        k = rng.standard_normal((1, 1, 40, 64)).astype(np.float32)
+        k[0, 0, 29, 3] = np.nan
+        inputs = dict(q=rng.standard_normal((1, 2, 40, 64)).astype(np.float32), k=k,
+                      v=rng.standard_normal((1, 1, 40, 64)).astype(np.float32))
+        make = lambda **a: op.flash_attn(**a, causal=True)  # noqa: E731
+        nan_from = 29
+    (tuned,), (floor,) = run(make, inputs, kernels="tuned"), run(make, inputs, kernels="decomposed")
+    rows_nan = np.isnan(tuned).any(axis=-1)
+    assert rows_nan[..., nan_from:].all() and not rows_nan[..., :nan_from].any()
+    np.testing.assert_array_equal(np.isnan(floor).any(axis=-1), rows_nan)
+    np.testing.assert_allclose(tuned[..., :nan_from, :], floor[..., :nan_from, :], atol=1e-5, rtol=1e-5)

@@ -16,7 +16,7 @@ positions of the context, so the diagonal is aligned bottom-right):
 
 Contents:
     kv_head, keep, softcap, softcap_grad, alibi_bias, masked, mask_index, NEG_INF,
-    safe_row_max, normalize, log_sum_exp, probability, fast_exp, fast_tanh
+    safe_row_max, normalize, log_sum_exp, probability, fast_exp, fast_exp2 (LOG2E, LN2), fast_tanh
 """
 
 from __future__ import annotations
@@ -100,13 +100,14 @@ def safe_row_max(row_max):
 
 
 def normalize(acc, row_sum):
-    """``acc / row_sum``, and 0 for a row that kept no key."""
-    return tirx.Select(row_sum > _ZERO, acc / row_sum, _ZERO)
+    """``acc / row_sum``, and 0 for a row that kept no key (a NaN sum stays NaN)."""
+    return tirx.Select(row_sum == _ZERO, _ZERO, acc / row_sum)
 
 
 def log_sum_exp(shift, row_sum):
-    """Natural-log LSE from the shift and the shifted sum; ``-inf`` for a row that kept no key."""
-    return tirx.Select(row_sum > _ZERO, shift + te.log(row_sum), NEG_INF)
+    """Natural-log LSE from the shift and the shifted sum; ``-inf`` for a row that kept no key (a
+    NaN sum stays NaN)."""
+    return tirx.Select(row_sum == _ZERO, NEG_INF, shift + te.log(row_sum))
 
 
 def probability(logit, lse, *, fast: bool = False):
@@ -124,10 +125,11 @@ def fast_exp(x):
     """float32 ``exp`` that vectorizes (Cephes' expf: range reduction by ln 2, degree-6 polynomial).
 
     LLVM lowers a vector ``llvm.exp`` to one libm call per lane; this stays in SIMD registers.
-    Relative error is within a few ulp; ``exp(x)`` is exactly 0 below -87 (so for -inf).
+    Relative error is within a few ulp; ``exp(x)`` is exactly 0 below -87 (so for -inf), NaN stays
+    NaN.
     """
     f32 = "float32"
-    clamped = tirx.max(tirx.min(x, tirx.const(88.0, f32)), tirx.const(-87.0, f32))
+    clamped = _clamp_keeping_nan(x, -87.0, 88.0)
     n = tirx.floor(clamped * tirx.const(math.log2(math.e), f32) + tirx.const(0.5, f32))
     # two-step Cody-Waite reduction: ln 2 = 0.693359375 - 2.12194440e-4 (the first part exact)
     r = clamped - n * tirx.const(0.693359375, f32) + n * tirx.const(2.12194440e-4, f32)
@@ -135,8 +137,45 @@ def fast_exp(x):
     for c in _EXP_POLY:
         p = p * r + tirx.const(c, f32)
     poly = p * r * r + r + tirx.const(1.0, f32)
-    two_n = tirx.reinterpret(f32, tirx.shift_left(n.astype("int32") + 127, tirx.const(23, "int32")))
-    return tirx.Select(x < tirx.const(-87.0, f32), _ZERO, poly * two_n)
+    return tirx.Select(x < tirx.const(-87.0, f32), _ZERO, poly * _two_to(n, -126.0, 127.0))
+
+
+def _clamp_keeping_nan(x, lo: float, hi: float):
+    # the comparisons are false for NaN, which passes through (TIR's min/max would drop it)
+    x = tirx.Select(x > tirx.const(hi, "float32"), tirx.const(hi, "float32"), x)
+    return tirx.Select(x < tirx.const(lo, "float32"), tirx.const(lo, "float32"), x)
+
+
+def _two_to(n, lo: float, hi: float):
+    """``2 ** n`` for an integral float32 ``n`` in [lo, hi] built from its exponent bits. A NaN ``n``
+    is clamped first (its integer conversion would be poison); the NaN reaches the result through
+    the polynomial it multiplies."""
+    n = tirx.max(tirx.min(n, tirx.const(hi, "float32")), tirx.const(lo, "float32"))
+    return tirx.reinterpret("float32", tirx.shift_left(n.astype("int32") + 127, tirx.const(23, "int32")))
+
+
+_EXP2_POLY = (1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2, 2.402264791363012e-1,
+              6.931472028550421e-1)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def fast_exp2(x):
+    """float32 ``2 ** x`` that vectorizes (Cephes' exp2f: ``x = n + f``, ``|f| <= 1/2``, degree-6
+    polynomial; relative error ~2e-7).
+
+    Kernels that fold ``log2(e)`` into their query scale take their softmax in base 2: the range
+    reduction is one subtraction, where ``fast_exp`` needs a multiply and two Cody-Waite steps.
+    ``2 ** x`` is exactly 0 below -126 (so for -inf), NaN stays NaN.
+    """
+    f32 = "float32"
+    clamped = _clamp_keeping_nan(x, -126.0, 127.0)
+    n = tirx.floor(clamped + tirx.const(0.5, f32))
+    f = clamped - n
+    p = tirx.const(1.535336188319500e-4, f32)
+    for c in _EXP2_POLY:
+        p = p * f + tirx.const(c, f32)
+    return tirx.Select(x < tirx.const(-126.0, f32), _ZERO, (p * f + tirx.const(1.0, f32)) * _two_to(n, -126.0, 127.0))
 
 
 def fast_tanh(x):

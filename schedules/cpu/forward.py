@@ -40,7 +40,9 @@ class _Body:
         cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
         BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
         DP = tiles.padded_dim(D)
-        scale = spec.scale
+        # scores are taken in log2 units (q pre-scaled by scale * log2 e): the online softmax's
+        # exponentials are then exp2, whose range reduction is one subtraction
+        scale = spec.scale * sem.LOG2E
         mask_dtype = spec.mask_dtype
 
         @T.macro
@@ -63,11 +65,12 @@ class _Body:
 
         @T.macro
         def logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta):
-            # softcap, ALiBi, masks and the window/length rule, element by element
+            # softcap, ALiBi, masks and the window/length rule, element by element (in natural units:
+            # S is in log2 units around it)
             for r in range(BQ):
                 if r0 + r < rows:
                     for c in T.vectorized(BK):
-                        S[r, c] = masked_logit(spec, sem.softcap(cfg, S[r, c], fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta)
+                        S[r, c] = masked_logit(spec, sem.softcap(cfg, S[r, c] * T.float32(sem.LN2), fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta) * T.float32(sem.LOG2E)
 
         @T.macro
         def normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
@@ -100,7 +103,7 @@ class _Body:
                     for d in range(D):
                         out[b, row_head(g, r0 + r, group), row_position(r0 + r, group), d] = sem.normalize(O[r, d], l[r]).astype(dtype)
                     if spec.return_lse:
-                        lse[b, row_head(g, r0 + r, group), row_position(r0 + r, group)] = sem.log_sum_exp(sem.safe_row_max(m[r]), l[r])
+                        lse[b, row_head(g, r0 + r, group), row_position(r0 + r, group)] = sem.log_sum_exp(sem.safe_row_max(m[r]) * T.float32(sem.LN2), l[r])
 
         self.load_queries, self.init_state, self.store = load_queries, init_state, store
         self.normalize_tile, self.attend_tile, self.scale_rows = normalize_tile, attend_tile, micro.scale_rows

@@ -10,7 +10,7 @@ Contents:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
                         rescaled per row as it is loaded)
         scale_rows      C[r, :] *= factor[r]
-        online_softmax  the FlashAttention-2 row update of (m, l) and S -> exp(S - m)
+        online_softmax  the FlashAttention-2 row update of (m, l) and S -> 2^(S - m) (log2 units)
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ class Micro:
 
         @T.macro
         def online_softmax(S, m, l, alpha, M: T.int32, N: T.int32):
-            # Per row: m' = max(m, max S); alpha = exp(m - m'); S = exp(S - m'); l = l * alpha + sum S.
+            # S, m in log2 units (the queries carry log2 e in their scale), so exponentials are exp2:
+            # per row: m' = max(m, max S); alpha = 2^(m - m'); S = 2^(S - m'); l = l * alpha + sum S.
             # The shift of a row that has seen no key yet (m' = -inf) is 0, so nothing becomes NaN.
             for r in range(M):
                 part_max = T.alloc_buffer((L,), "float32", scope="local")
@@ -134,10 +135,10 @@ class Micro:
                         part_max[v] = T.max(part_max[v], S[r, c0 * L + v])
                 row[0] = lane_tree(T.max, part_max, L)
                 shift: T.float32 = sem.safe_row_max(row[0])
-                alpha[r] = sem.fast_exp(m[r] - shift)
+                alpha[r] = sem.fast_exp2(m[r] - shift)
                 for c0 in range(N // L):
                     for v in T.vectorized(L):
-                        S[r, c0 * L + v] = sem.fast_exp(S[r, c0 * L + v] - shift)
+                        S[r, c0 * L + v] = sem.fast_exp2(S[r, c0 * L + v] - shift)
                         part_sum[v] = part_sum[v] + S[r, c0 * L + v]
                 row[1] = lane_tree(_add, part_sum, L)
                 l[r] = l[r] * alpha[r] + row[1]
