@@ -75,7 +75,7 @@ class _Body:
         @T.macro
         def normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
                            last_pos, width):
-            # scores -> masked logits -> exp(logit - running max); alpha: O's rescale to the new max
+            # scores -> masked logits -> 2^(logit - running max), log2 units; alpha: O's rescale to the new max
             if spec.elementwise_logits:
                 logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
             else:
@@ -222,8 +222,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     @T.macro
     def prefetch_row(cache, pages_ahead, token, kv_len, g, c):
         # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
-        # pass. The hardware prefetchers alone leave the read ~15 % short (they restart at every
-        # 4 KiB page, and a cache page is a jump through the block table).
+        # pass. The hardware prefetchers restart at every 4 KiB page and at every jump through the
+        # block table (measured: bfloat16 1.7x faster with it, float32 0-16 % by the memory load).
         ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
         for line in T.unroll(LINES):
             prefetch(T.address_of(cache[pages_ahead[c], ahead % BS, g, T.min(line * PER_LINE, D - 1)]))

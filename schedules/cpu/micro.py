@@ -42,7 +42,6 @@ def store_row_sums(out, buffer, rows: int, lanes: int):
     dim ends in such a horizontal sum; per row it costs log2(lanes) dependent shuffles, and LLVM
     scalarizes half-width slices of a local buffer through general registers (~25 instructions a
     row). Transposing rows into one vector shares the shuffles: ~2 a row.
-
     """
     if lanes == 1:
         for r in range(rows):
