@@ -49,13 +49,21 @@ class KernelRule:
 
     def knobs(self, workload: Workload, target: tvm.target.Target, tuned: Knobs | None = None) -> dict[str, int]:
         """The hand-picked knobs with ``tuned`` values in place; ``tuned`` may only set knobs of this
-        workload's space. ValueError (naming op and reason) when the result cannot build the kernel."""
+        workload's space, each to one of its candidates or its hand-picked value (the points the
+        tuner samples). ValueError (naming op and reason) when the result cannot build the kernel."""
         space = self.knob_space(workload, target)
         tuned = dict(tuned or {})
         foreign = sorted(set(tuned) - set(space))
         if foreign:
             raise ValueError(f"{self.op}: knobs {foreign} are not in this kernel's space {sorted(space)}")
-        full = {**self.default_knobs(workload, target), **tuned}
+        defaults = self.default_knobs(workload, target)
+        for name, value in tuned.items():
+            # a value the space does not offer may build, but may also fail to compile or compile for
+            # minutes (value_tokens 1000: 81 s): a record is trusted no further than the tuner's own points
+            allowed = sorted({*space[name], defaults[name]})
+            if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+                raise ValueError(f"{self.op}: knob {name} = {value!r} is not one of its candidates {allowed}")
+        full = {**defaults, **tuned}
         problem = self.check_knobs(workload, full)
         if problem:
             raise ValueError(f"{self.op}: {problem}")
@@ -109,7 +117,7 @@ def paged_workload(call: relax.Call) -> Workload | None:
         cfg=AttnConfig.from_attrs(SPECS["paged_attn"].label, call.attrs),
         has_alibi=args["alibi_slopes"] is not None, block_size=cache[1],
         table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype))
-    return Workload("paged_attn", spec, (("B", q[0]), ("Sq", q[2]), ("num_blocks", cache[0]), ("max_blocks", table[1])))
+    return Workload("paged_attn", spec, _runtime_dims(B=q[0], Sq=q[2], num_blocks=cache[0], max_blocks=table[1]))
 
 
 def dense_workload(op: str, call: relax.Call, *, return_lse: bool = False, grads: tuple[str, ...] = ()
@@ -119,4 +127,10 @@ def dense_workload(op: str, call: relax.Call, *, return_lse: bool = False, grads
     if spec is None:
         return None
     q, k = static_dims(call.args[0]), static_dims(call.args[1])
-    return Workload(op, spec, (("B", q[0]), ("Sq", q[2]), ("Sk", k[2])), grads)
+    return Workload(op, spec, _runtime_dims(B=q[0], Sq=q[2], Sk=k[2]), grads)
+
+
+def _runtime_dims(**dims: int | None) -> tuple[tuple[str, int | None], ...]:
+    """A workload's runtime dims; a static 0 is kept symbolic: the tile sizes derived from a
+    static dim assume at least one row, and the symbolic kernel handles empty tensors."""
+    return tuple((name, size or None) for name, size in dims.items())

@@ -149,7 +149,8 @@ def test_random_points_of_the_space_are_correct(op):
 
 
 def _run_with_knobs(mod, knobs: dict, inputs: dict) -> list[np.ndarray]:
-    with HOST:
+    with HOST, warnings.catch_warnings():
+        warnings.simplefilter("error", TuningLogWarning)  # pinned knobs outside the space would not apply
         legalized = relax.transform.LegalizeOps(tuned_legalize_map(HOST, _Fixed(knobs)))(mod)
     vm = relax.VirtualMachine(tvm.compile(legalized, target=HOST), tvm.cpu())
     outputs = vm["main"](*[tvm.runtime.tensor(a) for a in inputs.values()])
@@ -167,9 +168,9 @@ def _shipped_paged_knobs() -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("knobs", [dict(value_tokens=4, prefetch=4, block_k=16, kv_heads=2),
+@pytest.mark.parametrize("knobs", [dict(value_tokens=4, prefetch=4, block_k=16, lanes=8, kv_heads=2),
                                    dict(value_tokens=2, prefetch=16, block_k=32, lanes=4, kv_heads=4),
-                                   dict(value_tokens=3, block_k=64, kv_heads=1), "shipped"])
+                                   dict(value_tokens=1, block_k=64, kv_heads=1), "shipped"])
 def test_streaming_decode_knobs(knobs, dtype):
     """Decode's own knobs (KV heads per task, tokens per value pass, prefetch distance) with
     4 KV heads of dim 40, ragged lengths 1, 17, 97 and a 16-token page."""
@@ -224,7 +225,8 @@ def test_corrupt_log_warns_and_falls_back(tuned_root, tmp_path, damage):
     mod = bucket_module("paged_attn", BUCKETS["paged_attn"])
     with pytest.warns(TuningLogWarning, match=str(records)):
         (row,) = tuning_report(mod, HOST, database=tmp_path, shipped_logs=False)
-    assert row["knobs"] == "hand-picked"
+    # a log cut mid-line keeps the records of its whole lines (tests/test_log_hardening.py)
+    assert row["knobs"] == (str(records) if damage == "truncated" else "hand-picked")
     inputs = _inputs("paged_attn", np.random.default_rng(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TuningLogWarning)

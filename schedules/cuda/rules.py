@@ -178,7 +178,7 @@ class _CudaRule(KernelRule):
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         default = self.default_knobs(workload, target)
         space = {"block_q": (16, 32, 64, 128), "block_k": (16, 32, 64), "splits": (1, 2, 4, 8, 16),
-                 "threads": (64, 128, 256), "stages": (1, 2, 3)}
+                 "threads": (32, 64, 128, 256), "stages": (1, 2, 3)}  # 32: one warp per 16 x 16 tile
         return {name: tuple(sorted(set(values) | {default[name]})) for name, values in space.items()}
 
     def _serves(self, workload: Workload | None, target: tvm.target.Target) -> Workload | None:

@@ -13,9 +13,10 @@ Layout (``tuning_logs/`` in the package, or any directory a user passes)::
 MetaSchedule's own lookup matches records by the structural hash of the workload and ignores the
 target; here a record is matched by its ``Workload`` key (stable when a kernel template changes)
 and used only when its own target has the same target key and core count (the knobs that set
-tasks per core are tuned for it). A log that cannot be read, a record
-for another target or knobs the kernel cannot build give a ``TuningLogWarning`` naming the file,
-and the kernel keeps its hand-picked knobs.
+tasks per core are tuned for it). Each line of a log is read on its own: a line that cannot be
+read (a run killed mid-write leaves half a line), a record for another target or knobs outside
+the kernel's design space give a ``TuningLogWarning`` naming the file and line and are skipped;
+the other records still apply, and a kernel without one keeps its hand-picked knobs.
 
 Contents:
     target_key       -- "llvm-x86-avx2", "cuda-sm90", ...
@@ -43,11 +44,13 @@ from tvm.s_tir import meta_schedule as ms
 from ..schedules import TuningLogWarning, rule_for
 from ..schedules.cpu.tiles import cores
 from ..schedules.workload import Workload
-from .space import knobs_of, verification_of
+from .space import BLOCK, KNOB_PREFIX, knobs_of, verification_of
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 FAILED_SECONDS = 1e9  # MetaSchedule stores a failed build or run as 1e10 s
+SHOWN_PER_FILE = 5  # bad lines or records named one by one per file; the rest are counted
+FALLBACK = "hand-picked knobs are used where no other record fits"
 
 
 def target_key(target: tvm.target.Target) -> str:
@@ -90,75 +93,144 @@ class Record:
     verified: int = 0  # id of the side-by-side re-measurement with the hand-picked point (0: none)
 
 
-def _check_lines(path: Path, width: int) -> None:
-    """Each line of a JSONDatabase file is a JSON list of ``width`` items (checked before TVM parses it)."""
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        item = json.loads(line)
-        if not isinstance(item, list) or len(item) != width:
-            raise ValueError(f"line {number} is not a {width}-item list")
+def _mean_seconds(raw: ms.database.TuningRecord) -> float:
+    seconds = [float(s) for s in raw.run_secs or []]
+    return sum(seconds) / len(seconds) if seconds else 1e10  # JSONDatabase's key: no time sorts last
+
+
+def _failed(raw: ms.database.TuningRecord) -> bool:
+    """Whether a record stores a failed build or run (nothing to reuse, nothing wrong with the log)."""
+    seconds = [float(s) for s in raw.run_secs or []]
+    return not seconds or min(seconds) >= FAILED_SECONDS
+
+
+def _is_int(value) -> bool:
+    # knobs_of reads any number as an int: JSON true would become 1 and 2.5 would become 2
+    if isinstance(value, tvm.tirx.IntImm):
+        return value.dtype.startswith(("int", "uint"))
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _record_of(raw: ms.database.TuningRecord) -> Record:
+    """The workload, knobs and median time of a measured record; ValueError or TVM's error saying
+    why it is not a fuel kernel's record."""
+    seconds = [float(s) for s in raw.run_secs]
+    if not all(math.isfinite(s) and s > 0 for s in seconds):
+        raise ValueError(f"run times {seconds} are not positive numbers")  # 0 or less would win every lookup
+    sch = s_tir.Schedule(raw.workload.mod)
+    raw.trace.apply_to_schedule(sch, remove_postproc=True)
+    workload, knobs = knobs_of(sch.mod)
+    annotations = sch.get(sch.get_sblock(BLOCK)).annotations
+    for name in knobs:
+        if not _is_int(annotations[KNOB_PREFIX + name]):
+            raise ValueError(f"knob {name} = {annotations[KNOB_PREFIX + name]!r} is not an int")
+    return Record(workload, knobs, statistics.median(seconds), "", verification_of(sch.mod))
 
 
 def replay(raw: ms.database.TuningRecord) -> Record | None:
     """The workload, knobs and median time of a MetaSchedule record; None for a failed measurement
     or a record that is not a fuel kernel's."""
-    seconds = [float(s) for s in raw.run_secs or []]
-    if not seconds or min(seconds) >= FAILED_SECONDS:
+    if _failed(raw):
         return None
     try:
-        sch = s_tir.Schedule(raw.workload.mod)
-        raw.trace.apply_to_schedule(sch, remove_postproc=True)
-        workload, knobs = knobs_of(sch.mod)
-        verified = verification_of(sch.mod)
+        return _record_of(raw)
     except Exception:  # noqa: BLE001 -- not a fuel tuning record
         return None
-    return Record(workload, knobs, statistics.median(seconds), "", verified)
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"not JSON, perhaps cut short ({err.msg} at column {err.colno})"
+    text = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _shown(items: list[str]) -> str:
+    more = len(items) - SHOWN_PER_FILE
+    return "; ".join(items[:SHOWN_PER_FILE]) + (f"; and {more} more" if more > 0 else "")
 
 
 def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[Record], list[str]]:
-    """The records of ``target``'s key whose knobs build their kernel, and notes on the others."""
+    """The records of ``target``'s key whose knobs build their kernel, and notes on the others.
+    ``raw_records``: (line in ``source`` or None, MetaSchedule record) pairs."""
     key = f"{target_key(target)} with {cores(target)} cores"
-    records, foreign, broken = [], set(), 0
-    for raw in raw_records:
+    records, foreign, broken = [], set(), []
+    for line, raw in raw_records:
         try:
             # the parallel knobs (tasks per core) are tuned for a core count: it must match too
             theirs = f"{target_key(raw.target)} with {cores(raw.target)} cores"
             if theirs != key:
                 foreign.add(theirs)
                 continue
-            record = replay(raw)
-            if record is None:
-                broken += bool(raw.run_secs) and float(raw.run_secs[0]) < FAILED_SECONDS
+            if _failed(raw):
                 continue
+            record = _record_of(raw)
             rule = rule_for(record.workload.op, target)
             if rule is None:
                 raise ValueError(f"no kernel serves {record.workload.op}")
+            # the same check as the tuner's candidates pass: names and values of the design space
             rule.knobs(record.workload, target, record.knobs)
-        except Exception:  # noqa: BLE001 -- a record that does not build a kernel here is skipped
-            broken += 1
+        except Exception as err:  # noqa: BLE001 -- a record that does not build a kernel here is skipped
+            broken.append(f"line {line}: {_reason(err)}" if line else _reason(err))
             continue
         records.append(Record(record.workload, record.knobs, record.seconds, source, record.verified))
     notes = []
     if foreign:
-        notes.append(f"{source}: records tuned for {sorted(foreign)} ignored on {key}")
+        notes.append(f"{source}: records tuned for {sorted(foreign)} ignored on {key}; {FALLBACK}")
     if broken:
-        notes.append(f"{source}: {broken} record(s) that do not describe a buildable fuel kernel ignored")
+        notes.append(f"{source}: {len(broken)} record(s) that do not describe a buildable fuel kernel ignored "
+                     f"({_shown(broken)}); {FALLBACK}")
     return records, notes
 
 
+def _read_lines(path: Path, parse) -> tuple[dict[int, object], list[str]]:
+    """``parse`` of each line of a JSONDatabase file on its own: {0-based line index: result} and a
+    note per line it fails on, naming the file and the line."""
+    parsed, bad = {}, []
+    # numbered as TVM numbers them: every "\n" ends a line, blank lines included
+    for index, line in enumerate(path.read_text(errors="replace").split("\n")):
+        if not line.strip():
+            continue
+        try:
+            parsed[index] = parse(json.loads(line))
+        except Exception as err:  # noqa: BLE001 -- a bad line costs that line only
+            bad.append(f"{path}, line {index + 1}: {_reason(err)}")
+    if len(bad) > SHOWN_PER_FILE:
+        bad = bad[:SHOWN_PER_FILE] + [f"{path}: {len(bad) - SHOWN_PER_FILE} more bad lines"]
+    return parsed, [f"{note}; skipped, the file's other lines still apply" for note in bad]
+
+
 def _read_database(folder: Path, target: tvm.target.Target) -> tuple[list[Record], list[str]]:
-    """The usable records of one JSONDatabase folder for ``target``, and warnings about the rest."""
+    """The usable records of one JSONDatabase folder for ``target``, and warnings about the rest.
+
+    Each line is read on its own (not by ``ms.database.JSONDatabase``, which fails on the first bad
+    line): a workload line is ``[hash, workload]``, a record line ``[workload index, record]`` with
+    the index of its workload's line (0-based).
+    """
     workload_file, record_file = folder / WORKLOAD_FILE, folder / RECORD_FILE
+
+    def parse_workload(item) -> ms.database.Workload:
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise ValueError("not a [hash, workload] pair")
+        return ms.database.Workload.from_json(item)
+
+    def parse_record(item) -> ms.database.TuningRecord:
+        if not (isinstance(item, list) and len(item) == 2 and _is_int(item[0]) and isinstance(item[1], list)):
+            raise ValueError("not a [workload index, record] pair")
+        if item[0] not in workloads:
+            where = f"line {item[0] + 1} of {workload_file}" if item[0] >= 0 else f"workload {item[0]}"
+            raise ValueError(f"its workload ({where}) is missing or unreadable")
+        return ms.database.TuningRecord.from_json(item[1], workloads[item[0]])
+
     try:
-        _check_lines(workload_file, 2)
-        _check_lines(record_file, 2)
-        database = ms.database.JSONDatabase(path_workload=str(workload_file), path_tuning_record=str(record_file),
-                                            allow_missing=False)
-        raw = database.get_all_tuning_records()
-    except Exception as err:  # noqa: BLE001 -- any unreadable log is skipped, never fatal
-        return [], [f"{record_file}: unreadable tuning log ({type(err).__name__}: {str(err).splitlines()[0][:200]})"]
-    return _usable(raw, target, str(record_file))
+        workloads, workload_notes = _read_lines(workload_file, parse_workload)
+        raw, record_notes = _read_lines(record_file, parse_record)
+    except OSError as err:  # a missing or unreadable file: the whole log is skipped, never fatal
+        return [], [f"{record_file}: unreadable tuning log ({type(err).__name__}: {err}); {FALLBACK}"]
+    # in JSONDatabase's order (by mean time, stable): the first of equally fast records wins the lookup
+    numbered = sorted(((index + 1, r) for index, r in raw.items()), key=lambda item: _mean_seconds(item[1]))
+    records, notes = _usable(numbered, target, str(record_file))
+    return records, workload_notes + record_notes + notes
 
 
 _CACHE: dict = {}
@@ -190,11 +262,12 @@ class TuningRecords:
     def _records(self, root, target: tvm.target.Target) -> list[Record]:
         if isinstance(root, ms.database.Database):
             try:
-                records, notes = _usable(root.get_all_tuning_records(), target, f"database {type(root).__name__}")
+                records, notes = _usable(((None, raw) for raw in root.get_all_tuning_records()), target,
+                                         f"database {type(root).__name__}")
             except Exception as err:  # noqa: BLE001 -- an unreadable database is skipped, never fatal
-                records, notes = [], [f"database {type(root).__name__}: unreadable ({err})"]
+                records, notes = [], [f"database {type(root).__name__}: unreadable ({err}); {FALLBACK}"]
             for note in notes:
-                warnings.warn(f"tvm_fuel: {note}; hand-picked knobs are used there", TuningLogWarning, stacklevel=4)
+                warnings.warn(f"tvm_fuel: {note}", TuningLogWarning, stacklevel=4)
             return records
         records: list[Record] = []
         root = Path(root)
@@ -210,7 +283,7 @@ class TuningRecords:
                 _CACHE[stamp] = _read_database(folder, target)
             found, notes = _CACHE[stamp]
             for note in notes:
-                warnings.warn(f"tvm_fuel: {note}; hand-picked knobs are used there", TuningLogWarning, stacklevel=4)
+                warnings.warn(f"tvm_fuel: {note}", TuningLogWarning, stacklevel=4)
             records += found
         return records
 
