@@ -10,6 +10,7 @@ Contents:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import tvm
@@ -86,6 +87,8 @@ def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompo
     """Lower every fuel op of ``mod`` to PrimFuncs (kernels or decomposition) for ``target``."""
     if kernels not in KERNEL_PATHS:
         raise ValueError(f"tvm_fuel.compile: kernels must be one of {KERNEL_PATHS}, got {kernels!r}")
+    if database is not None:
+        _check_database(database)
     target = as_target(target)
     legalize_map = None
     if kernels == "tuned":
@@ -102,6 +105,21 @@ def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompo
             f"tvm_fuel.compile: could not legalize {sorted(set(leftover))}: an argument has an unknown shape; "
             "give it a shape with R.match_cast first")
     return legalized
+
+
+def _check_database(database: Any) -> None:
+    """A log root, a MetaSchedule work dir or an ``ms.database.Database``: a file (or anything
+    else) would match no record, silently, so it is refused by name."""
+    from tvm.s_tir import meta_schedule as ms
+
+    if isinstance(database, ms.database.Database):
+        return
+    if not isinstance(database, (str, os.PathLike)):
+        raise TypeError(f"tvm_fuel.compile: database must be a path or an ms.database.Database, "
+                        f"got {type(database).__name__}")
+    if os.path.isfile(database):
+        raise ValueError(f"tvm_fuel.compile: database {os.fspath(database)} is a file; give the log root directory "
+                         f"(tune's work_dir) or the folder holding database_tuning_record.json")
 
 
 def host_target(num_cores: int | None = None) -> tvm.target.Target:

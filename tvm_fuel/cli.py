@@ -15,8 +15,96 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import sys
+
+_MAX_DIM = 2**31 - 1  # a larger dim is no workload to tune: it would only fail deep in the build
+
+
+def _shape_bucket(text: str) -> dict:
+    """argparse type of --shapes: a bucket whose every value is checked here, so a mistake is an
+    ``error: argument --shapes: ...`` naming the key, not a traceback from deep in the build."""
+    from .config import FLOAT_DTYPES, MAX_WINDOW, _finite_nonzero_float32
+    from .tuning.buckets import parse_bucket
+
+    def bad(message: str):
+        return argparse.ArgumentTypeError(f"{message} (in {text!r})")
+
+    items = [item.partition("=") for item in filter(None, (part.strip() for part in text.split(",")))]
+    keys = [key for key, sep, _ in items if sep]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:  # parse_bucket would keep the last silently
+        raise bad(f"{repeated[0]} is given twice")
+    # the keys parse_bucket converts with a bare int()/float() (its error would not name them)
+    for key, _, value in items:
+        if key == "window":
+            sides = value.split(":")
+            if len(sides) != 2 or not all(re.fullmatch(r"-?[0-9]+", side) and -1 <= int(side) <= MAX_WINDOW
+                                          for side in sides):
+                raise bad(f"window must be L:R, two ints in [-1, 2**31 - 1] (-1: unbounded), got {value!r}")
+        elif key == "softcap":
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not (number == 0 or (number > 0 and math.isfinite(number) and _finite_nonzero_float32(number))):
+                raise bad(f"softcap must be a float >= 0 (0: off), finite and non-zero as a float32, got {value!r}")
+        elif key == "dtype" and value not in FLOAT_DTYPES:
+            raise bad(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {value!r}")
+    try:
+        bucket = parse_bucket(text)
+    except ValueError as err:  # a missing '=', an unknown key, a dim that is not an int: it names the item
+        raise argparse.ArgumentTypeError(re.sub(r"^tvm_fuel tune: ", "", str(err))) from None
+    for key, value in bucket.items():
+        if key == "causal" and value not in (0, 1):
+            raise bad(f"causal must be 0 or 1, got {value}")
+        if isinstance(value, int) and key != "causal" and not 1 <= value <= _MAX_DIM:
+            raise bad(f"{key} must be an int in [1, 2**31 - 1], got {value}")
+    return bucket
+
+
+def _int_at_least(least: int):
+    """argparse type: an int >= ``least`` (MetaSchedule fails deep inside on, e.g., 0 trials per round)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {least}"
+    return parse
+
+
+def _work_dir(text: str) -> str:
+    """argparse type of tune's --work-dir: a directory this user can write (created later, by tune)."""
+    from .tuning.tune import check_writable_dir
+
+    try:
+        check_writable_dir(text, "--work-dir", who="tvm_fuel tune")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(re.sub(r"^tvm_fuel tune: --work-dir ", "", str(err))) from None
+    return text
+
+
+def _log_root(text: str) -> str:
+    """argparse type of logs' --database: a log root directory, not a file (a file matched nothing, silently)."""
+    if os.path.isfile(text):
+        raise argparse.ArgumentTypeError(
+            f"{text} is a file; give the log root directory (tune's --work-dir) or the folder holding "
+            f"database_tuning_record.json")
+    return text
+
+
+def _existing_file(text: str) -> str:
+    """argparse type of --module: a file that exists."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -68,13 +156,13 @@ def _target(text: str):
     return as_target(json.loads(text) if text.lstrip().startswith("{") else text)
 
 
-def _workloads(ops: list[str], shapes: list[str] | None, target) -> list:
-    from .tuning.buckets import benchmark_buckets, bucket_module, parse_bucket
+def _workloads(ops: list[str], shapes: list[dict] | None, target) -> list:
+    from .tuning.buckets import benchmark_buckets, bucket_module
     from .tuning.tune import workloads_of
 
     found = []
     for name in ops:
-        buckets = [parse_bucket(text) for text in shapes] if shapes else benchmark_buckets(name)
+        buckets = shapes or benchmark_buckets(name)  # --shapes arrive parsed (_shape_bucket)
         for bucket in buckets:
             found += [w for w in workloads_of(bucket_module(name, bucket), target, [name]) if w not in found]
     return found
@@ -111,17 +199,21 @@ def _tune(args: argparse.Namespace) -> int:
         best = f"{r.best_s * 1e3:.2f} ms ({r.rate(r.best_s)})" if r.best_s else "none"
         ratio = f"{r.speedup:.2f}x" if r.speedup else "-"
         print(f"  {r.workload.describe()}\n    hand-picked {hand}, best {best}, {ratio}; knobs {r.best_knobs}")
+    # the logs are outside the shipped ones by default: say how a build reads them
+    print(f"builds apply them with tvm_fuel.compile(..., kernels=\"tuned\", database={args.work_dir!r}); "
+          f"python -m tvm_fuel logs --database {args.work_dir} lists which kernels hit them")
     return 0
 
 
 def _logs(args: argparse.Namespace) -> int:
     import warnings
 
-    from .tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module, parse_bucket
+    from .tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module
     from .tuning.records import TuningRecords, shipped_logs, target_key
     from .tuning.report import format_report, tuning_report
 
     target = _target(args.target)
+    module = _read_module(args.module) if args.module else None  # a bad file fails before any output
     roots = ([args.database] if args.database else []) + ([] if args.no_shipped else [shipped_logs()])
     print(f"target key: {target_key(target)}")
     with warnings.catch_warnings(record=True) as caught:
@@ -129,14 +221,11 @@ def _logs(args: argparse.Namespace) -> int:
         for root in roots:
             records = TuningRecords([root]).all(target)
             print(f"{root}: {len(records)} usable record(s) for {target_key(target)}")
-        if args.module:  # a Relax module in TVMScript, e.g. written by mod.script()
-            import tvm
-
-            with open(args.module) as source:
-                modules = [tvm.script.from_source(source.read())]
+        if module is not None:  # a Relax module in TVMScript, e.g. written by mod.script()
+            modules = [module]
         else:
             modules = [bucket_module(name, bucket) for name in args.op or TUNABLE_OPS
-                       for bucket in ([parse_bucket(t) for t in args.shapes] if args.shapes else benchmark_buckets(name))]
+                       for bucket in (args.shapes or benchmark_buckets(name))]
         rows = [row for mod in modules for row in tuning_report(mod, target, database=args.database,
                                                                  shipped_logs=not args.no_shipped)]
     for warning in {str(w.message) for w in caught}:
@@ -145,8 +234,25 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _read_module(path: str):
+    """The IRModule of a TVMScript file; ValueError naming --module if it is not one."""
+    import tvm
+
+    with open(path) as source:
+        text = source.read()
+    try:
+        return tvm.script.from_source(text)
+    except Exception as err:  # noqa: BLE001 -- the parser's errors are of many kinds; each means "not TVMScript"
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        first = re.sub(r"^error: ", "", first)  # TVM's diagnostics start so; ours says it once
+        raise ValueError(f"--module {path} is not a Relax module in TVMScript (as mod.script() prints): "
+                         f"{first[:200]}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (defaults such as tune's --work-dir are read from the environment now)."""
     from .tuning.buckets import TUNABLE_OPS
+    from .tuning.tune import WORK_DIR_ENV, default_work_dir
 
     parser = argparse.ArgumentParser(prog="python -m tvm_fuel", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -176,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     bundle.add_argument("--python", help="the node's Python, e.g. 3.12 (default: this one)")
     bundle.add_argument("--out", required=True, help="the bundle folder (replaced if it holds a bundle)")
     bundle.add_argument("--small", action="store_true", help="a reduced check matrix (quick)")
-    bundle.add_argument("--tune-points", type=int, help="at most this many knob points per tune bucket (default 64)")
+    bundle.add_argument("--tune-points", type=_int_at_least(1),
+                        help="at most this many knob points per tune bucket (default 64)")
     bundle.set_defaults(run=_bundle)
     tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
     tune.add_argument("--op", choices=TUNABLE_OPS)
@@ -184,30 +291,44 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead of tuning here: records from a bundle run's results.json (its tune stage)")
     tune.add_argument("--target", default="host",
                       help='"host" (this CPU, default), a kind, or a JSON target such as \'{"kind": "llvm", "mcpu": "znver3"}\'')
-    tune.add_argument("--shapes", nargs="+", metavar="K=V,...",
+    tune.add_argument("--shapes", nargs="+", metavar="K=V,...", type=_shape_bucket,
                       help="shape buckets, e.g. B=1,H=8,S=1024,D=64,causal=1 or "
                            "B=8,Hq=32,Hkv=8,D=128,block_size=16,ctx=4096 (default: the benchmark's)")
-    tune.add_argument("--trials", type=int, default=64,
+    tune.add_argument("--trials", type=_int_at_least(0), default=64,
                       help="measured candidates per bucket (default 64; 0: only verify the database's best)")
-    tune.add_argument("--verify-top", type=int, default=3,
-                      help="best knob sets re-measured side by side with the hand-picked ones (default 3)")
-    tune.add_argument("--trials-per-iter", type=int, default=8, help="candidates per search round (default 8)")
-    tune.add_argument("--work-dir", default="tuning_logs", help="log root; an existing database is resumed")
+    tune.add_argument("--verify-top", type=_int_at_least(0), default=3,
+                      help="best knob sets re-measured side by side with the hand-picked ones (default 3; 0: none)")
+    tune.add_argument("--trials-per-iter", type=_int_at_least(1), default=8,
+                      help="candidates per search round (default 8)")
+    # a per-user default: a relative tuning_logs run from a checkout appended to the shipped logs
+    tune.add_argument("--work-dir", type=_work_dir, default=str(default_work_dir()),
+                      help=f"log root; an existing database is resumed (default: %(default)s, from "
+                           f"${WORK_DIR_ENV} if set, else the user cache dir; never the shipped logs unless given)")
     tune.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on the RPC servers of this tracker")
     tune.add_argument("--rpc-key", help="the key those servers registered under")
     tune.set_defaults(run=_tune)
     logs = commands.add_parser("logs", help="which kernels use a tuning record, and which the hand-picked knobs")
     logs.add_argument("--target", default="host")
-    logs.add_argument("--database", help="a tuning log root (tune's --work-dir) searched before the shipped logs")
+    logs.add_argument("--database", type=_log_root,
+                      help=f"a tuning log root searched before the shipped logs, e.g. tune's --work-dir (whose "
+                           f"default is {default_work_dir()}); none unless given, as in tvm_fuel.compile")
     logs.add_argument("--no-shipped", action="store_true", help="ignore the logs shipped with the package")
     logs.add_argument("--op", nargs="+", choices=TUNABLE_OPS)
-    logs.add_argument("--shapes", nargs="+", metavar="K=V,...", help="shape buckets (default: the benchmark's)")
-    logs.add_argument("--module", metavar="FILE", help="report on this Relax module (TVMScript, as mod.script() prints)")
+    logs.add_argument("--shapes", nargs="+", metavar="K=V,...", type=_shape_bucket,
+                      help="shape buckets (default: the benchmark's)")
+    logs.add_argument("--module", metavar="FILE", type=_existing_file,
+                      help="report on this Relax module (TVMScript, as mod.script() prints)")
     logs.set_defaults(run=_logs)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command; bad options exit 2 with argparse's ``error:`` line, as do errors the command
+    raises for bad input (ValueError, TypeError), a missing device (RuntimeError) or a path (OSError)."""
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, RuntimeError) as err:  # bad options or a missing device: one line, not a traceback
+    except (ValueError, TypeError, RuntimeError, OSError) as err:  # one line, not a traceback
         text = re.sub(r"^tvm_fuel[ .][\w .-]*?: ", "", " ".join(str(err).split()))  # the command says it
-        print(f"python -m tvm_fuel {args.command}: {text}", file=sys.stderr)
+        print(f"python -m tvm_fuel {args.command}: error: {text}", file=sys.stderr)
         return 2

@@ -4,16 +4,22 @@ Contents:
     AttnConfig   -- the semantic options of every attention op (scale, causal, window, softcap)
     FLOAT_DTYPES -- dtypes the attention ops accept for q, k, v, do
     INDEX_DTYPES -- dtypes accepted for block tables and context lengths
+    MAX_WINDOW   -- the largest window side accepted (2**31 - 1)
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
+
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "uint32", "int64")
+MAX_WINDOW = 2**31 - 1  # the largest window_size side accepted (-1 is unbounded)
 
 
 @dataclass(frozen=True)
@@ -35,24 +41,26 @@ class AttnConfig:
     def create(op: str, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0) -> AttnConfig:
         """Validate raw option values, naming ``op`` in any error, and return the config."""
         if softmax_scale is not None:
-            if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-                raise TypeError(f"{op}: softmax_scale must be a float or None, got {softmax_scale!r}")
-            if not math.isfinite(softmax_scale) or softmax_scale == 0:
-                raise ValueError(f"{op}: softmax_scale must be finite and non-zero, got {softmax_scale!r}")
-            softmax_scale = float(softmax_scale)
-        if not isinstance(causal, (bool, int)):
-            raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
+            softmax_scale = _as_real(op, "softmax_scale", softmax_scale, "a float or None")
+            if not _finite_nonzero_float32(softmax_scale):  # the kernels scale the logits in float32
+                raise ValueError(f"{op}: softmax_scale must be finite and non-zero as a float32 "
+                                 f"({_F32_RANGE}), got {softmax_scale!r}")
+        causal = _as_bool(op, "causal", causal)
         if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
             raise ValueError(f"{op}: window_size must be a pair (left, right), got {window_size!r}")
         window = tuple(_as_int(op, f"window_size {side}", w) for side, w in zip(("left", "right"), window_size))
         for side, w in zip(("left", "right"), window):
             if w < -1:
                 raise ValueError(f"{op}: window_size {side} must be -1 (unbounded) or >= 0, got {w}")
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"{op}: softcap must be a float, got {softcap!r}")
-        if not math.isfinite(softcap) or softcap < 0:
+            if w > MAX_WINDOW:  # past any sequence length anyway; keeps the kernels' int64 index sums exact
+                raise ValueError(f"{op}: window_size {side} must be at most 2**31 - 1 (use -1 for unbounded), got {w}")
+        softcap = _as_real(op, "softcap", softcap, "a float")
+        if softcap < 0:
             raise ValueError(f"{op}: softcap must be >= 0 (0 disables it), got {softcap!r}")
-        return AttnConfig(softmax_scale, bool(causal), window, float(softcap))
+        if softcap != 0 and not _finite_nonzero_float32(softcap):  # the kernels divide by it in float32
+            raise ValueError(f"{op}: softcap must be finite and non-zero as a float32 ({_F32_RANGE}) "
+                             f"or 0 (disabled), got {softcap!r}")
+        return AttnConfig(softmax_scale, causal, window, softcap)
 
     @staticmethod
     def from_attrs(op: str, attrs: Mapping[str, Any]) -> AttnConfig:
@@ -96,9 +104,39 @@ ATTN_ATTR_KEYS = ("softmax_scale", "causal", "window_size", "softcap")
 
 
 def _as_int(op: str, name: str, value: Any) -> int:
-    """``value`` as a Python int (ints, numpy ints and TIR IntImms qualify; bools and floats do not)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        if type(value).__name__ != "IntImm":
-            raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+    """``value`` as a Python int: ints, numpy integers and TIR IntImms qualify; bools (Python or
+    numpy) and floats do not. TypeError names ``op`` and ``name``."""
+    if type(value).__name__ == "IntImm":  # read back from a call's attributes
+        if value.dtype == "bool":
+            raise TypeError(f"{op}: {name} must be an int, not a bool, got {value!r}")
         return int(value.value)
-    return int(value)
+    if isinstance(value, (bool, np.bool_)):  # an int subclass, but True as a size is a mistake
+        raise TypeError(f"{op}: {name} must be an int, not a bool, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an int, got {value!r}") from None
+
+
+def _as_bool(op: str, name: str, value: Any) -> bool:
+    """``value`` as a Python bool: only bools and numpy bools qualify (``causal=2`` is a mistake)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be a bool (True or False), got {value!r}")
+    return bool(value)
+
+
+def _as_real(op: str, name: str, value: Any, expected: str) -> float:
+    """``value`` as a Python float: ints, floats and numpy reals qualify; bools do not."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+_F32_RANGE = "1.4e-45 <= |x| <= 3.4e+38"  # the smallest subnormal and the largest finite float32
+
+
+def _finite_nonzero_float32(value: float) -> bool:
+    """Whether ``value`` stays finite and non-zero when rounded to float32."""
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = float(np.float32(value))
+    return math.isfinite(rounded) and rounded != 0

@@ -32,6 +32,8 @@ import numpy as np
 import tvm
 from tvm.script import tirx as T
 
+from .config import _as_int
+
 
 @functools.lru_cache(maxsize=None)
 def append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
@@ -103,10 +105,10 @@ class PagedKVCache:
 
     def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
                  dtype: str = "float32", device=None, target=None):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("num_layers", num_layers)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        num_blocks, block_size, num_kv_heads, head_dim, num_layers = (
+            _positive_int("PagedKVCache", name, value)
+            for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                                ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_layers", num_layers)))
         if dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"PagedKVCache: dtype must be float32, float16 or bfloat16, got {dtype!r}")
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = num_blocks, block_size, num_kv_heads, head_dim
@@ -140,19 +142,20 @@ class PagedKVCache:
 
     def free(self, seq: int) -> None:
         """Return the sequence's blocks to the pool and forget it."""
-        self._check([seq], "free")
+        (seq,) = self._check([seq], "free")
         self._free.extend(reversed(self._blocks.pop(seq)))
         del self._lens[seq]
 
     def length(self, seq: int) -> int:
         """The sequence's token count."""
-        self._check([seq], "length")
+        (seq,) = self._check([seq], "length")
         return self._lens[seq]
 
     def truncate(self, seq: int, length: int) -> None:
         """Forget the sequence's tokens from ``length`` on, returning the blocks they alone used
         (a failed step rolls back with it)."""
-        self._check([seq], "truncate")
+        (seq,) = self._check([seq], "truncate")
+        length = _as_int("PagedKVCache.truncate", "length", length)
         if not 0 <= length <= self._lens[seq]:
             raise ValueError(f"PagedKVCache.truncate: length must be in [0, {self._lens[seq]}], got {length}")
         blocks = self._blocks[seq]
@@ -164,7 +167,7 @@ class PagedKVCache:
     @contextlib.contextmanager
     def rollback_on_error(self, seqs: list[int]):
         """Within the block, an exception truncates ``seqs`` back to their lengths at entry."""
-        self._check(seqs, "rollback_on_error")
+        seqs = self._check(seqs, "rollback_on_error")
         lengths = {seq: self._lens[seq] for seq in seqs}
         try:
             yield
@@ -182,9 +185,8 @@ class PagedKVCache:
         return tvm.runtime.tensor(self._reserve(seqs, tokens), device=self.device)
 
     def _reserve(self, seqs: list[int], tokens: int) -> np.ndarray:
-        self._check(seqs, "reserve")
-        if not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"PagedKVCache.reserve: tokens must be a positive int, got {tokens!r}")
+        seqs = self._check(seqs, "reserve")
+        tokens = _positive_int("PagedKVCache.reserve", "tokens", tokens)
         needed = sum(-(-(self._lens[s] + tokens) // self.block_size) - len(self._blocks[s]) for s in seqs)
         if needed > len(self._free):
             raise ValueError(f"PagedKVCache.reserve: needs {needed} more blocks, {len(self._free)} free "
@@ -203,7 +205,7 @@ class PagedKVCache:
     def append(self, seqs: list[int], k, v) -> None:
         """Write ``k``, ``v`` (numpy or tvm tensors [B, Hkv, T, D], B = len(seqs); a list of
         num_layers of them when the cache has several layers) as the next T tokens of each sequence."""
-        self._check(seqs, "append")
+        seqs = self._check(seqs, "append")
         ks, vs = ([x] if self.num_layers == 1 and not isinstance(x, (list, tuple)) else list(x) for x in (k, v))
         if len(ks) != self.num_layers or len(vs) != self.num_layers:
             raise ValueError(f"PagedKVCache.append: k and v must hold {self.num_layers} layers, "
@@ -230,8 +232,9 @@ class PagedKVCache:
 
     def block_table(self, seqs: list[int], max_blocks: int | None = None) -> tvm.runtime.Tensor:
         """[B, max_blocks] int32: each sequence's blocks, padded with -1 (never read: past its length)."""
-        self._check(seqs, "block_table")
-        width = max(1, max(len(self._blocks[s]) for s in seqs)) if max_blocks is None else max_blocks
+        seqs = self._check(seqs, "block_table")
+        width = (max(1, max(len(self._blocks[s]) for s in seqs)) if max_blocks is None
+                 else _as_int("PagedKVCache.block_table", "max_blocks", max_blocks))
         if width < 1:
             raise ValueError(f"PagedKVCache.block_table: max_blocks must be >= 1, got {max_blocks}")
         table = np.full((len(seqs), width), -1, "int32")
@@ -244,14 +247,26 @@ class PagedKVCache:
 
     def context_lens(self, seqs: list[int]) -> tvm.runtime.Tensor:
         """[B] int32: each sequence's token count."""
-        self._check(seqs, "context_lens")
+        seqs = self._check(seqs, "context_lens")
         return tvm.runtime.tensor(np.array([self._lens[s] for s in seqs], "int32"), device=self.device)
 
-    def _check(self, seqs, what: str) -> None:
+    def _check(self, seqs, what: str) -> list[int]:
+        """``seqs`` as a list of known, distinct sequence ids (numpy integers qualify, bools do not)."""
+        if isinstance(seqs, (int, np.integer)) or not hasattr(seqs, "__iter__"):  # a bare id, not a list
+            raise TypeError(f"PagedKVCache.{what}: seqs must be a list of sequence ids, got {seqs!r}")
+        seqs = [_as_int(f"PagedKVCache.{what}", "a sequence id", s) for s in seqs]
         if not seqs:
             raise ValueError(f"PagedKVCache.{what}: seqs must name at least one sequence")
         unknown = [s for s in seqs if s not in self._blocks]
         if unknown:
             raise KeyError(f"PagedKVCache.{what}: unknown sequence ids {unknown} (add_sequence first)")
         if len(set(seqs)) != len(seqs):  # one sequence twice in a batch would get two slots per position
-            raise ValueError(f"PagedKVCache.{what}: seqs {list(seqs)} repeat a sequence id")
+            raise ValueError(f"PagedKVCache.{what}: seqs {seqs} repeat a sequence id")
+        return seqs
+
+def _positive_int(where: str, name: str, value) -> int:
+    """``value`` as an int >= 1 (numpy integers qualify, bools do not); the error names ``where`` and ``name``."""
+    value = _as_int(where, name, value)
+    if value < 1:
+        raise ValueError(f"{where}: {name} must be a positive int, got {value}")
+    return value

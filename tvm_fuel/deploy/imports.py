@@ -24,7 +24,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..schedules.workload import Workload
 from ..tuning.records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
 from ..tuning.space import fixed_point, knobs_of, workload_module
-from ..tuning.tune import commit_record
+from ..tuning.tune import commit_record, default_work_dir
 
 
 def _load(path: Path) -> tuple[dict, list[dict]]:
@@ -73,9 +73,11 @@ def _point_knobs(mod: tvm.IRModule, knobs: dict) -> dict:
     return knobs_of(fixed_point(mod, knobs).mod)[1]
 
 
-def import_results(path: str | Path, work_dir: str | Path = "tuning_logs", *, log=print) -> list[dict]:
-    """Records from the tune stage of a bundle's results file; returns per bucket the workload,
-    the hand-picked and best verified median seconds, and the best knobs."""
+def import_results(path: str | Path, work_dir: str | Path | None = None, *, log=print) -> list[dict]:
+    """Records from the tune stage of a bundle's results file into ``work_dir`` (default: tune's,
+    ``default_work_dir()``); returns per bucket the workload, the hand-picked and best verified
+    median seconds, and the best knobs."""
+    work_dir = default_work_dir() if work_dir is None else work_dir
     report, buckets = _load(Path(path))
     session = int(time.time())  # this import's verification: newer than every earlier one here
     summary = []

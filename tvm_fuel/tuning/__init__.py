@@ -10,6 +10,7 @@ Contents:
 
 from .records import TuningLogWarning, TuningRecords, shipped_logs, target_key
 from .report import tuning_report
-from .tune import tune
+from .tune import default_work_dir, tune
 
-__all__ = ["tune", "tuning_report", "TuningRecords", "TuningLogWarning", "shipped_logs", "target_key"]
+__all__ = ["tune", "tuning_report", "TuningRecords", "TuningLogWarning", "shipped_logs", "target_key",
+           "default_work_dir"]

@@ -52,6 +52,9 @@ def _need(bucket: dict, *keys: str) -> list[int]:
     missing = [k for k in keys if k not in bucket]
     if missing:
         raise ValueError(f"tvm_fuel tune: shape {bucket} lacks {missing}")
+    for key in keys:  # a 0 would divide (the block count) or build an empty kernel
+        if isinstance(bucket[key], bool) or not isinstance(bucket[key], int) or bucket[key] < 1:
+            raise ValueError(f"tvm_fuel tune: {key} must be an int >= 1, got {bucket[key]!r}")
     return [bucket[k] for k in keys]
 
 

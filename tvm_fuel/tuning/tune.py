@@ -9,10 +9,15 @@ the hand-picked ones, a few rounds (single measurements on a shared machine drif
 those verified records are what ``tvm_fuel.compile`` chooses from, so a kernel only leaves its
 hand-picked knobs for ones that beat them in the same rounds.
 
+Logs go to ``work_dir``, by default ``default_work_dir()``: a per-user cache directory, never the
+logs shipped with the package (``--work-dir tuning_logs`` in a checkout still writes those, on purpose).
+
 Contents:
-    tune         -- tune a module's fuel kernels (or given workloads); returns TaskResult rows
-    TaskResult   -- what one task found
-    workloads_of -- the static kernel workloads of a module's fuel calls
+    tune               -- tune a module's fuel kernels (or given workloads); returns TaskResult rows
+    TaskResult         -- what one task found
+    workloads_of       -- the static kernel workloads of a module's fuel calls
+    default_work_dir   -- $TVM_FUEL_TUNING_DIR, else the user's cache dir: where logs go unless told
+    check_writable_dir -- ValueError unless a path is, or can be made, a writable directory
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..build import as_target
+from ..config import _as_int
 from ..op import SPECS
 from ..schedules import rule_for
 from ..schedules.workload import Workload
@@ -42,6 +48,40 @@ from .records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_k
 from .space import KnobFeatures, fixed_point, knobs_of, space_generator, workload_module
 
 _OP_NAMES = {spec.op_name: name for name, spec in SPECS.items()}
+WORK_DIR_ENV = "TVM_FUEL_TUNING_DIR"
+
+
+def default_work_dir() -> Path:
+    """Where ``tune`` writes logs unless told: ``$TVM_FUEL_TUNING_DIR`` if set, else
+    ``$XDG_CACHE_HOME/tvm_fuel/tuning_logs`` or ``~/.cache/tvm_fuel/tuning_logs``.
+
+    Never the shipped logs (a relative ``tuning_logs`` run from a checkout was exactly those):
+    tuning on one machine must not change what every tuned build elsewhere reads."""
+    explicit = os.environ.get(WORK_DIR_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):  # the XDG spec: unset, empty or relative means ~/.cache
+        cache = "~/.cache"
+    return Path(cache).expanduser() / "tvm_fuel" / "tuning_logs"
+
+
+def check_writable_dir(path: str | os.PathLike, name: str = "work_dir", *, who: str = "tvm_fuel.tune") -> Path:
+    """``path`` as a Path if it is a writable directory or can be created as one (nothing is
+    created here); else ValueError naming ``who`` and ``name``, so a run fails before it tunes."""
+    path = Path(path).expanduser()
+    # os.path's tests: False rather than PermissionError where a parent cannot be searched
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{who}: {name} must be a directory, but {path} is a file")
+    existing = path
+    while not os.path.exists(existing) and existing != existing.parent:  # where mkdir will write
+        existing = existing.parent
+    if not os.path.isdir(existing):
+        raise ValueError(f"{who}: {name} {path} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):  # also catches a read-only file system, even for root
+        state = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ValueError(f"{who}: {name} {path} {state} (give a writable {name}, or set ${WORK_DIR_ENV})")
+    return path
 
 
 @dataclass
@@ -215,7 +255,7 @@ def _recorded(database, mod: tvm.IRModule) -> list[tuple[dict, float]]:
 
 
 def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] | None = None, trials: int = 64,
-         work_dir: str | os.PathLike = "tuning_logs", trials_per_iter: int = 8, rpc_tracker: str | None = None,
+         work_dir: str | os.PathLike | None = None, trials_per_iter: int = 8, rpc_tracker: str | None = None,
          rpc_key: str | None = None, verify_top: int = 3, verify_rounds: int = 5, seed: int = 1,
          log: Callable[[str], None] | None = None) -> list[TaskResult]:
     """Tune the fuel kernels of ``mod`` for ``target`` with MetaSchedule; return one TaskResult per workload.
@@ -231,9 +271,11 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
     trials : int
         New measurements per task (the hand-picked point is measured once more, on a fresh log);
         0 only verifies what the database holds.
-    work_dir : path
+    work_dir : path, optional
         Log root: records go to ``<work_dir>/<target key>/<kernel>/``; an existing database there
-        is resumed. MetaSchedule's own logs go to ``<work_dir>/logs/``.
+        is resumed. MetaSchedule's own logs go to ``<work_dir>/logs/``. Default:
+        ``default_work_dir()`` (``$TVM_FUEL_TUNING_DIR`` or ``~/.cache/tvm_fuel/tuning_logs``);
+        pass it to ``tvm_fuel.compile(..., database=...)`` to build with the records.
     verify_top, verify_rounds : int
         After the search, the ``verify_top`` best knob sets and the hand-picked ones are measured
         side by side ``verify_rounds`` times and committed as verified records, which are the ones
@@ -248,17 +290,26 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
     >>> mod = bucket_module("paged_attn", dict(B=8, Hq=32, Hkv=8, D=128, block_size=16, ctx=4096))
     >>> results = tvm_fuel.tune(mod, tvm_fuel.host_target(), trials=16)     # doctest: +SKIP
     >>> ex = tvm_fuel.compile(mod, tvm_fuel.host_target(), kernels="tuned",
-    ...                       database="tuning_logs")                        # doctest: +SKIP
+    ...                       database=default_work_dir())                   # doctest: +SKIP
     """
     target = as_target(target)
     log = log or (lambda line: print(line, flush=True))
+    if isinstance(ops, str):  # list("paged_attn") would be its letters
+        raise TypeError(f"tvm_fuel.tune: ops must be a list of op names, got the str {ops!r} (use [{ops!r}])")
     if ops is not None:
         ops = list(ops)
         unknown = [o for o in ops if o not in TUNABLE_OPS]
         if unknown:
             raise ValueError(f"tvm_fuel.tune: ops must be among {TUNABLE_OPS}, got {unknown}")
-    if trials < 0:
-        raise ValueError(f"tvm_fuel.tune: trials must be >= 0, got {trials}")
+    trials, trials_per_iter, verify_top, verify_rounds, seed = (
+        _as_int("tvm_fuel.tune", name, value) for name, value in (
+            ("trials", trials), ("trials_per_iter", trials_per_iter), ("verify_top", verify_top),
+            ("verify_rounds", verify_rounds), ("seed", seed)))
+    for name, value, least in (("trials", trials, 0), ("trials_per_iter", trials_per_iter, 1),
+                               ("verify_top", verify_top, 0), ("verify_rounds", verify_rounds, 1),
+                               ("seed", seed, 0)):
+        if value < least:  # MetaSchedule would fail deep inside on these ("Check failed: st < ed")
+            raise ValueError(f"tvm_fuel.tune: {name} must be >= {least}, got {value}")
     if (rpc_tracker is None) != (rpc_key is None):
         raise ValueError("tvm_fuel.tune: rpc_tracker and rpc_key go together")
     if target.kind.name == "cuda" and rpc_tracker is None:
@@ -270,7 +321,7 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
     workloads = workloads_of(mod, target, ops) if isinstance(mod, tvm.IRModule) else list(mod)
     if not workloads:
         raise ValueError(f"tvm_fuel.tune: no static fuel call served by a {target.kind.name} kernel to tune")
-    root = Path(work_dir)
+    root = check_writable_dir(default_work_dir() if work_dir is None else work_dir)
     builder = measure.builder()
     runner = measure.rpc_runner(rpc_tracker, rpc_key) if rpc_tracker else measure.local_runner()
     results: list[TaskResult] = []
@@ -278,7 +329,10 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
         for family in dict.fromkeys(kernel_family(w.op) for w in workloads):
             group = [w for w in workloads if kernel_family(w.op) == family]
             folder = root / target_key(target) / family
-            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # checked above, but the disk may change meanwhile
+                raise ValueError(f"tvm_fuel.tune: cannot create {folder} under work_dir: {err.strerror}") from None
             database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
                                                 path_tuning_record=str(folder / RECORD_FILE))
             results += _tune_family(group, target, folder, root / "logs", database, builder, runner, trials,
