@@ -128,7 +128,7 @@ def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
     if spec.has_alibi:
         capped = capped + sem.alibi_bias(alibi[h], i, j, delta=delta)
     if spec.mask_dtype is not None and spec.mask_dtype != "bool":
-        capped = capped + mask_at(mask, b, h, i, j).astype(F32)
+        capped = sem.add_mask(capped, mask_at(mask, b, h, i, j))
     return capped
 
 

@@ -75,22 +75,31 @@ def _logits(q, k, cfg: AttnConfig, layout: _Layout, alibi_slopes, attn_mask):
             if str(attn_mask.dtype) == "bool":
                 visible = tirx.all(visible, m)
             else:
-                s = s + m.astype(F32)
+                s = sem.add_mask(s, m)
         return sem.masked(visible, s)
 
     return capped, te.compute((B, Hq, Sq, Sk), logit, name="logits")
+
+
+def _nonempty(reduced: te.Tensor, extent, empty_value, name: str) -> te.Tensor:
+    """``reduced`` where its reduction ran over ``extent > 0`` items, else ``empty_value``: TIR
+    initializes a reduction inside its loop, so an empty one leaves its buffer unwritten."""
+    return te.compute(reduced.shape, lambda *idx: tirx.Select(
+        sem.as_int64(extent) > 0, reduced(*idx), tirx.const(empty_value, F32)), name=name)
 
 
 def _softmax_stats(logits):
     """(shift, row_sum, lse) of each row of ``logits``; fully masked rows get lse = -inf."""
     B, Hq, Sq, Sk = logits.shape
     j = te.reduce_axis((0, Sk), name="j")
-    row_max = te.compute((B, Hq, Sq), lambda b, h, i: te.max(logits[b, h, i, j], axis=j), name="row_max")
+    row_max = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.max(logits[b, h, i, j], axis=j),
+                                   name="row_max_acc"), Sk, float("-inf"), "row_max")
     shift = te.compute((B, Hq, Sq), lambda b, h, i: sem.safe_row_max(row_max[b, h, i]), name="shift")
     p = te.compute((B, Hq, Sq, Sk), lambda b, h, i, jj: te.exp(logits[b, h, i, jj] - shift[b, h, i]),
                    name="p_unnorm")
     j2 = te.reduce_axis((0, Sk), name="j2")
-    row_sum = te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j2], axis=j2), name="row_sum")
+    row_sum = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j2], axis=j2), name="row_sum_acc"),
+                        Sk, 0.0, "row_sum")
     lse = te.compute((B, Hq, Sq), lambda b, h, i: sem.log_sum_exp(shift[b, h, i], row_sum[b, h, i]),
                      name="lse")
     return p, row_sum, lse
@@ -101,10 +110,11 @@ def _attend(q, k, v, cfg, layout, alibi_slopes, attn_mask, return_lse):
     _, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
     p, row_sum, lse = _softmax_stats(logits)
     j = te.reduce_axis((0, k.shape[2]), name="j_pv")
-    acc = te.compute(
+    acc = _nonempty(te.compute(
         (B, Hq, Sq, D),
-        lambda b, h, i, e: te.sum(p[b, h, i, j] * v[b, sem.kv_head(h, layout.group), j, e].astype(F32), axis=j),
-        name="pv")
+        lambda b, h, i, e: te.sum(sem.weighted(p[b, h, i, j], v[b, sem.kv_head(h, layout.group), j, e].astype(F32)),
+                                  axis=j),
+        name="pv_acc"), k.shape[2], 0.0, "pv")
     out = te.compute((B, Hq, Sq, D),
                      lambda b, h, i, e: sem.normalize(acc[b, h, i, e], row_sum[b, h, i]).astype(str(q.dtype)),
                      name="out")
@@ -144,29 +154,30 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
             do[b, h, i, e].astype(F32) * out[b, h, i, e].astype(F32), axis=e), name="do_dot_o")
     else:
         jr = te.reduce_axis((0, Sk), name="j_row")
-        row_dot = te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, jr] * dp[b, h, i, jr], axis=jr),
-                             name="do_dot_o")
+        row_dot = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]), axis=jr),
+                                       name="do_dot_o_acc"), Sk, 0.0, "do_dot_o")
     ds = te.compute(
         (B, Hq, Sq, Sk),
-        lambda b, h, i, j: p[b, h, i, j] * (dp[b, h, i, j] - row_dot[b, h, i])
-        * sem.softcap_grad(cfg, capped[b, h, i, j]) * scale,
+        lambda b, h, i, j: sem.weighted(p[b, h, i, j], (dp[b, h, i, j] - row_dot[b, h, i])
+                                        * sem.softcap_grad(cfg, capped[b, h, i, j]) * scale),
         name="ds")
 
     results = []
     for grad in grads:
         if grad == "dq":
             j = te.reduce_axis((0, Sk), name="j_dq")
-            acc = te.compute((B, Hq, Sq, D), lambda b, h, i, e: te.sum(
-                ds[b, h, i, j] * k[b, sem.kv_head(h, group), j, e].astype(F32), axis=j), name="dq_acc")
+            acc = _nonempty(te.compute((B, Hq, Sq, D), lambda b, h, i, e: te.sum(
+                sem.weighted(ds[b, h, i, j], k[b, sem.kv_head(h, group), j, e].astype(F32)), axis=j), name="dq_sum"),
+                Sk, 0.0, "dq_acc")
             results.append(_cast(acc, q.dtype, "dq"))
         elif grad in ("dk", "dv"):
             # kv head g gathers the query heads g*group .. g*group+group-1 and all query rows
             r = te.reduce_axis((0, group), name="r")
             i = te.reduce_axis((0, Sq), name="i")
             weight, rhs = (ds, q) if grad == "dk" else (p, do)
-            acc = te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
-                weight[b, g * group + r, i, j] * rhs[b, g * group + r, i, e].astype(F32), axis=[r, i]),
-                name=f"{grad}_acc")
+            acc = _nonempty(te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
+                sem.weighted(weight[b, g * group + r, i, j], rhs[b, g * group + r, i, e].astype(F32)), axis=[r, i]),
+                name=f"{grad}_sum"), Sq, 0.0, f"{grad}_acc")
             results.append(_cast(acc, (k if grad == "dk" else v).dtype, grad))
         else:
             raise ValueError(f"flash_attn_backward: unknown gradient {grad!r}")

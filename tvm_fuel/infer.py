@@ -17,6 +17,7 @@ from tvm import relax, tirx
 from tvm.ir import TupleType
 
 from .config import FLOAT_DTYPES, INDEX_DTYPES, AttnConfig
+from .dims import positive_dims
 from .op import SPECS, OpSpec
 
 
@@ -88,6 +89,13 @@ class _Checker:
             raise ValueError(f"{self.op}: Hq ({_dim(hq)}) must be provably a multiple of Hkv ({_dim(hkv)}) "
                              f"of argument {kv_name!r}")
 
+    def positive(self):
+        """The dims that must be >= 1 (``tvm_fuel.dims``); symbolic ones are checked at run time."""
+        for name, axis, what in positive_dims(self.spec.name):
+            dims = self.dims(self.args[name].ty) if self.args[name] is not None else None
+            if dims is not None and isinstance(dims[axis], tirx.IntImm) and int(dims[axis]) < 1:
+                raise ValueError(f"{self.op}: the {what} of {name!r} must be >= 1, got {int(dims[axis])}")
+
     def config(self) -> AttnConfig:
         return AttnConfig.from_attrs(self.op, self.attrs)
 
@@ -125,6 +133,7 @@ def _dense_qkv(c: _Checker):
     v = c.tensor("v", layout=("B", "Hkv", "Sk", "D"), dtypes=FLOAT_DTYPES)
     c.same_dtype("k", k, "q", q)
     c.same_dtype("v", v, "q", q)
+    c.positive()
     qd, kd, vd = c.dims(q), c.dims(k), c.dims(v)
     if qd is not None and kd is not None:
         c.expect_dim("batch B", "k", kd[0], "q", qd[0])
@@ -181,6 +190,7 @@ def _infer_paged_attn(call, ctx):
     c.same_dtype("v_cache", vc, "q", q)
     table = c.tensor("block_table", layout=("B", "max_blocks"), dtypes=INDEX_DTYPES)
     lens = c.tensor("context_lens", layout=("B",), dtypes=INDEX_DTYPES)
+    c.positive()
     qd, kd = c.dims(q), c.dims(kc)
     if kd is not None:
         c.expect_shape("v_cache", vc, kd, "[num_blocks, block_size, Hkv, D] of k_cache")

@@ -1,13 +1,18 @@
 """Legalization (``FLegalize``) of the fuel ops to the TE decomposition: the correctness floor.
 
 Each rule is a thin adapter: read the call's arguments and config, and emit ``bb.call_te`` on the
-matching function of ``tvm_fuel.decompose``. Paged attention first runs a small host-side check
-of the block table and context lengths on CPU targets, so a bad live block id or an oversized
-context raises a runtime error instead of reading out of bounds.
+matching function of ``tvm_fuel.decompose``. Two host-side checks run first, on the floor and
+before every kernel alike, so bad input raises instead of reading out of bounds:
+
+- the dims that must agree (``tvm_fuel.dims``) but that type inference could not prove equal
+  (symbolic ones) are compared when the module runs;
+- paged attention's block table and context lengths are validated on CPU targets (a bad live
+  block id or an oversized context).
 
 Contents:
-    LEGALIZE    -- op name -> legalization function ``(bb, call) -> relax.Expr`` (the floor)
-    emit_kernel -- call a performance-path kernel in place of the floor
+    LEGALIZE     -- op name -> legalization function ``(bb, call) -> relax.Expr`` (the floor)
+    emit_kernel  -- call a performance-path kernel in place of the floor
+    checked_dims -- the run-time check of the dims type inference could not prove equal
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from __future__ import annotations
 import functools
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from . import decompose
 from .config import AttnConfig
+from .dims import DimRule, dim_rules, positive_dims
 from .op import SPECS
 
 
@@ -27,8 +33,62 @@ def _config(name: str, call: relax.Call) -> AttnConfig:
     return AttnConfig.from_attrs(SPECS[name].label, call.attrs)
 
 
+def _unproven(name: str, args: dict) -> tuple[list[DimRule], list[tuple[str, int, str]]]:
+    """The rules between present arguments whose dims type inference could not prove equal, and
+    the dims that must be >= 1 but are symbolic (static ones were checked by type inference)."""
+    analyzer = tvm.sym.Analyzer()
+    first = SPECS[name].required[0]
+    pairs = []
+    for rule in dim_rules(name, args[first].ty.ndim):
+        a, b = args.get(rule.arg), args.get(rule.ref)
+        if a is None or b is None:
+            continue
+        if not analyzer.can_prove_equal(a.ty.shape.values[rule.axis], b.ty.shape.values[rule.ref_axis]):
+            pairs.append(rule)
+    positive = [(arg, axis, what) for arg, axis, what in positive_dims(name)
+                if not isinstance(args[arg].ty.shape.values[axis], tirx.IntImm)]
+    return pairs, positive
+
+
+def _dims_check_func(op: str, rules: tuple[DimRule, ...], positive: tuple[tuple[str, int, str], ...],
+                     tensors: tuple[tuple[str, str, int], ...]):
+    """A host PrimFunc over ``tensors`` ((name, dtype, ndim), the first one passed through in
+    place) that raises ValueError naming the op and the arguments when a rule's dims differ or a
+    dim that must be positive is 0. It reads shapes only, never data: it runs on the host for
+    any target."""
+    # written as TVMScript text: the number of parameters varies with the arguments present
+    dims = {name: [f"{name}_shape{axis}" for axis in range(ndim)] for name, _, ndim in tensors}
+    lines = ["@T.prim_func(private=True)", f"def check({', '.join(f'{n}_handle: T.handle' for n, _, _ in tensors)}):",
+             '    T.func_attr({"tirx.is_scheduled": True})']
+    lines += [f"    {d} = T.int64()" for names in dims.values() for d in names]
+    lines += [f"    T.match_buffer({n}_handle, ({', '.join(dims[n])},), {dtype!r})" for n, dtype, _ in tensors]
+    checks = [(f"{dims[arg][axis]} >= T.int64(1)", f"{op}: the {what} of {arg!r} ({arg}.shape[{axis}]) must be >= 1")
+              for arg, axis, what in positive]
+    checks += [(f"{dims[r.arg][r.axis]} == {dims[r.ref][r.ref_axis]}", r.message(op)) for r in rules]
+    lines += [f"    assert {condition}, ('ValueError', [{message!r}])" for condition, message in checks]
+    return tvm.script.from_source("\n".join(lines), extra_vars={"T": T})
+
+
+def checked_dims(bb: relax.BlockBuilder, name: str, args: dict) -> dict:
+    """``args`` with its first tensor passed through a run-time check of the dims that must agree
+    but that type inference could not prove equal (nothing is emitted where it proved them all).
+    The check is one host call per op call; the pass-through orders it before the op's reads."""
+    spec = SPECS[name]
+    first = spec.required[0]
+    rules, positive = _unproven(name, args)
+    if not rules and not positive:
+        return args
+    names = [first] + sorted(({n for r in rules for n in (r.arg, r.ref)} | {p[0] for p in positive}) - {first})
+    tensors = tuple((n, str(args[n].ty.dtype), args[n].ty.ndim) for n in names)
+    check = _dims_check_func(spec.label, tuple(rules), tuple(positive), tensors)
+    gvar = bb.add_func(check, f"fuel_{name}_check_dims")
+    checked = dict(args)
+    checked[first] = bb.emit(relax.call_tir_inplace(gvar, [args[n] for n in names], 0, args[first].ty))
+    return checked
+
+
 def _flash_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    a = SPECS["flash_attn"].split_args(call)
+    a = checked_dims(bb, "flash_attn", SPECS["flash_attn"].split_args(call))
     fn = functools.partial(decompose.flash_attn, cfg=_config("flash_attn", call),
                            return_lse=bool(call.attrs["return_lse"]))
     return bb.call_te(fn, a["q"], a["k"], a["v"], a["alibi_slopes"], a["attn_mask"],
@@ -39,7 +99,7 @@ def _backward(name: str):
     grads = SPECS[name].grads
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        a = SPECS[name].split_args(call)
+        a = checked_dims(bb, name, SPECS[name].split_args(call))
         fn = functools.partial(decompose.flash_attn_backward, cfg=_config(name, call), grads=grads)
         return bb.call_te(fn, a["q"], a["k"], a["v"], a["do"], a["alibi_slopes"], a["attn_mask"], a["out"],
                           a["lse"], primfunc_name_hint=f"fuel_{name}")
@@ -90,7 +150,7 @@ def _checked_context_lens(bb: relax.BlockBuilder, args: dict) -> relax.Expr:
 
 
 def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    a = SPECS["paged_attn"].split_args(call)
+    a = checked_dims(bb, "paged_attn", SPECS["paged_attn"].split_args(call))
     lens = _checked_context_lens(bb, a)
     fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
     return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
@@ -102,7 +162,7 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
     """Call a performance-path PrimFunc whose parameters are the op's present arguments, in
     order, followed by its outputs. ``args`` overrides the call's arguments by name."""
     spec = SPECS[name]
-    args = dict(args) if args is not None else spec.split_args(call)
+    args = checked_dims(bb, name, dict(args) if args is not None else spec.split_args(call))
     if name == "paged_attn":
         args["context_lens"] = _checked_context_lens(bb, args)
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
@@ -115,8 +175,9 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
 
 
 def _softmax_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_dims(bb, "softmax_backward", SPECS["softmax_backward"].split_args(call))
     fn = functools.partial(decompose.softmax_backward, axis=int(call.attrs["axis"]))
-    return bb.call_te(fn, call.args[0], call.args[1], primfunc_name_hint="fuel_softmax_backward")
+    return bb.call_te(fn, a["probs"], a["dprobs"], primfunc_name_hint="fuel_softmax_backward")
 
 
 LEGALIZE = {

@@ -4,6 +4,10 @@ These are the oracle of the test suite; they share no code with the TE decomposi
 kernels. Inputs may be float32, float16 or bfloat16 (ml_dtypes) arrays; outputs are float64
 (``lse`` too), so callers compare in the precision they choose.
 
+Non-finite inputs follow the NaN rule (``tvm_fuel.semantics``): a NaN or Inf a row uses reaches
+it; a weight of exactly 0 (a dropped key) never multiplies anything into a sum, and a ``-inf``
+additive mask drops its key whatever the score.
+
 Contents:
     flash_attn, flash_attn_backward, paged_attn, gather_pages, softmax_backward, visible_keys
 """
@@ -52,20 +56,39 @@ def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, s
         if mask.dtype == np.bool_:
             keep = keep & np.broadcast_to(mask, logits.shape)
         else:
-            logits = logits + _f64(mask)
+            additive = np.broadcast_to(_f64(mask), logits.shape)
+            keep = keep & ~np.isneginf(additive)  # a -inf entry drops the key, even a NaN score
+            logits = logits + additive
     return capped, np.where(keep, logits, -np.inf)
 
 
 def _softmax(logits):
-    """(P, lse) with P = 0 and lse = -inf on rows that keep no key."""
-    row_max = logits.max(axis=-1, keepdims=True)
-    shift = np.where(np.isneginf(row_max), 0.0, row_max)
-    e = np.exp(logits - shift)
-    total = e.sum(axis=-1, keepdims=True)
+    """(P, lse) with P = 0 and lse = -inf on rows that keep no key; a NaN logit makes its row NaN."""
+    with np.errstate(invalid="ignore"):
+        row_max = logits.max(axis=-1, keepdims=True)  # NaN when the row holds one
+        shift = np.where(np.isneginf(row_max), 0.0, row_max)
+        e = np.exp(logits - shift)
+        total = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(total > 0, e / total, 0.0)
-        lse = np.where(total > 0, shift + np.log(total), -np.inf)[..., 0]
+        p = np.where(total == 0, 0.0, e / total)
+        lse = np.where(total == 0, -np.inf, shift + np.log(total))[..., 0]
     return p, lse
+
+
+def _weighted_sum(w, x):
+    """``out[b, h, i, d] = sum_j w[b, h, i, j] * x[b, h, j, d]`` where a weight of exactly 0 skips
+    its term (so a NaN or Inf in ``x`` reaches only the rows that weigh it)."""
+    finite = np.isfinite(x)
+    with np.errstate(invalid="ignore"):
+        out = np.einsum("bhij,bhjd->bhid", w, np.where(finite, x, 0.0))
+        for b, h, j, d in zip(*np.nonzero(~finite)):
+            rows = w[b, h, :, j] != 0
+            out[b, h, rows, d] += w[b, h, rows, j] * x[b, h, j, d]
+    return out
+
+
+def _transposed(w):
+    return np.swapaxes(w, -1, -2)
 
 
 def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
@@ -73,7 +96,7 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None
     """out [B, Hq, Sq, D] (and lse [B, Hq, Sq]) in float64; see ``tvm_fuel.op.flash_attn``."""
     _, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
     p, lse = _softmax(logits)
-    out = np.einsum("bhij,bhjd->bhid", p, np.repeat(_f64(v), q.shape[1] // v.shape[1], axis=1))
+    out = _weighted_sum(p, np.repeat(_f64(v), q.shape[1] // v.shape[1], axis=1))
     return (out, lse) if return_lse else out
 
 
@@ -87,13 +110,16 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, *, softm
     capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
     p, _ = _softmax(logits)
     kr, vr, do = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1), _f64(do)
-    dv = np.einsum("bhij,bhid->bhjd", p, do)
-    dp = np.einsum("bhid,bhjd->bhij", do, vr)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))  # softmax backward
-    if softcap > 0:
-        ds = ds * (1.0 - (capped / softcap) ** 2)  # d/ds [c tanh(s/c)] = 1 - tanh^2
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kr)
-    dk = scale * np.einsum("bhij,bhid->bhjd", ds, _f64(q))
+    with np.errstate(invalid="ignore"):
+        dv = _weighted_sum(_transposed(p), do)
+        dp = np.einsum("bhid,bhjd->bhij", do, vr)
+        p_dp = np.where(p == 0, 0.0, p * dp)
+        ds = p * (dp - p_dp.sum(axis=-1, keepdims=True))  # softmax backward
+        if softcap > 0:
+            ds = ds * (1.0 - (capped / softcap) ** 2)  # d/ds [c tanh(s/c)] = 1 - tanh^2
+        ds = np.where(p == 0, 0.0, ds)  # a dropped key's dP or capped score may be NaN
+        dq = scale * _weighted_sum(ds, kr)
+        dk = scale * _weighted_sum(_transposed(ds), _f64(q))
 
     def per_kv_head(x):  # sum the query heads of each GQA group
         return x.reshape(B, Hkv, group, *x.shape[2:]).sum(axis=2)

@@ -10,13 +10,21 @@ positions of the context, so the diagonal is aligned bottom-right):
 
 1. ``s = scale * q_i . k_j``
 2. ``softcap c > 0``: ``s = c * tanh(s / c)``
-3. ``s += -slope_h * |i + delta - j|`` (ALiBi) and ``s += mask`` (additive mask)
+3. ``s += -slope_h * |i + delta - j|`` (ALiBi) and ``s += mask`` (additive mask; a ``-inf``
+   entry drops the key whatever ``s`` is)
 4. keep ``(i, j)`` iff ``j < kv_len``, inside the window, and the boolean mask allows it
 5. softmax over kept keys; a row without a kept key gives 0 and ``lse = -inf``.
 
+Non-finite inputs (the NaN rule): a NaN or Inf in a q, k or v element that a row uses reaches
+that row as IEEE arithmetic carries it; what a row does not see never reaches it. Every product
+of a weight (a probability P or its gradient dS) with a value, key, query or ``do`` element skips
+weights that are exactly 0 (``weighted``): those are the dropped keys (and underflowed ones),
+whose values may hold anything, and ``0 * NaN`` would otherwise be NaN.
+
 Contents:
-    kv_head, keep, softcap, softcap_grad, alibi_bias, masked, mask_index, NEG_INF,
-    safe_row_max, normalize, log_sum_exp, probability, fast_exp, fast_exp2 (LOG2E, LN2), fast_tanh
+    kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask, masked, mask_index, NEG_INF,
+    safe_row_max, normalize, log_sum_exp, probability, weighted, add_weighted, fast_exp, fast_exp2 (LOG2E, LN2),
+    fast_tanh
 """
 
 from __future__ import annotations
@@ -84,6 +92,26 @@ def mask_index(mask_shape, b, h, i, j):
     """Index of ``attn_mask`` (numpy-broadcast against [B, Hq, Sq, Sk]) for element (b, h, i, j)."""
     full = (b, h, i, j)[4 - len(mask_shape):]
     return tuple(0 if isinstance(n, (int, tirx.IntImm)) and int(n) == 1 else x for n, x in zip(mask_shape, full))
+
+
+def add_mask(logit, mask_value):
+    """``logit + mask`` for an additive mask; ``-inf`` where the mask is ``-inf`` (even for a NaN
+    logit: a key the mask drops never reaches the row)."""
+    mask_value = mask_value.astype("float32")
+    return tirx.Select(mask_value == NEG_INF, NEG_INF, logit + mask_value)
+
+
+def weighted(weight, value):
+    """``weight * value``, and 0 where the weight is exactly 0 whatever the value (a dropped
+    key's value, key, or a row's query or ``do``, may be NaN or Inf: it must not reach the sum)."""
+    return tirx.Select(weight == _ZERO, _ZERO, weight * value)
+
+
+def add_weighted(acc, weight, value):
+    """``acc + weight * value``, and ``acc`` unchanged where the weight is exactly 0 (``weighted``
+    as a kernel's accumulation: where the weight is not 0 it rounds exactly as the plain
+    multiply-add, so a kernel that takes this path for a tile gives bit-identical rows)."""
+    return tirx.Select(weight == _ZERO, acc, acc + weight * value)
 
 
 def masked(visible, logit):

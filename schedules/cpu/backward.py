@@ -13,6 +13,11 @@ Three parallel stages in one PrimFunc:
 
 Scratch per task is O((block_q + block_k) * D); the dq partials are [splits, B, Hq, Sq, D].
 
+The NaN rule (``tvm_fuel.semantics``): dS is 0 wherever P is (a dropped key's dP may be NaN),
+and a GEMM whose values (a key tile, or a query tile's q or do) hold a NaN or Inf skips zero
+weights; the tiles are counted for non-finite elements as they are loaded, so finite inputs
+run the plain GEMMs.
+
 Contents:
     flash_backward -- PrimFunc(q, k, v, do, [alibi_slopes], [attn_mask], out, lse, [dq], [dk], [dv])
 """
@@ -98,10 +103,11 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         # dP holds do.v^T; it becomes dS = P * (dP - D) * dsoftcap * scale
         for r in range(BQ):
             for c in T.vectorized(BK):
+                # 0 where P is 0, whatever dP or the capped score of a dropped key holds
                 if capped_needed:
-                    dP[r, c] = S[r, c] * (dP[r, c] - D_r[r]) * sem.softcap_grad(cfg, Cap[r, c]) * T.float32(scale)
+                    dP[r, c] = T.Select(S[r, c] == T.float32(0), T.float32(0), S[r, c] * (dP[r, c] - D_r[r]) * sem.softcap_grad(cfg, Cap[r, c]) * T.float32(scale))
                 else:
-                    dP[r, c] = S[r, c] * (dP[r, c] - D_r[r]) * T.float32(scale)
+                    dP[r, c] = T.Select(S[r, c] == T.float32(0), T.float32(0), S[r, c] * (dP[r, c] - D_r[r]) * T.float32(scale))
 
     # fmt: off
     @T.prim_func
@@ -146,6 +152,9 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
             S = T.alloc_buffer((BQ, BK), F32)
             dP = T.alloc_buffer((BQ, BK), F32)
             Cap = T.alloc_buffer((BQ, BK), F32)
+            keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             for i in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
                 kt: T.int64 = balanced_order(i, n_key_tiles)  # causal work falls with kt: pair them
                 for c in range(BK):
@@ -164,6 +173,7 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                     for d in T.vectorized(DP):
                         dK_acc[c, d] = T.float32(0)
                         dV_acc[c, d] = T.float32(0)
+                micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
                 for hr in range(group):
                     qlo, qhi = query_tile_range(cfg, key_first=kt * BK, key_last=T.min(kt * BK + BK, Sk) - 1,
                                                 num_queries=Sq, delta=Sk - Sq, block_q=BQ)
@@ -172,16 +182,27 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                         micro.gemm(S, Qs, Kt, BQ, BK, D, KV, False, False, None)
                         probabilities(S, Cap, lse_r, alibi, mask, b, g * group + hr, qt * BQ, kt * BK, Sq, Sk)
                         if want_dv:
-                            micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True, None)
+                            micro.count_nonfinite(do_nonfinite, dOs, BQ, DP)
+                            if do_nonfinite[0] == T.float32(0):
+                                micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True, None)
+                            else:
+                                micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True, None, True)
                         if want_ds:
                             micro.gemm(dP, dOs, Vt, BQ, BK, D, KV, False, False, None)
                             score_grads(dP, S, Cap, D_r)
                             if want_dk:
-                                micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True, None)
+                                micro.count_nonfinite(q_nonfinite, Qs, BQ, DP)
+                                if q_nonfinite[0] == T.float32(0):
+                                    micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True, None)
+                                else:
+                                    micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True, None, True)
                             if want_dq:
                                 dQv = T.decl_buffer((BQ, DP), F32, data=dq_part.data, elem_offset=(
                                     ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
-                                micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True, None)
+                                if keys_nonfinite[0] == T.float32(0):
+                                    micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True, None)
+                                else:
+                                    micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True, None, True)
                 for c in range(BK):
                     if kt * BK + c < Sk:
                         for d in range(D):

@@ -7,6 +7,11 @@ its rows can see (causal/window bounds and the sequence length), with a FlashAtt
 softmax; masks are applied per element only on tiles that straddle a boundary. Scratch per task is
 O(block_q * D + block_k * D); no buffer grows with Sq * Sk.
 
+A dropped key's value may hold NaN or Inf (uninitialized padding) and must not reach any row
+(0 * NaN is NaN): a packed value tile is counted for non-finite elements once, and only a tile
+that holds some runs the P.V GEMM that skips zero weights; the streaming decode path skips them
+on the tiles that straddle a boundary (the only ones where a read token can be dropped).
+
 The paged kernel reads its key tiles through the block table (no gather) and stops at
 ``context_lens[b]``, so its cost follows the live tokens, not the table's capacity.
 
@@ -86,7 +91,7 @@ class _Body:
 
         @T.macro
         def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
-                        first_pos, last_pos):
+                        first_pos, last_pos, values_finite):
             # a packed key tile: both products are register-tiled GEMMs over its first `width` keys
             # (past them no row sees a key: the rest of a causal diagonal tile is skipped)
             width: T.int64 = tile_width(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
@@ -94,7 +99,10 @@ class _Body:
             micro.gemm(S, Qs, Kt, BQ, width, D, tiles.key_vecs, False, False, None)
             normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
                            last_pos, width)
-            micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True, alpha)
+            if values_finite:
+                micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True, alpha)
+            else:
+                micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True, alpha, True)
 
         @T.macro
         def store(out, lse, O, m, l, b, g, r0, rows):
@@ -107,6 +115,7 @@ class _Body:
 
         self.load_queries, self.init_state, self.store = load_queries, init_state, store
         self.normalize_tile, self.attend_tile, self.scale_rows = normalize_tile, attend_tile, micro.scale_rows
+        self.count_nonfinite = micro.count_nonfinite
 
 
 def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
@@ -134,6 +143,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         k_tiles = T.alloc_buffer((B, Hkv, (Sk + BK - 1) // BK, D, BK), F32)
         v_tiles = T.alloc_buffer((B, Hkv, (Sk + BK - 1) // BK, BK, DP), F32)
         n_key_tiles = (Sk + BK - 1) // BK
+        v_nonfinite = T.alloc_buffer((B, Hkv, (Sk + BK - 1) // BK), F32)  # per value tile
         for pack in T.parallel(B * Hkv * n_key_tiles):
             pb: T.int64 = pack // (Hkv * n_key_tiles)
             pg: T.int64 = pack // n_key_tiles % Hkv
@@ -159,6 +169,8 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                         v_tiles[pb, pg, pt, c, d] = T.float32(0)
                 for d in range(D, DP):
                     v_tiles[pb, pg, pt, c, d] = T.float32(0)
+            body.count_nonfinite(T.decl_buffer((1,), F32, data=v_nonfinite.data, elem_offset=pack),
+                                 T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=pack * (BK * DP)), BK, DP)
         for task in T.parallel(B * Hkv * n_row_tiles):
             b: T.int64 = task // (Hkv * n_row_tiles)
             g: T.int64 = task // n_row_tiles % Hkv
@@ -178,7 +190,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                 Kt = T.decl_buffer((D, BK), F32, data=k_tiles.data, elem_offset=((b * Hkv + g) * n_key_tiles + kt) * (D * BK))
                 Vt = T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=((b * Hkv + g) * n_key_tiles + kt) * (BK * DP))
                 body.attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, Sk,
-                                 Sk - Sq, first_pos, last_pos)
+                                 Sk - Sq, first_pos, last_pos, v_nonfinite[b, g, kt] == T.float32(0))
             body.store(out, lse, O, m, l, b, g, r0, rows)
     # fmt: on
 
@@ -229,8 +241,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
             prefetch(T.address_of(cache[pages_ahead[c], ahead % BS, g, T.min(line * PER_LINE, D - 1)]))
 
     @T.macro
-    def add_values(O_all, S_all, pages, v_cache, kt, g0, gi, first, count: T.int32):
+    def add_values(O_all, S_all, pages, v_cache, kt, g0, gi, first, count: T.int32, skip_zero_weights):
         # O[gi] += sum over tokens first .. first + count - 1 of P[gi, :, token] * V[token, head g0 + gi]
+        # (skip_zero_weights: a dropped token's P is 0 and its V may be NaN, see the module docstring)
         for d0 in range(D // LD):
             acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
             for r in T.unroll(BQ):
@@ -239,10 +252,25 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
             for u in T.unroll(count):
                 for r in T.unroll(BQ):
                     for v in T.vectorized(LD):
-                        acc_o[r, v] = acc_o[r, v] + S_all[gi, r, first + u] * v_cache[pages[first + u], (kt * BK + first + u) % BS, g0 + gi, d0 * LD + v].astype(F32)
+                        if skip_zero_weights:
+                            acc_o[r, v] = sem.add_weighted(acc_o[r, v], S_all[gi, r, first + u], v_cache[pages[first + u], (kt * BK + first + u) % BS, g0 + gi, d0 * LD + v].astype(F32))
+                        else:
+                            acc_o[r, v] = acc_o[r, v] + S_all[gi, r, first + u] * v_cache[pages[first + u], (kt * BK + first + u) % BS, g0 + gi, d0 * LD + v].astype(F32)
             for r in T.unroll(BQ):
                 for v in T.vectorized(LD):
                     O_all[gi, r, d0 * LD + v] = acc_o[r, v]
+
+    @T.macro
+    def add_value_rows(O_all, S_all, pages, pages_ahead, v_cache, kt, kv_len, g0, live, skip_zero_weights):
+        for c0 in range(live // VT):
+            for gi in range(HT):
+                if PREFETCH > 0:
+                    for u in T.unroll(VT):
+                        prefetch_row(v_cache, pages_ahead, kt * BK + c0 * VT + u, kv_len, g0 + gi, c0 * VT + u)
+                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c0 * VT, VT, skip_zero_weights)
+        for c in range(live // VT * VT, live):
+            for gi in range(HT):
+                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c, 1, skip_zero_weights)
 
     @T.macro
     def stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0, r0, rows,
@@ -283,15 +311,11 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         live = T.min(kv_len - kt * BK, BK)
         # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
         # VT tokens; each token's value row is still read as one contiguous run over the heads
-        for c0 in range(live // VT):
-            for gi in range(HT):
-                if PREFETCH > 0:
-                    for u in T.unroll(VT):
-                        prefetch_row(v_cache, pages_ahead, kt * BK + c0 * VT + u, kv_len, g0 + gi, c0 * VT + u)
-                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c0 * VT, VT)
-        for c in range(live // VT * VT, live):
-            for gi in range(HT):
-                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c, 1)
+        if tile_is_interior(cfg, key_start=kt * BK, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len,
+                            delta=kv_len - Sq, block_k=BK):
+            add_value_rows(O_all, S_all, pages, pages_ahead, v_cache, kt, kv_len, g0, live, False)
+        else:
+            add_value_rows(O_all, S_all, pages, pages_ahead, v_cache, kt, kv_len, g0, live, True)
 
     @T.macro
     def packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi, b, g,
@@ -308,9 +332,11 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                     Vt[c, d] = T.float32(0)
             for d in range(D, DP):
                 Vt[c, d] = T.float32(0)
+        nonfinite = T.alloc_buffer((1,), F32, scope="local")
+        body.count_nonfinite(nonfinite, Vt, BK, DP)
         body.attend_tile(_head(Qs_all, 0), Kt, Vt, _head(S_all, 0), _head(O_all, 0), _head(m_all, 0),
                          _head(l_all, 0), _head(alpha_all, 0), alibi, alibi, b, g, r0, rows, kt * BK, kv_len,
-                         kv_len - Sq, first_pos, last_pos)
+                         kv_len - Sq, first_pos, last_pos, nonfinite[0] == T.float32(0))
 
     # fmt: off
     @T.prim_func

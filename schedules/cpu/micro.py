@@ -10,6 +10,7 @@ Contents:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
                         rescaled per row as it is loaded)
         scale_rows      C[r, :] *= factor[r]
+        count_nonfinite whether a tile holds a NaN or Inf (picks the gemm that skips 0 weights)
         online_softmax  the FlashAttention-2 row update of (m, l) and S -> 2^(S - m) (log2 units)
 """
 
@@ -79,11 +80,14 @@ class Micro:
         MR, L = tiles.micro_rows, tiles.lanes
 
         @T.macro
-        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate, row_scale):
+        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate, row_scale,
+                 skip_zero_weights=False):
             # C[m, n] (+)= sum_k A[m, k] * Bm[k, n]; register tile MR x (vecs * L), n vectorized.
             # row_scale (accumulating; None or a [M] buffer): C[m, :] * row_scale[m] + A @ B, the
             # online softmax's rescale of the accumulator applied as it is loaded (no pass of its own).
-            # Requires M % MR == 0 and N % (vecs * L) == 0.
+            # skip_zero_weights: a term whose weight A[m, k] is exactly 0 is skipped (sem.add_weighted), for
+            # a Bm that may hold NaN or Inf at dropped keys or rows. Requires M % MR == 0 and
+            # N % (vecs * L) == 0.
             for m0, n0 in T.grid(M // MR, N // (vecs * L)):
                 acc = T.alloc_buffer((MR, vecs * L), "float32", scope="local")
                 for mi in T.unroll(MR):
@@ -100,12 +104,20 @@ class Micro:
                     for mi in T.unroll(MR):
                         for nj in T.unroll(vecs):
                             for v in T.vectorized(L):
-                                if a_transposed:
-                                    acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
-                                        A[k, m0 * MR + mi] * Bm[k, n0 * (vecs * L) + nj * L + v])
+                                if skip_zero_weights:
+                                    if a_transposed:
+                                        acc[mi, nj * L + v] = sem.add_weighted(
+                                            acc[mi, nj * L + v], A[k, m0 * MR + mi], Bm[k, n0 * (vecs * L) + nj * L + v])
+                                    else:
+                                        acc[mi, nj * L + v] = sem.add_weighted(
+                                            acc[mi, nj * L + v], A[m0 * MR + mi, k], Bm[k, n0 * (vecs * L) + nj * L + v])
                                 else:
-                                    acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
-                                        A[m0 * MR + mi, k] * Bm[k, n0 * (vecs * L) + nj * L + v])
+                                    if a_transposed:
+                                        acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
+                                            A[k, m0 * MR + mi] * Bm[k, n0 * (vecs * L) + nj * L + v])
+                                    else:
+                                        acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
+                                            A[m0 * MR + mi, k] * Bm[k, n0 * (vecs * L) + nj * L + v])
                 for mi in T.unroll(MR):
                     for nj in T.unroll(vecs):
                         for v in T.vectorized(L):
@@ -143,6 +155,19 @@ class Micro:
                 l[r] = l[r] * alpha[r] + row[1]
                 m[r] = row[0]
 
+        @T.macro
+        def count_nonfinite(flag, X, rows, cols: T.int32):
+            # flag[0] = how many elements of X[0:rows, 0:cols] are NaN or +-Inf (cols % L == 0): a
+            # compare and an add per vector of X, next to the O(tile * rows) GEMMs the flag selects
+            part = T.alloc_buffer((L,), "float32", scope="local")
+            for v in T.vectorized(L):
+                part[v] = T.float32(0)
+            for r, c0 in T.grid(rows, cols // L):
+                for v in T.vectorized(L):
+                    part[v] = part[v] + T.Select(T.isfinite(X[r, c0 * L + v]), T.float32(0), T.float32(1))
+            flag[0] = lane_tree(_add, part, L)
+
         self.gemm = gemm
+        self.count_nonfinite = count_nonfinite
         self.scale_rows = scale_rows
         self.online_softmax = online_softmax

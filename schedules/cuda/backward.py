@@ -124,10 +124,12 @@ class _Body:
                 T.float32(0)), T.float32(0))
 
         def score_grad(p, dp, d_row, score):
-            # dS = P * (dP - D) * softcap'(capped score)
+            # dS = P * (dP - D) * softcap'(capped score); 0 where P is, whatever a dropped key's dP or
+            # score holds (the NaN rule, tvm_fuel.semantics)
             if capped:
-                return p * (dp - d_row) * sem.softcap_grad(cfg, sem.softcap(cfg, score * T.float32(scale)))
-            return p * (dp - d_row)
+                return T.Select(p == T.float32(0), T.float32(0),
+                                p * (dp - d_row) * sem.softcap_grad(cfg, sem.softcap(cfg, score * T.float32(scale))))
+            return T.Select(p == T.float32(0), T.float32(0), p * (dp - d_row))
 
         @T.macro
         def store_rows(out, acc, b, head, row0, rows, limit, factor, tx):
@@ -174,7 +176,7 @@ class _Body:
             for i in launch.owned(_ceil(BK * DP, NT)):
                 if i * NT + tx < BK * DP:
                     for r in range(BQ):
-                        acc[i] = acc[i] + A[r, (i * NT + tx) // DP] * T.Cast(F32, X[r, (i * NT + tx) % DP])
+                        acc[i] = sem.add_weighted(acc[i], A[r, (i * NT + tx) // DP], T.Cast(F32, X[r, (i * NT + tx) % DP]))
 
         @T.macro
         def add_query_grad(acc, dS, Ks, tx):
@@ -182,7 +184,7 @@ class _Body:
             for i in launch.owned(_ceil(BQ * DP, NT)):
                 if i * NT + tx < BQ * DP:
                     for c in range(BK):
-                        acc[i] = acc[i] + dS[(i * NT + tx) // DP, c] * T.Cast(F32, Ks[c, (i * NT + tx) % DP])
+                        acc[i] = sem.add_weighted(acc[i], dS[(i * NT + tx) // DP, c], T.Cast(F32, Ks[c, (i * NT + tx) % DP]))
 
         @T.macro
         def simt_query_tile(P, dS, dK, dV, Qs, dOs, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
@@ -334,12 +336,23 @@ class _Body:
                                     out[b, head, row0 + strip_row(wi, li, tx, strips, mt, i), tile_col(li, tx, dt, i)] = T.Cast(
                                         dtype, acc[slot(wi, li, tx), (mt * DT + dt) * 4 + i] * T.float32(factor))
 
+        # The NaN rule on tensor cores (see TileOps.zero_nonfinite): once every warp has its scores,
+        # the tiles the weight mmas read (dO and Q here, K in the dq kernel) have their NaN and Inf
+        # zeroed, and a flagged tile adds those terms back to the rows whose weight is not 0.
+        zero_nonfinite_rows = ops.zero_nonfinite(BQ, DP)
+        zero_nonfinite_keys = ops.zero_nonfinite(BK, DP)
+        nonfinite_rows = wt.nonfinite_terms(MK, BQ, DP, D)
+        nonfinite_keys = wt.nonfinite_terms(MQ, BK, DP, D)
+
         @T.macro
         def transposed_tile(sT, dpT, dK, dV, a, bb, p, Qs, dOs, q0, Ks, Vs, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq,
-                            Sk, tx):
+                            Sk, q, do, flags, tx):
             # S^T and dP^T of the warp's key strips become P^T and dS^T in place (P computed once per
             # element, before S^T is overwritten: dS needs the raw score for softcap'), then
             # dV += P^T dO, dK += dS^T Q. a, bb, p: operand fragments
+            if tx == 0:
+                flags[0] = 0
+                flags[1] = 0
             for wi in wt.warp_loop():
                 strip_products(sT, a, bb, Ks, 0, Qs, q0, MK, BQ, wi, tx)
                 if want_dk:
@@ -357,10 +370,26 @@ class _Body:
                                         prob, dpT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i],
                                         D_r[tile_col(li, tx, nt, i)], sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i])
                                 sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = prob
+            ops.sync()
+            if want_dv:
+                zero_nonfinite_rows(dOs, q0, flags, 0, tx)
+            if want_dk:
+                zero_nonfinite_rows(Qs, q0, flags, 1, tx)
+            ops.sync()
+            # read into registers first: TVM's sync planner takes no shared load in a condition
+            do_flagged: T.int32 = flags[0]
+            q_flagged: T.int32 = flags[1]
+            for wi in wt.warp_loop():
                 if want_dv:
                     accumulate(dV, sT, p, bb, dOs, q0, MK, BQ, wi, tx)
+                    if do_flagged != 0:
+                        nonfinite_rows(dV, sT, lambda w, i, d: do[b, h, i0 + i, d], lambda w, i: i0 + i < Sq,
+                                       wt.warp_of(wi, tx), tx)
                 if want_dk:
                     accumulate(dK, dpT, p, bb, Qs, q0, MK, BQ, wi, tx)
+                    if q_flagged != 0:
+                        nonfinite_rows(dK, dpT, lambda w, i, d: q[b, h, i0 + i, d], lambda w, i: i0 + i < Sq,
+                                       wt.warp_of(wi, tx), tx)
 
         @T.macro
         def key_block_registers(q, k, v, do, alibi, mask, lse, row_dot, dk, dv, b, g, j0, Sq, Sk, tx):
@@ -377,6 +406,7 @@ class _Body:
             a = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             bb = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            flags = T.alloc_buffer((2,), "int32", scope=small)  # the tile's dO, Q held a NaN or Inf
             if want_dk:
                 wt.fill(dK, MK * DP // 2, T.float32(0), tx)
             if want_dv:
@@ -384,15 +414,19 @@ class _Body:
             load_keys(Ks, Vs, k, v, b, g, j0, Sk, copy_keys, tx)
             walk_group_queries(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g, j0, Sq, Sk, tx,
                                lambda h, i0, st: transposed_tile(sT, dpT, dK, dV, a, bb, p, Qs, dOs, st * BQ, Ks, Vs,
-                                                                 lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx))
+                                                                 lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, q, do,
+                                                                 flags, tx))
             if want_dk:
                 store_strips(dk, dK, b, g, j0, MK, Sk, scale, tx)
             if want_dv:
                 store_strips(dv, dV, b, g, j0, MK, Sk, 1.0, tx)
 
         @T.macro
-        def row_tile(s, dp, dQ, a, bb, p, Qs, dOs, Ks, Vs, k0, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, tx):
+        def row_tile(s, dp, dQ, a, bb, p, Qs, dOs, Ks, Vs, k0, lse_r, D_r, alibi, mask, b, h, i0, j0, Sq, Sk, k, flags,
+                     tx):
             # S and dP of the warp's query strips, dS in place of dP, then dQ += dS K (a, bb, p: operand fragments)
+            if tx == 0:
+                flags[0] = 0
             for wi in wt.warp_loop():
                 strip_products(s, a, bb, Qs, 0, Ks, k0, MQ, BK, wi, tx)
                 strip_products(dp, a, bb, dOs, 0, Vs, k0, MQ, BK, wi, tx)
@@ -407,7 +441,15 @@ class _Body:
                                                 Sk, alibi, mask),
                                     dp[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
                                     D_r[strip_row(wi, li, tx, MQ, mt, i)], s[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i])
+            ops.sync()
+            zero_nonfinite_keys(Ks, k0, flags, 0, tx)
+            ops.sync()
+            k_flagged: T.int32 = flags[0]  # into a register: no shared load in a condition
+            for wi in wt.warp_loop():
                 accumulate(dQ, dp, p, bb, Ks, k0, MQ, BK, wi, tx)
+                if k_flagged != 0:
+                    nonfinite_keys(dQ, dp, lambda w, j, d: k[b, h // group, j0 + j, d], lambda w, j: j0 + j < Sk,
+                                   wt.warp_of(wi, tx), tx)
 
         @T.macro
         def query_block_registers(q, k, v, do, alibi, mask, lse, row_dot, dq, b, h, i0, Sq, Sk, tx):
@@ -423,10 +465,11 @@ class _Body:
             a = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             bb = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
             p = T.alloc_buffer((wt.slots, 8), dtype, scope=local)
+            flags = T.alloc_buffer((1,), "int32", scope=small)  # the key tile held a NaN or Inf
             wt.fill(dQ, MQ * DP // 2, T.float32(0), tx)
             walk_keys(Qs, dOs, Ks, Vs, lse_r, D_r, q, k, v, do, lse, row_dot, b, h, i0, Sq, Sk, tx,
                       lambda j0, st: row_tile(s, dp, dQ, a, bb, p, Qs, dOs, Ks, Vs, st * BK, lse_r, D_r, alibi, mask,
-                                              b, h, i0, j0, Sq, Sk, tx))
+                                              b, h, i0, j0, Sq, Sk, k, flags, tx))
             store_strips(dq, dQ, b, h, i0, MQ, Sq, scale, tx)
 
         self.key_block, self.query_block = key_block_registers, query_block_registers

@@ -150,6 +150,27 @@ class TileOps:
 
         self.sync, self.commit, self.wait = sync, commit, wait
 
+    def zero_nonfinite(self, rows: int, width: int):
+        """Macro ``zero_nonfinite(X, row0, flags, flag, tx)``: the NaN and Inf of rows ``row0 ..
+        row0 + rows`` (``width`` columns) of a shared tile become 0, and ``flags[flag] = 1`` if
+        there was one. Tensor cores cannot skip a zero weight (the NaN rule, tvm_fuel.semantics):
+        a tile an mma multiplies by weights that may be 0 is zeroed first, and its non-finite
+        elements are added back, to the rows that weigh them, by ``WarpTiles.nonfinite_terms``.
+        The caller resets the flag and syncs around it; a finite tile costs a compare per element."""
+        NT = self.launch.threads
+
+        @T.macro
+        def zero_nonfinite(X, row0, flags, flag, tx):
+            for i in range((rows * width + NT - 1) // NT):
+                if i * NT + tx < rows * width:
+                    # into a register first: TVM's sync planner takes no shared load in a condition
+                    x: T.float32 = T.Cast(F32, X[row0 + (i * NT + tx) // width, (i * NT + tx) % width])
+                    if not T.isfinite(x):
+                        X[row0 + (i * NT + tx) // width, (i * NT + tx) % width] = T.Cast(self.dtype, 0)
+                        flags[flag] = 1  # every writer writes 1: no order needed
+
+        return zero_nonfinite
+
     def pipeline(self, stages: int):
         """Macro ``pipeline(count, issue, compute)``: walks ``count`` tiles through a
         ``stages``-deep copy pipeline. ``issue(t, st)`` starts the copies of tile t into stage st

@@ -191,7 +191,7 @@ class _Body:
                 if i * NT + tx < BQ * DP:
                     O[i] = O[i] * alpha[(i * NT + tx) // DP]
                     for c in range(BK):
-                        O[i] = O[i] + T.Cast(F32, P[(i * NT + tx) // DP, c]) * T.Cast(F32, stage(Vs, st)[c, (i * NT + tx) % DP])
+                        O[i] = sem.add_weighted(O[i], T.Cast(F32, P[(i * NT + tx) // DP, c]), T.Cast(F32, stage(Vs, st)[c, (i * NT + tx) % DP]))
 
         @T.macro
         def attend_simt(q, k, v, table, alibi, mask, out, lse, part_o, part_lse, b, g, r0, split, rows, Sq, kv_len,
@@ -314,14 +314,32 @@ class _Body:
                             wt.mma(o, (mt * DT + 2 * d2) * 4, pa, 0, vb, 0, w)
                             wt.mma(o, (mt * DT + 2 * d2 + 1) * 4, pa, 0, vb, 4, w)
 
+            # The NaN rule (tvm_fuel.semantics) on tensor cores: the V tile's NaN and Inf are zeroed
+            # for the P V mma and added back to the rows whose weight is not 0 (one flag per tile
+            # parity: the pipeline's barriers separate a tile's readers from the reset two tiles on)
+            zero_nonfinite_values = ops.zero_nonfinite(BK, DP)
+            nonfinite_values = wt.nonfinite_terms(MT, KS, DP, D)
+
+            def value_at(v, pages, b, g, st, r, key, d):
+                return v[pages[st * BK + r], key % BS, g, d] if paged else v[b, g, key, d]
+
             @T.macro
-            def register_tile(s, o, m, l, mx, alpha, qa, kb, pa, vb, Qs, Ks, Vs, alibi, mask, b, g, r0, rows, kt, st,
-                              kv_len, Sq, tx):
+            def register_tile(s, o, m, l, mx, alpha, qa, kb, pa, vb, Qs, Ks, Vs, v, pages, flags, alibi, mask, b, g,
+                              r0, rows, kt, st, kv_len, Sq, tx):
+                if tx == 0:
+                    flags[(kt + 1) % 2] = 0
+                zero_nonfinite_values(Vs, st * BK, flags, kt % 2, tx)
+                ops.sync()
                 for wi in wt.warp_loop():
                     tile_scores(s, qa, kb, Qs, Ks, st, wt.warp_of(wi, tx), tx)
                     tile_softmax(s, o, m, l, mx, alpha, alibi, mask, b, g, r0, rows,
                                  kt * BK, kv_len, kv_len - Sq, needs_mask(kt, r0, rows, kv_len, Sq), wt.warp_of(wi, tx), tx)
                     tile_values(s, o, pa, vb, Vs, st, wt.warp_of(wi, tx), tx)
+                    # read into a register first: TVM's sync planner takes no shared load in a condition
+                    flagged: T.int32 = flags[kt % 2]
+                    if flagged != 0:
+                        nonfinite_values(o, s, lambda w, j, d: value_at(v, pages, b, g, st, w // WM * KS + j, kt * BK + w // WM * KS + j, d),
+                                         lambda w, j: kt * BK + w // WM * KS + j < kv_len, wt.warp_of(wi, tx), tx)
 
             @T.macro
             def merge_warps(o, m, l, out, lse, part_o, part_lse, b, g, r0, rows, split, tx):
@@ -376,6 +394,9 @@ class _Body:
                 kb = T.alloc_buffer((SL, 8), dtype, scope=local)
                 pa = T.alloc_buffer((SL, 8), dtype, scope=local)
                 vb = T.alloc_buffer((SL, 8), dtype, scope=local)
+                flags = T.alloc_buffer((2,), "int32", scope=launch.small_shared)  # a V tile held NaN or Inf
+                if tx == 0:
+                    flags[0] = 0
                 load_queries(Qs, q, b, g, r0, rows, tx)
                 wt.fill(m, R, T.float32(float("-inf")), tx)
                 wt.fill(l, R, T.float32(0), tx)
@@ -383,8 +404,8 @@ class _Body:
                 first, count = key_walk(r0, rows, split, kv_len, Sq)
                 pipeline(count,
                          lambda t, st: load_keys(Ks, Vs, pages, k, v, table, b, g, first + t, st, kv_len, num_blocks, tx),
-                         lambda t, st: register_tile(s, o, m, l, mx, alpha, qa, kb, pa, vb, Qs, Ks, Vs, alibi, mask, b,
-                                                     g, r0, rows, first + t, st, kv_len, Sq, tx))
+                         lambda t, st: register_tile(s, o, m, l, mx, alpha, qa, kb, pa, vb, Qs, Ks, Vs, v, pages, flags,
+                                                     alibi, mask, b, g, r0, rows, first + t, st, kv_len, Sq, tx))
                 for wi in wt.warp_loop():
                     wt.quad_sum(l, R, wt.warp_of(wi, tx), tx)
                 if WN == 1:

@@ -31,6 +31,7 @@ Contents:
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .device import F32, WARP, Launch
@@ -202,6 +203,51 @@ class WarpTiles:
                         buf[slot(self.warp_of(wi, tx), self.lane_of(li, tx)), e] = value
 
         self.fill = fill
+
+    def nonfinite_terms(self, strips: int, inner: int, columns: int, head_dim: int):
+        """Macro ``nonfinite_terms(acc, weights, value, valid, w, tx)``: for the C fragments
+        ``acc[strips x columns]`` += ``weights[strips x inner]`` @ X, the terms of X's NaN and Inf
+        elements that ``zero_nonfinite`` had zeroed: ``acc[r, d] += weights[r, i] * X[i, d]``
+        where X[i, d] (``value(w, i, d)``, re-read from global memory; ``valid(w, i)``: row i
+        exists) is not finite and the weight is not 0. Each lane holds rows of ``weights`` and
+        ``acc`` alike; the weight of inner index i is in lane (i % 8) // 2 of the lane's group
+        (one shuffle per i). Meant for flagged tiles only: it re-reads the whole tile."""
+        launch = self.launch
+        own = launch.owned
+        DT = columns // 8
+
+        def weight_of(weights, mt, half, i, w, lane):
+            # weights[row, i] of the lane's row (strip mt, half): C element half * 2 + i % 2 of n-tile
+            # i // 8 in lane (i % 8) // 2 of the lane's group. On the device the register is picked
+            # by a chain of selects with static indices (a dynamic one would put the fragment in
+            # local memory), then shuffled over from that lane.
+            src = lane // 4 * 4 + i % 8 // 2
+            if launch.emulate:
+                return weights[self.slot(w, src), (mt * inner // 8 + i // 8) * 4 + half * 2 + i % 2]
+            picked = T.float32(0)
+            for nt in range(inner // 8):
+                for e2 in range(2):
+                    picked = T.Select(tirx.all(i // 8 == nt, i % 2 == e2),
+                                      weights[0, (mt * inner // 8 + nt) * 4 + half * 2 + e2], picked)
+            return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), picked, src, WARP, WARP)
+
+        @T.macro
+        def nonfinite_terms(acc, weights, value, valid, w, tx):
+            for li in self.lanes():
+                for mt in own(strips):
+                    for half in own(2):
+                        for i in T.serial(inner):
+                            weight: T.float32 = weight_of(weights, mt, half, i, w, self.lane_of(li, tx))
+                            for dt in own(DT):
+                                for e in own(2):
+                                    if tirx.all(valid(w, i), dt * 8 + 2 * (self.lane_of(li, tx) % 4) + e < head_dim,
+                                                weight != T.float32(0)):
+                                        x: T.float32 = T.Cast(F32, value(w, i, dt * 8 + 2 * (self.lane_of(li, tx) % 4) + e))
+                                        if not T.isfinite(x):
+                                            acc[self.slot(w, self.lane_of(li, tx)), (mt * DT + dt) * 4 + half * 2 + e] = (
+                                                acc[self.slot(w, self.lane_of(li, tx)), (mt * DT + dt) * 4 + half * 2 + e] + weight * x)
+
+        return nonfinite_terms
 
     def warp_loop(self):
         """The warps this thread runs: all of them, one after the other, in the emulation."""
