@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from helpers import _flatten, assert_close, build, buffers_growing_with, legalize_cuda_emulated, randn
-from tvm import tirx
+from helpers import assert_close, build, buffers_growing_with, flatten, legalize_cuda_emulated, randn
+from tvm import relax, tirx
 
 import tvm_fuel
 from tvm_fuel import cuda, op, reference
@@ -215,7 +215,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
         (kernel,) = _kernel_funcs(legalized).values()
         assert f"'stages': {stages}" in str(kernel.attrs["fuel.knobs"])
         vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
-        out, lse = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v))))
+        out, lse = flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v))))
         want, want_lse = reference.flash_attn(q, k, v, return_lse=True, **options)
         assert_close(out, want, dtype, what=f"out {options} {knobs}")
         np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
@@ -228,7 +228,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     mod = build(lambda **a: op.paged_attn(**a), params)
     legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_k=16, threads=32))
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
-    (out,) = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k_cache, v_cache, table, lens))))
+    (out,) = flatten(vm["main"](*map(tvm.runtime.tensor, (q, k_cache, v_cache, table, lens))))
     assert_close(out, reference.paged_attn(q, k_cache, v_cache, table, lens), dtype, what="paged out")
     # the backward streams Q/dO over every head of a GQA group (dk, dv) and K/V (dq)
     q, do = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 4, 37, 64), dtype)
@@ -237,7 +237,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
                 {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v, do=do).items()})
     legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_q=16, block_k=16, threads=32))
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
-    got = _flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v, do))))
+    got = flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v, do))))
     for name, array, want in zip("qkv", got, reference.flash_attn_backward(q, k, v, do, causal=True)):
         assert_close(array, want, dtype, scale=4, what=f"d{name}")  # test_backward's scale
 
@@ -309,7 +309,7 @@ requires_gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA device")
 def _run_on_gpu(mod, arrays, kernels):
     target = _target(f"sm_{''.join(tvm.cuda(0).compute_version.split('.'))}")
     vm = tvm.relax.VirtualMachine(tvm_fuel.compile(mod, target, kernels=kernels), tvm.cuda(0))
-    return _flatten(vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device=tvm.cuda(0)) for a in arrays]))
+    return flatten(vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device=tvm.cuda(0)) for a in arrays]))
 
 
 @pytest.mark.gpu
@@ -394,3 +394,49 @@ def test_gpu_decoder_generation():
         np.testing.assert_allclose(logits, peers.llama_logits(config, engine.weights, full)[0], atol=5e-2)
         decoded = np.stack([step[row] for step in result.decode_logits])
         np.testing.assert_allclose(decoded, logits[len(prompt):], atol=5e-2)
+
+
+@needs_nvcc
+def test_fuel_pipeline_leaves_other_ops_to_tvm_dispatch():
+    """``tvm_fuel.pipeline`` in ``tvm.compile``: the fuel op becomes its kernel while ``topk`` and
+    ``sort`` go through TVM's own CUDA dispatch (DispatchSortScan), and nvcc compiles the whole
+    module. Legalizing every op up front (as tvm_fuel.compile once did) pre-empted that dispatch."""
+    target = _target("sm_90")
+    params = dict(q=((1, 4, 64, 64), "float16"), k=((1, 2, 64, 64), "float16"), v=((1, 2, 64, 64), "float16"))
+
+    def make(q, k, v):
+        out = op.flash_attn(q, k, v, causal=True)
+        scores = relax.op.astype(relax.op.sum(out, axis=[3]), "float32")  # [1, 4, 64]
+        return relax.Tuple([relax.op.sort(scores, axis=-1), relax.op.topk(scores, k=8, axis=-1)])
+
+    mod = build(make, params)
+    lowered = tvm_fuel.transform.LegalizeFuel(target, kernels="tuned")(mod)
+    assert set(_kernel_funcs(lowered)) == {"fuel_flash_attn_kernel"}
+    assert "R.sort(" in lowered["main"].script() and "R.topk(" in lowered["main"].script()  # left to TVM
+    ex = tvm.compile(mod, target, relax_pipeline=tvm_fuel.pipeline(target, kernels="tuned"))
+    source = cuda.cuda_source(ex)
+    names = cuda.kernel_names(source)
+    assert any("fuel_flash_attn_kernel" in name for name in names), names
+    assert any("sort" in name for name in names), names
+    assert cuda.compile_cubin(source, "sm_90")
+
+
+def test_shared_memory_limit_comes_from_the_target():
+    """A target's ``max_shared_memory_per_block`` bounds the tiles (the architecture's table is
+    the fallback): with 48 KiB the hand-picked forward tiles shrink to fit, and a point that
+    fits sm_90's 227 KiB is refused by name."""
+    from tvm_fuel.schedules import rule_for
+    from tvm_fuel.schedules.cuda.tiles import CudaTiles, forward_smem
+
+    mod = _flash("float16", d=128, causal=True)
+    call = mod["main"].body.blocks[0].bindings[0].value
+    small = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 48 * 1024})
+    rule = rule_for("flash_attn", small)
+    workload = rule.workload(call, small)
+    wide = rule.default_knobs(workload, _target("sm_90"))
+    narrow = rule.default_knobs(workload, small)
+    need = {name: sum(forward_smem("float16", 128, CudaTiles(**knobs))) for name, knobs in (("narrow", narrow),
+                                                                                            ("wide", wide))}
+    assert need["narrow"] <= 48 * 1024 < need["wide"], need
+    with pytest.raises(ValueError, match=r"more than the 49152 sm_90 gives a block"):
+        rule.knobs(workload, small, wide)

@@ -28,7 +28,7 @@ from . import threads
 threads.configure()  # before any TVM kernel starts the runtime's thread pool
 
 from . import op, reference, transform  # noqa: E402
-from .build import compile, host_target  # noqa: A004,E402  (mirrors tvm.compile)
+from .build import compile, host_target, pipeline  # noqa: A004,E402  (mirrors tvm.compile)
 from .config import AttnConfig  # noqa: E402
 from .registry import register as _register  # noqa: E402
 
@@ -50,5 +50,5 @@ def tuning_report(*args, **kwargs):
     return _report(*args, **kwargs)
 
 
-__all__ = ["op", "reference", "transform", "compile", "host_target", "tune", "tuning_report", "AttnConfig"]
+__all__ = ["op", "reference", "transform", "compile", "pipeline", "host_target", "tune", "tuning_report", "AttnConfig"]
 __version__ = "0.1.0"

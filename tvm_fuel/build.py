@@ -1,8 +1,10 @@
 """``tvm_fuel.compile``: build a Relax module that holds fuel ops.
 
 Contents:
-    compile        -- tvm.compile with the kernel path chosen explicitly
-    legalize       -- the fuel ops of a module lowered to PrimFuncs (kernels or decomposition)
+    compile        -- tvm.compile with the kernel path chosen explicitly (``pipeline``)
+    pipeline       -- LegalizeFuel in front of TVM's default Relax pipeline for a target
+    LegalizeFuel   -- the pass lowering the fuel ops alone (kernels or decomposition)
+    legalize       -- LegalizeFuel applied to a module
     host_target    -- llvm with this machine's CPU features
     as_target      -- str / dict / Target -> Target
     KERNEL_PATHS   -- the accepted ``kernels`` values
@@ -15,6 +17,7 @@ from typing import Any
 
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .op import SPECS
 
@@ -47,8 +50,8 @@ def _remaining_fuel_calls(mod: tvm.IRModule) -> list[str]:
 
 
 def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,  # noqa: A001
-            shipped_logs: bool = True, **compile_options):
-    """Build ``mod`` for ``target`` and return what ``tvm.compile`` returns.
+            shipped_logs: bool = True, relax_pipeline: Any = "default", **compile_options):
+    """``tvm.compile`` with ``LegalizeFuel`` in front of the Relax pipeline (``pipeline``).
 
     Parameters
     ----------
@@ -68,6 +71,8 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
         Tuning logs of ``tvm_fuel.tune`` (its ``work_dir``) or a MetaSchedule database.
     shipped_logs : bool
         Also use the logs shipped with the package (default True).
+    relax_pipeline : str or Pass
+        The pipeline the fuel ops are lowered in front of (default: TVM's for the target).
     compile_options :
         Passed on to ``tvm.compile``.
 
@@ -78,33 +83,100 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
     >>> vm = tvm.relax.VirtualMachine(ex, tvm.cpu())            # doctest: +SKIP
     """
     target = as_target(target)
-    legalized = legalize(mod, target, kernels=kernels, database=database, shipped_logs=shipped_logs)
-    return tvm.compile(legalized, target=target, **compile_options)
+    return tvm.compile(mod, target=target, relax_pipeline=pipeline(
+        target, kernels=kernels, database=database, shipped_logs=shipped_logs, base=relax_pipeline),
+        **compile_options)
+
+
+def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, shipped_logs: bool = True,
+             base: Any = "default") -> tvm.transform.Pass:
+    """``LegalizeFuel`` followed by ``base``: TVM's default Relax pipeline for ``target`` (what
+    ``tvm.compile`` picks for ``relax_pipeline="default"``), a pipeline name or a Pass.
+
+    >>> ex = tvm.compile(mod, target, relax_pipeline=tvm_fuel.pipeline(target, kernels="tuned"))  # doctest: +SKIP
+    """
+    target = as_target(target)
+    if isinstance(base, str):
+        gpu = "gpu" in [str(key) for key in target.keys]
+        base = relax.get_default_pipeline(target) if gpu and base == "default" else relax.get_pipeline(base)
+    return tvm.transform.Sequential([LegalizeFuel(target, kernels=kernels, database=database,
+                                                  shipped_logs=shipped_logs), base], name="tvm_fuel.pipeline")
 
 
 def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,
              shipped_logs: bool = True) -> tvm.IRModule:
-    """Lower every fuel op of ``mod`` to PrimFuncs (kernels or decomposition) for ``target``."""
-    if kernels not in KERNEL_PATHS:
-        raise ValueError(f"tvm_fuel.compile: kernels must be one of {KERNEL_PATHS}, got {kernels!r}")
-    if database is not None:
-        _check_database(database)
-    target = as_target(target)
-    legalize_map = None
-    if kernels == "tuned":
+    """``mod`` with its fuel ops lowered to PrimFuncs (kernels or decomposition) for ``target``;
+    every other op is left to the pipeline (``LegalizeFuel`` applied once)."""
+    return LegalizeFuel(target, kernels=kernels, database=database, shipped_logs=shipped_logs)(mod)
+
+
+@mutator
+class _FuelLowering(PyExprMutator):
+    """Each fuel call with known argument shapes -> its legalization (the other calls are kept)."""
+
+    def __init__(self, mod: tvm.IRModule, rules: dict):
+        super().__init__(mod)
+        self.rules = rules
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 (the visitor's name)
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name in self.rules):
+            return call
+        if any(isinstance(arg.ty, relax.TensorType) and arg.ty.shape is None for arg in call.args):
+            return call  # as LegalizeOps does; reported below
+        return self.rules[call.op.name](self.builder_, call)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fuel.LegalizeFuel")
+class LegalizeFuel:
+    """Lower the fuel ops of a module, and only them, to PrimFuncs for ``target``: the kernels
+    (``kernels="tuned"``, knobs from ``database`` and the shipped logs) or the decomposition
+    (``"decomposed"``). Every other op is left to the rest of the pipeline (TVM's library
+    dispatch, legalization and scheduling), so the pass goes in front of any Relax pipeline::
+
+        seq = tvm.transform.Sequential([tvm_fuel.transform.LegalizeFuel(target, kernels="tuned"),
+                                        tvm.relax.get_default_pipeline(target)])
+
+    A fuel call with an argument of unknown shape cannot be lowered: ValueError.
+    """
+
+    def __init__(self, target: Any = None, *, kernels: str = "decomposed", database: Any = None,
+                 shipped_logs: bool = True):
+        if kernels not in KERNEL_PATHS:
+            raise ValueError(f"tvm_fuel.LegalizeFuel: kernels must be one of {KERNEL_PATHS}, got {kernels!r}")
+        if database is not None:
+            _check_database(database)
+        self.target = None if target is None else as_target(target)
+        self.kernels, self.database, self.shipped_logs = kernels, database, shipped_logs
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = self.target or tvm.target.Target.current(allow_none=True)
+        if target is None:
+            raise ValueError("tvm_fuel.LegalizeFuel: no target: pass one or run it under `with target:`")
+        with target:
+            rewriter = _FuelLowering(mod, self._rules(target))
+            for gvar, func in mod.functions.items():
+                if isinstance(func, relax.Function):
+                    rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
+            legalized = rewriter.builder_.get()
+        leftover = _remaining_fuel_calls(legalized)
+        if leftover:
+            raise ValueError(
+                f"tvm_fuel.compile: could not legalize {sorted(set(leftover))}: an argument has an unknown shape; "
+                "give it a shape with R.match_cast first")
+        return legalized
+
+    def _rules(self, target: tvm.target.Target) -> dict:
+        """op name -> legalization ``(bb, call) -> Expr``."""
+        if self.kernels == "decomposed":
+            from .legalize import LEGALIZE
+
+            return {SPECS[name].op_name: rule for name, rule in LEGALIZE.items()}
         from .schedules import tuned_legalize_map
         from .tuning.records import TuningRecords, shipped_logs as shipped
 
-        roots = ([database] if database is not None else []) + ([shipped()] if shipped_logs else [])
-        legalize_map = tuned_legalize_map(target, TuningRecords(roots))
-    with target:
-        legalized = relax.transform.LegalizeOps(customize_legalize_map=legalize_map)(mod)
-    leftover = _remaining_fuel_calls(legalized)
-    if leftover:
-        raise ValueError(
-            f"tvm_fuel.compile: could not legalize {sorted(set(leftover))}: an argument has an unknown shape; "
-            "give it a shape with R.match_cast first")
-    return legalized
+        roots = ([self.database] if self.database is not None else []) + ([shipped()] if self.shipped_logs else [])
+        return tuned_legalize_map(target, TuningRecords(roots))
 
 
 def _check_database(database: Any) -> None:

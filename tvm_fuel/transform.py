@@ -7,6 +7,7 @@ Contents:
     ShareForwardState -- flash_attn returns its lse too, so its gradient reuses out and lse
     UseSoftmaxBackward -- the softmax gradient Gradient writes out -> one softmax_backward
     gradient          -- ShareForwardState, relax.transform.Gradient, then UseSoftmaxBackward
+    LegalizeFuel      -- the fuel ops alone lowered to kernels or the floor (``tvm_fuel.build``)
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import op
+from .build import LegalizeFuel  # noqa: F401 (the pass is built there; a pass is looked for here)
 from .config import FLOAT_DTYPES
-from .grad import _options, bound_value
+from .grad import bound_value
+from .op import options_of
 from .op import SPECS
 
 
@@ -419,7 +422,7 @@ class _ReturnLse(PyExprMutator):
             return call
         args = SPECS["flash_attn"].split_args(call)
         both = self.builder_.emit(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"],
-                                                args["attn_mask"], return_lse=True, **_options(call)))
+                                                args["attn_mask"], return_lse=True, **options_of(call)))
         return relax.TupleGetItem(both, 0)
 
 
