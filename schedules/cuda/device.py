@@ -16,7 +16,8 @@ Contents:
     Rows     -- a row range of a tile buffer (one pipeline stage) used as a tile
     TileOps  -- sync, tile copies (cp.async where asked), commit/wait of copy groups, the
                 multi-stage copy pipeline, SIMT tile GEMM for one launch and input dtype
-    SHARED_MEMORY_LIMIT -- bytes of shared memory a block may use per architecture
+    SHARED_MEMORY_LIMIT -- bytes of shared memory a block may use per architecture (fallback)
+    shared_memory_per_block -- the target's limit, else the table's
     padded_dim
 """
 
@@ -36,8 +37,19 @@ MMA = 16  # tensor-core tile edge (rows of a strip, k of mma.m16n8k16)
 # alignment and puts the 8 rows one ldmatrix phase reads in 8 different bank groups
 TILE_PAD = 8
 
-# opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table)
+# opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table): the
+# fallback where the target does not say (its max_shared_memory_per_block)
 SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+
+
+def shared_memory_per_block(target, arch: str) -> int:
+    """Bytes of shared memory a block of ``target`` may use: its ``max_shared_memory_per_block``
+    where the target gives it, else the architecture's opt-in maximum (the smallest known for an
+    unknown architecture)."""
+    given = target.attrs.get("max_shared_memory_per_block") if target is not None and target.kind.name == "cuda" else None
+    if given is not None and int(given) > 0:
+        return int(given)
+    return SHARED_MEMORY_LIMIT.get(arch, min(SHARED_MEMORY_LIMIT.values()))
 
 
 def padded_dim(head_dim: int) -> int:

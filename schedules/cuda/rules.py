@@ -26,7 +26,7 @@ from tvm import relax, tirx
 from ...op import SPECS
 from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
-from .device import HALF_TYPES, SHARED_MEMORY_LIMIT, Launch, padded_dim
+from .device import HALF_TYPES, Launch, padded_dim, shared_memory_per_block
 from .forward import dense_forward, paged_forward
 from .tiles import (CudaTiles, WarpLayout, backward_registers, backward_smem, backward_strips, forward_smem,
                     streaming_multiprocessors)
@@ -46,8 +46,8 @@ def arch_of(target: tvm.target.Target) -> str | None:
     return f"sm_{match.group(1)}" if match and int(match.group(1)) >= 80 else None
 
 
-def shared_memory_fits(static: int, dynamic: int, arch: str) -> bool:
-    limit = SHARED_MEMORY_LIMIT.get(arch, min(SHARED_MEMORY_LIMIT.values()))
+def shared_memory_fits(static: int, dynamic: int, limit: int) -> bool:
+    """Whether a block's (static, dynamic) shared-memory bytes fit ``limit`` (a block's maximum)."""
     return static <= STATIC_SHARED_LIMIT and static + dynamic <= limit
 
 
@@ -63,6 +63,9 @@ class _CudaRule(KernelRule):
 
     def _arch(self, target: tvm.target.Target) -> str:
         return EMULATED_ARCH if self.emulated else arch_of(target)
+
+    def _shared_limit(self, target: tvm.target.Target) -> int:
+        return shared_memory_per_block(None if self.emulated else target, self._arch(target))
 
     def launch(self, knobs: Knobs) -> Launch:
         return Launch.emulated() if self.emulated else Launch(knobs["threads"])
@@ -90,11 +93,11 @@ class _CudaRule(KernelRule):
 
     def check_fit(self, workload: Workload, target: tvm.target.Target, knobs: Knobs) -> str | None:
         """Why ``knobs`` do not fit ``target``'s shared memory, or None when they do."""
-        tiles, spec, arch = CudaTiles(**knobs), workload.spec, self._arch(target)
+        tiles, spec, limit = CudaTiles(**knobs), workload.spec, self._shared_limit(target)
         static, dynamic = self.smem(spec.dtype, spec.head_dim, tiles)
-        if not shared_memory_fits(static, dynamic, arch):
+        if not shared_memory_fits(static, dynamic, limit):
             return (f"tiles {tiles.block_q}x{tiles.block_k} need {static} + {dynamic} bytes of shared memory, "
-                    f"more than {arch} gives a block")
+                    f"more than the {limit} {self._arch(target)} gives a block")
         return None
 
     def knobs(self, workload: Workload, target: tvm.target.Target, tuned: Knobs | None = None) -> dict[str, int]:
@@ -131,9 +134,9 @@ class _CudaRule(KernelRule):
     def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
         """The first candidate tile shape whose shared memory and registers fit the target (the
         last that fits the shared memory where none keeps to the register budget)."""
-        spec, arch = workload.spec, self._arch(target)
+        spec, limit = workload.spec, self._shared_limit(target)
         fitting = [tiles for tiles in candidates if self.check_knobs(workload, asdict(tiles)) is None
-                   and shared_memory_fits(*self.smem(spec.dtype, spec.head_dim, tiles), arch)]
+                   and shared_memory_fits(*self.smem(spec.dtype, spec.head_dim, tiles), limit)]
         lean = [tiles for tiles in fitting if self.accumulators(workload, tiles) <= self.register_limit()]
         return (lean or fitting[-1:] or [None])[0]
 

@@ -87,25 +87,28 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
     """(static, dynamic) shared-memory bytes of a forward block: page ids (one set per stage) and
     row state static; Q, K and V tiles (``stages`` of each) dynamic. Float32 (SIMT) blocks also
     hold S, P and the rows' alpha, max and sum; register-tile (tensor-core) blocks none of them,
-    but key-split warps merge their row max and sum (static) and O (float32, dynamic)."""
+    but key-split warps merge their row max and sum (static) and O (float32, dynamic), and two
+    int32 flags mark V tiles that held a NaN or Inf (static)."""
     BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
     pad = TILE_PAD if dtype in HALF_TYPES else 0
     tiles_bytes = e * (BQ + 2 * BK * ST) * (DP + pad)
     if dtype in HALF_TYPES:
         key_warps = WarpLayout.of(tiles).key_warps
         merge = key_warps > 1
-        return 8 * BK * ST + (8 * key_warps * BQ if merge else 0), tiles_bytes + (4 * key_warps * BQ * DP if merge else 0)
+        static = 8 * BK * ST + (8 * key_warps * BQ if merge else 0) + 8
+        return static, tiles_bytes + (4 * key_warps * BQ * DP if merge else 0)
     return 4 * BQ * (BK + 4) + e * BQ * BK + 4 * 3 * BQ + 8 * BK * ST, tiles_bytes
 
 
 def backward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]:
     """(static, dynamic) bytes of a backward block: the rows' lse and D static (and on the SIMT
-    path P and dS, float32); Q, dO, K, V tiles dynamic (``stages`` of the pair a block streams: Q
-    and dO in the dk/dv kernel, K and V in the dq kernel; the larger of the two)."""
+    path P and dS, float32; on tensor cores the int32 flags of tiles that held a NaN or Inf); Q,
+    dO, K, V tiles dynamic (``stages`` of the pair a block streams: Q and dO in the dk/dv kernel,
+    K and V in the dq kernel; the larger of the two)."""
     BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
     registers = dtype in HALF_TYPES
     pad = TILE_PAD if registers else 0
-    static = 8 * BQ + (0 if registers else 2 * 4 * BQ * BK)
+    static = 8 * BQ + (8 if registers else 2 * 4 * BQ * BK)
     return static, e * max(2 * BQ * ST + 2 * BK, 2 * BQ + 2 * BK * ST) * (DP + pad)
 
 
