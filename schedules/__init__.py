@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 import tvm
 from tvm import relax
 
+from ..diagnostics import TuningLogWarning
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
 from .cuda.rules import RULES as CUDA_RULES
@@ -38,10 +39,6 @@ def rules_for(target: tvm.target.Target, rules: Sequence[KernelRule] | None = No
 def rule_for(op: str, target: tvm.target.Target) -> KernelRule | None:
     """The first rule serving ``op`` on ``target`` (None: the floor serves it)."""
     return next((rule for rule in rules_for(target) if rule.op == op), None)
-
-
-class TuningLogWarning(UserWarning):
-    """A tuning log or record was skipped (unreadable, another target, or knobs that do not build)."""
 
 
 class KnobSource(Protocol):
@@ -95,9 +92,8 @@ def _with_forward_state(bb: relax.BlockBuilder, name: str, call: relax.Call, leg
     args = SPECS[name].split_args(call)
     if args["out"] is not None and args["lse"] is not None:
         return args
-    options = {key: call.attrs[key] for key in ("softmax_scale", "causal", "softcap")}
     forward = bb.normalize(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"], args["attn_mask"],
-                                         window_size=list(call.attrs["window_size"]), return_lse=True, **options))
+                                         return_lse=True, **op.options_of(call)))
     state = bb.emit(legalize_with("flash_attn")(bb, forward))
     if args["out"] is None:
         args["out"] = bb.emit(relax.TupleGetItem(state, 0))

@@ -76,6 +76,11 @@ class AttnConfig:
             softcap=attrs["softcap"],
         )
 
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of an op constructor that make this config (Python values)."""
+        return {"softmax_scale": self.softmax_scale, "causal": self.causal, "window_size": self.window_size,
+                "softcap": self.softcap}
+
     def to_attrs(self) -> dict[str, Any]:
         """The attribute dict stored on a Relax call (prints as keyword arguments)."""
         return {

@@ -20,19 +20,6 @@ from tvm.relax.op.grad import no_grad
 from . import op
 from .op import SPECS
 
-_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap")
-
-
-def _options(call: relax.Call) -> dict:
-    attrs = {name: call.attrs[name] for name in _OPTIONS}
-    attrs["window_size"] = tuple(int(x) for x in attrs["window_size"])
-    attrs["causal"] = bool(attrs["causal"])
-    attrs["softcap"] = float(attrs["softcap"])
-    scale = attrs["softmax_scale"]
-    attrs["softmax_scale"] = None if scale is None else float(scale)
-    return attrs
-
-
 def bound_value(binder, expr: relax.Expr) -> relax.Expr:
     """What ``expr`` is bound to, following variables through ``binder.lookup_binding`` (a
     BlockBuilder, or an expression mutator of the function being rewritten)."""
@@ -66,7 +53,7 @@ def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad
     else:
         out, lse, dout = orig_var, None, output_grad
     grads = ctx.emit(op.flash_attn_backward(args["q"], args["k"], args["v"], dout, args["alibi_slopes"],
-                                            args["attn_mask"], out=out, lse=lse, **_options(orig_call)))
+                                            args["attn_mask"], out=out, lse=lse, **op.options_of(orig_call)))
     result = [relax.TupleGetItem(grads, i) for i in range(3)]
     result += [no_grad(args[name]) for name in ("alibi_slopes", "attn_mask") if args[name] is not None]
     return result

@@ -13,7 +13,7 @@ attribute records which are present, so a printed call parses back unambiguously
 
 Contents:
     flash_attn, flash_attn_backward, flash_attn_backward_q, flash_attn_backward_k,
-    flash_attn_backward_v, paged_attn, softmax_backward, OpSpec, SPECS
+    flash_attn_backward_v, paged_attn, softmax_backward, OpSpec, SPECS, options_of
 """
 
 from __future__ import annotations
@@ -94,6 +94,13 @@ SPECS: dict[str, OpSpec] = {
         OpSpec("softmax_backward", ("probs", "dprobs"), attention=False),
     )
 }
+
+
+def options_of(call: relax.Call) -> dict[str, Any]:
+    """The attention options of a fuel call (``softmax_scale``, ``causal``, ``window_size``,
+    ``softcap``) as constructor keyword arguments: the one path from attributes to options."""
+    spec = SPECS[call.op.name[len("relax.fuel."):]]
+    return AttnConfig.from_attrs(spec.label, call.attrs).options()
 
 
 def _attn_attrs(op: str, **options) -> dict[str, Any]:

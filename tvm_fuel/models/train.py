@@ -2,13 +2,15 @@
 
 The model is one causal GQA attention layer with logit softcap and an output projection,
 fitted by mean squared error to the outputs of a teacher of the same shape with other weights
-(so the loss has somewhere to go: zero). Its Relax module holds ``loss(x, y, *weights)``, the
+(so the loss has somewhere to go: zero); the teacher is the same compiled model's ``forward``
+(the numpy and PyTorch peers in ``models.peers`` only check it). Its Relax module holds
+``forward(x, *weights)``, ``loss(x, y, *weights)``, the
 adjoint ``loss_adjoint`` that ``tvm_fuel.transform.gradient`` adds (``flash_attn``'s registered
 gradient: ``flash_attn_backward`` with the forward's ``out`` and ``lse``), and ``optimizer``,
 Relax's Adam (``tvm.relax.training.optimizer``) over the weights. A step is two VM calls.
 
 Contents:
-    TrainConfig, AttentionRegressor, Trainer, init_weights, batch
+    TrainConfig, AttentionRegressor, Trainer, init_weights
 
 Example
 -------
@@ -85,7 +87,8 @@ class AttentionRegressor(nn.Module):
     def spec(self) -> dict:
         c = self.config
         data = nn.spec.Tensor([c.batch, c.seq_len, c.model_dim], "float32")
-        return {"loss": {"x": data, "y": data, "$": {"param_mode": "plain", "effect_mode": "none"}}}
+        plain = {"param_mode": "plain", "effect_mode": "none"}
+        return {"forward": {"x": data, "$": plain}, "loss": {"x": data, "y": data, "$": plain}}
 
 
 def init_weights(config: TrainConfig, names: list[str], *, seed: int) -> dict[str, np.ndarray]:
@@ -94,14 +97,6 @@ def init_weights(config: TrainConfig, names: list[str], *, seed: int) -> dict[st
     shapes = {name: tuple(int(d) for d in p.shape) for name, p in AttentionRegressor(config).named_parameters()}
     return {name: (rng.standard_normal(shapes[name]) / math.sqrt(shapes[name][1])).astype("float32")
             for name in names}
-
-
-def batch(config: TrainConfig, teacher: dict[str, np.ndarray], *, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs x ~ N(0, 1) and the teacher's outputs y (numpy peer of the model)."""
-    from .peers import regressor_forward
-
-    x = np.random.default_rng(seed).standard_normal((config.batch, config.seq_len, config.model_dim)).astype("float32")
-    return x, regressor_forward(config, teacher, x).astype("float32")
 
 
 def _adam(lr: float, params: list[relax.Var]) -> Adam:
@@ -145,7 +140,10 @@ class Trainer:
         self.build_s = time.perf_counter() - start
         self.initial_weights = init_weights(config, self.names, seed=seed)
         self.teacher = init_weights(config, self.names, seed=seed + 1)
-        self.x, self.y = batch(config, self.teacher, seed=seed + 2)
+        self.x = np.random.default_rng(seed + 2).standard_normal(
+            (config.batch, config.seq_len, config.model_dim)).astype("float32")
+        self.y = self.vm["forward"](tvm.runtime.tensor(self.x),
+                                    *(tvm.runtime.tensor(self.teacher[n]) for n in self.names)).numpy()
         self.weights = [tvm.runtime.tensor(self.initial_weights[n]) for n in self.names]
         self.state = optimizer.state
 

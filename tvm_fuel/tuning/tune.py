@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import tvm
-from tvm import relax, s_tir
+from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
