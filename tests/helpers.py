@@ -31,10 +31,21 @@ def build(make: Callable[..., relax.Expr], params: Mapping[str, tuple], *, targe
     return bb.get()
 
 
-def _flatten(value) -> list[np.ndarray]:
+def flatten(value) -> list[np.ndarray]:
+    """A VM result (a tensor or nested tuples of them) as a flat list of numpy arrays."""
     if isinstance(value, tvm.runtime.Tensor):
         return [value.numpy()]
-    return [array for item in value for array in _flatten(item)]
+    return [array for item in value for array in flatten(item)]
+
+
+def dense_inputs(rng: np.random.Generator, B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int,
+                 dtype: str = "float32", *, with_do: bool = False) -> dict[str, np.ndarray]:
+    """Random q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (and do like q): the dense ops' inputs."""
+    inputs = dict(q=randn(rng, (B, Hq, Sq, D), dtype), k=randn(rng, (B, Hkv, Sk, D), dtype),
+                  v=randn(rng, (B, Hkv, Sk, D), dtype))
+    if with_do:
+        inputs["do"] = randn(rng, (B, Hq, Sq, D), dtype)
+    return inputs
 
 
 HOST = tvm_fuel.build.host_target()
@@ -80,7 +91,7 @@ class Runner:
         self.vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
 
     def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
-        return _flatten(self.vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]))
+        return flatten(self.vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]))
 
 
 def run(make: Callable[..., relax.Expr], inputs: Mapping[str, np.ndarray], *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close, randn, run
+from helpers import assert_close, dense_inputs, run
 
 from tvm_fuel import op
 from tvm_fuel import reference as ref
@@ -52,11 +52,6 @@ def test_reference_backward_matches_finite_differences(case, sq, sk):
         np.testing.assert_allclose(grad, _finite_difference(arrays, index, extra, options), atol=1e-7, rtol=1e-6)
 
 
-def _inputs(rng, B, Hq, Hkv, Sq, Sk, D, dtype):
-    return dict(q=randn(rng, (B, Hq, Sq, D), dtype), k=randn(rng, (B, Hkv, Sk, D), dtype),
-                v=randn(rng, (B, Hkv, Sk, D), dtype), do=randn(rng, (B, Hq, Sq, D), dtype))
-
-
 def _check(inputs, dtype, kernels, extra=None, **options):
     extra = extra or {}
     got = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, **extra}, kernels=kernels)
@@ -71,19 +66,19 @@ def _check(inputs, dtype, kernels, extra=None, **options):
 @pytest.mark.parametrize("sq,sk", [(17, 40), (40, 17), (1, 40)])
 def test_matches_reference(case, sq, sk, kernels):
     rng = np.random.default_rng(sq + sk)
-    _check(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", kernels, **CASES[case])
+    _check(dense_inputs(rng, 2, 6, 2, sq, sk, 40, "float32", with_do=True), "float32", kernels, **CASES[case])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 1)])
 def test_low_precision(dtype, head_dim, group, kernels):
     rng = np.random.default_rng(head_dim)
-    _check(_inputs(rng, 1, group, 1, 17, 33, head_dim, dtype), dtype, kernels, causal=True)
+    _check(dense_inputs(rng, 1, group, 1, 17, 33, head_dim, dtype, with_do=True), dtype, kernels, causal=True)
 
 
 def test_alibi_masks_softcap(kernels):
     rng = np.random.default_rng(9)
-    inputs = _inputs(rng, 2, 6, 3, 17, 33, 40, "float32")
+    inputs = dense_inputs(rng, 2, 6, 3, 17, 33, 40, "float32", with_do=True)
     extra = dict(alibi_slopes=(rng.random(6) * 0.3).astype(np.float32),
                  attn_mask=rng.random((2, 1, 17, 33)) < 0.8)
     _check(inputs, "float32", kernels, extra, softcap=4.0, window_size=(8, 2))
@@ -93,7 +88,7 @@ def test_alibi_masks_softcap(kernels):
 
 def test_fully_masked_rows_get_zero_gradient(kernels):
     rng = np.random.default_rng(4)
-    inputs = _inputs(rng, 1, 3, 1, 9, 4, 16, "float32")
+    inputs = dense_inputs(rng, 1, 3, 1, 9, 4, 16, "float32", with_do=True)
     dq, dk, dv = _check(inputs, "float32", kernels, causal=True)
     assert np.all(dq[:, :, :5] == 0)  # rows i < Sq - Sk see no key
     # the masked rows' do must not reach dv: changing it leaves dv unchanged
@@ -107,7 +102,7 @@ def test_fully_masked_rows_get_zero_gradient(kernels):
 def test_forward_state_is_reused(dtype, given, kernels):
     """With out/lse from the forward, the gradients equal the recomputing ones."""
     rng = np.random.default_rng(2)
-    inputs = _inputs(rng, 1, 4, 2, 17, 33, 64, dtype)
+    inputs = dense_inputs(rng, 1, 4, 2, 17, 33, 64, dtype, with_do=True)
     options = dict(causal=True, softcap=3.0)
     fwd = {name: inputs[name] for name in ("q", "k", "v")}
     out, lse = run(lambda **a: op.flash_attn(**a, **options, return_lse=True), fwd, kernels=kernels)
@@ -126,7 +121,7 @@ def test_forward_state_is_reused(dtype, given, kernels):
 @pytest.mark.parametrize("variant,index", [("q", 0), ("k", 1), ("v", 2)])
 def test_single_gradient_variants_match_tuple(variant, index, kernels):
     rng = np.random.default_rng(index)
-    inputs = _inputs(rng, 2, 6, 2, 17, 33, 40, "float32")
+    inputs = dense_inputs(rng, 2, 6, 2, 17, 33, 40, "float32", with_do=True)
     options = dict(causal=True, window_size=(9, -1), softcap=6.0)
     slopes = (rng.random(6) * 0.2).astype(np.float32)
     whole = run(lambda **a: op.flash_attn_backward(**a, **options), {**inputs, "alibi_slopes": slopes}, kernels=kernels)
@@ -141,4 +136,4 @@ def test_many_key_tiles_and_splits(sq, sk, options, kernels):
     """Several 64-key tiles, several query tiles per key tile, and (MQA, batch 1) dq split over 4
     key-tile groups whose partials are summed."""
     rng = np.random.default_rng(sq + sk)
-    _check(_inputs(rng, 1, 3, 1, sq, sk, 40, "float32"), "float32", kernels, **options)
+    _check(dense_inputs(rng, 1, 3, 1, sq, sk, 40, "float32", with_do=True), "float32", kernels, **options)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import HOST, Runner, assert_close, build, randn, run
+from helpers import HOST, Runner, assert_close, build, dense_inputs, run
 from tvm import tirx
 
 from tvm_fuel import op
@@ -18,11 +18,6 @@ WINDOWS = {
     "two_sided": dict(window_size=(4, 2)),
     "causal_left": dict(causal=True, window_size=(6, -1)),
 }
-
-
-def _inputs(rng, B, Hq, Hkv, Sq, Sk, D, dtype):
-    return dict(q=randn(rng, (B, Hq, Sq, D), dtype), k=randn(rng, (B, Hkv, Sk, D), dtype),
-                v=randn(rng, (B, Hkv, Sk, D), dtype))
 
 
 def _check(inputs, dtype, kernels, *, alibi=None, mask=None, **options):
@@ -45,7 +40,7 @@ def _check(inputs, dtype, kernels, *, alibi=None, mask=None, **options):
 @pytest.mark.parametrize("sq,sk", [(17, 97), (97, 17), (1, 97), (17, 17)])
 def test_masks_and_lengths(window, sq, sk, kernels):
     rng = np.random.default_rng(sq * 131 + sk)
-    _check(_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", kernels, **WINDOWS[window])
+    _check(dense_inputs(rng, 2, 6, 2, sq, sk, 40, "float32"), "float32", kernels, **WINDOWS[window])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -53,14 +48,14 @@ def test_masks_and_lengths(window, sq, sk, kernels):
 def test_dtypes_head_dims_groups(dtype, head_dim, group, kernels):
     rng = np.random.default_rng(head_dim + group)
     hkv = 2 if group < 7 else 1
-    _check(_inputs(rng, 1, hkv * group, hkv, 17, 33, head_dim, dtype), dtype, kernels, causal=True)
+    _check(dense_inputs(rng, 1, hkv * group, hkv, 17, 33, head_dim, dtype), dtype, kernels, causal=True)
 
 
 @pytest.mark.parametrize("group", [1, 3, 7])
 def test_gqa_head_mapping(group, kernels):
     """Query head h must read kv head h // group: zero all kv heads but one and check which rows see it."""
     rng = np.random.default_rng(group)
-    inputs = _inputs(rng, 1, 3 * group, 3, 5, 9, 16, "float32")
+    inputs = dense_inputs(rng, 1, 3 * group, 3, 5, 9, 16, "float32")
     inputs["v"][:, [0, 2]] = 0
     (out,) = run(lambda **a: op.flash_attn(**a), inputs, kernels=kernels)
     nonzero_heads = np.flatnonzero(np.abs(out[0]).sum(axis=(1, 2)) > 0)
@@ -71,7 +66,7 @@ def test_gqa_head_mapping(group, kernels):
 @pytest.mark.parametrize("window", ["full", "causal", "two_sided"])
 def test_softcap(dtype, window, kernels):
     rng = np.random.default_rng(7)
-    inputs = _inputs(rng, 2, 4, 2, 17, 40, 64, dtype)
+    inputs = dense_inputs(rng, 2, 4, 2, 17, 40, 64, dtype)
     inputs["q"] = (inputs["q"].astype(np.float32) * 4).astype(inputs["q"].dtype)  # logits beyond the cap
     _check(inputs, dtype, kernels, softcap=5.0, **WINDOWS[window])
 
@@ -80,7 +75,7 @@ def test_softcap(dtype, window, kernels):
 @pytest.mark.parametrize("sq,sk", [(17, 40), (40, 17)])
 def test_alibi(window, sq, sk, kernels):
     rng = np.random.default_rng(11)
-    inputs = _inputs(rng, 2, 6, 3, sq, sk, 40, "float32")
+    inputs = dense_inputs(rng, 2, 6, 3, sq, sk, 40, "float32")
     slopes = (rng.random(6) * 0.3).astype(np.float32)
     _check(inputs, "float32", kernels, alibi=slopes, **WINDOWS[window])
 
@@ -89,7 +84,7 @@ def test_alibi(window, sq, sk, kernels):
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_masks(mask_shape, kind, kernels):
     rng = np.random.default_rng(len(mask_shape))
-    inputs = _inputs(rng, 2, 6, 3, 17, 33, 40, "float32")
+    inputs = dense_inputs(rng, 2, 6, 3, 17, 33, 40, "float32")
     if kind == "bool":
         mask = rng.random(mask_shape) < 0.7
     else:
@@ -99,7 +94,7 @@ def test_masks(mask_shape, kind, kernels):
 
 def test_mask_softcap_alibi_together_fp16(kernels):
     rng = np.random.default_rng(3)
-    inputs = _inputs(rng, 1, 6, 2, 17, 97, 64, "float16")
+    inputs = dense_inputs(rng, 1, 6, 2, 17, 97, 64, "float16")
     slopes = (rng.random(6) * 0.1).astype(np.float32)
     mask = (rng.standard_normal((1, 6, 17, 97))).astype(np.float16)
     _check(inputs, "float16", kernels, alibi=slopes, mask=mask, softcap=10.0, window_size=(40, 5), softmax_scale=0.2)
@@ -108,7 +103,7 @@ def test_mask_softcap_alibi_together_fp16(kernels):
 def test_fully_masked_rows_are_zero_with_neg_inf_lse(kernels):
     """Sq > Sk causal, a bool mask that drops a whole row, and an additive -inf row: zeros, never NaN."""
     rng = np.random.default_rng(5)
-    inputs = _inputs(rng, 1, 2, 2, 9, 4, 16, "float32")
+    inputs = dense_inputs(rng, 1, 2, 2, 9, 4, 16, "float32")
     mask = np.ones((9, 4), bool)
     mask[7] = False
     out, lse = _check(inputs, "float32", kernels, mask=mask, causal=True)
@@ -129,7 +124,7 @@ def test_symbolic_batch(kernels):
     runner = Runner(build(lambda **a: op.flash_attn(**a, causal=True, return_lse=True), params), HOST, kernels=kernels)
     rng = np.random.default_rng(0)
     for b in (1, 3):
-        inputs = _inputs(rng, b, 6, 2, 17, 33, 64, "float32")
+        inputs = dense_inputs(rng, b, 6, 2, 17, 33, 64, "float32")
         out, lse = runner(*inputs.values())
         want_out, want_lse = ref.flash_attn(*inputs.values(), causal=True, return_lse=True)
         assert out.shape == (b, 6, 17, 64)
@@ -143,6 +138,6 @@ def test_symbolic_sequence_lengths(kernels):
     runner = Runner(build(lambda **a: op.flash_attn(**a, causal=True), params), HOST, kernels=kernels)
     rng = np.random.default_rng(1)
     for n_q, n_k in ((1, 97), (17, 5)):
-        inputs = _inputs(rng, 1, 4, 2, n_q, n_k, 40, "float32")
+        inputs = dense_inputs(rng, 1, 4, 2, n_q, n_k, 40, "float32")
         (out,) = runner(*inputs.values())
         assert_close(out, ref.flash_attn(*inputs.values(), causal=True), "float32")
