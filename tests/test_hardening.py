@@ -248,3 +248,24 @@ def test_paged_slots_no_row_sees_never_matter(kernels, dtype):
         (dirty,) = runner(q, k_dirty, v_dirty, table, lens)
         assert not np.isnan(clean.astype(np.float32)).any()
         np.testing.assert_array_equal(dirty.astype(np.float32), clean.astype(np.float32))
+
+
+def test_nan_key_reaches_only_the_key_gradients_of_rows_that_see_it(kernels):
+    """Window (4, 0): a NaN at key 12 reaches rows 12..15, which see keys 8..15; dk and dv of keys
+    0..7 (seen only by rows that never see key 12) stay bit-identical, on every path and in the
+    reference (a dropped key's weight is 0 even where the row's lse is NaN)."""
+    sq = sk = 16
+    options = dict(window_size=(4, 0))
+    q, k, v, do = _dense(np.random.default_rng(8), sq, sk)
+    k_dirty = k.copy()
+    k_dirty[0, 0, 12, :] = np.nan
+    backward = _backward_runner(kernels, sq, sk, options)
+    clean, dirty = backward(q, k, v, do), backward(q, k_dirty, v, do)
+    want = tvm_fuel.reference.flash_attn_backward(q, k_dirty, v, do, **options)
+    for name, before, after, reference in zip(("dq", "dk", "dv"), clean, dirty, want):
+        if name == "dq":
+            np.testing.assert_array_equal(after[:, :, :12], before[:, :, :12], err_msg=name)
+            continue
+        np.testing.assert_array_equal(after[:, :, :8], before[:, :, :8], err_msg=name)
+        assert np.isnan(after[:, :, 8:]).any(axis=-1).all(), name
+        assert not np.isnan(reference[:, :, :8]).any() and np.isnan(reference[:, :, 8:]).any(axis=-1).all(), name

@@ -141,8 +141,11 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
     capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
     if lse is None:
         _, _, lse = _softmax_stats(logits)
-    p = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.probability(logits[b, h, i, j], lse[b, h, i]),
-                   name="p")
+    # a dropped key weighs exactly 0 even where the row's lse is NaN (exp(-inf - NaN) is NaN): its
+    # dk and dv must not see the row
+    p = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: tirx.Select(
+        logits[b, h, i, j] == sem.NEG_INF, tirx.const(0.0, F32), sem.probability(logits[b, h, i, j], lse[b, h, i])),
+        name="p")
     d = te.reduce_axis((0, D), name="d_dp")
     dp = te.compute(
         (B, Hq, Sq, Sk),

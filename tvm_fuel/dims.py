@@ -70,5 +70,6 @@ _POSITIVE = {"paged_attn": (("q", 1, "head count Hq"), ("q", 3, "head dim D"), (
 
 def positive_dims(op: str) -> tuple[tuple[str, int, str], ...]:
     """(arg, axis, meaning) of the dims of ``op`` that must be >= 1: the GQA group and the block
-    size divide, the softmax scale is 1 / sqrt(D)."""
+    size divide, the softmax scale is 1 / sqrt(D). (An empty cache, num_blocks = 0, is valid while
+    every context is empty.)"""
     return _POSITIVE.get(op, _DENSE_POSITIVE)

@@ -50,6 +50,7 @@ def _unproven(name: str, args: dict) -> tuple[list[DimRule], list[tuple[str, int
     return pairs, positive
 
 
+@functools.lru_cache(maxsize=None)
 def _dims_check_func(op: str, rules: tuple[DimRule, ...], positive: tuple[tuple[str, int, str], ...],
                      tensors: tuple[tuple[str, str, int], ...]):
     """A host PrimFunc over ``tensors`` ((name, dtype, ndim), the first one passed through in
@@ -83,6 +84,8 @@ def checked_dims(bb: relax.BlockBuilder, name: str, args: dict) -> dict:
     check = _dims_check_func(spec.label, tuple(rules), tuple(positive), tensors)
     gvar = bb.add_func(check, f"fuel_{name}_check_dims")
     checked = dict(args)
+    # in place: the check writes nothing, so its "output" is the first tensor itself (no copy), and
+    # the op reads it through the check: a data dependency that orders the check first
     checked[first] = bb.emit(relax.call_tir_inplace(gvar, [args[n] for n in names], 0, args[first].ty))
     return checked
 

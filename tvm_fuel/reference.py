@@ -67,10 +67,11 @@ def _softmax(logits):
     with np.errstate(invalid="ignore"):
         row_max = logits.max(axis=-1, keepdims=True)  # NaN when the row holds one
         shift = np.where(np.isneginf(row_max), 0.0, row_max)
-        e = np.exp(logits - shift)
+        # a dropped key weighs exactly 0, even in a row whose shift is NaN (exp(-inf - NaN) is NaN)
+        e = np.where(np.isneginf(logits), 0.0, np.exp(logits - shift))
         total = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(total == 0, 0.0, e / total)
+        p = np.where(np.isneginf(logits) | (total == 0), 0.0, e / total)
         lse = np.where(total == 0, -np.inf, shift + np.log(total))[..., 0]
     return p, lse
 

@@ -18,8 +18,9 @@ positions of the context, so the diagonal is aligned bottom-right):
 Non-finite inputs (the NaN rule): a NaN or Inf in a q, k or v element that a row uses reaches
 that row as IEEE arithmetic carries it; what a row does not see never reaches it. Every product
 of a weight (a probability P or its gradient dS) with a value, key, query or ``do`` element skips
-weights that are exactly 0 (``weighted``): those are the dropped keys (and underflowed ones),
-whose values may hold anything, and ``0 * NaN`` would otherwise be NaN.
+weights that are exactly 0 (``weighted``): the dropped keys' weights are exactly 0, whose values
+may hold anything, and ``0 * NaN`` would otherwise be NaN. Whether a visible key whose weight
+underflows to 0 passes its NaN on is unspecified (the paths round differently).
 
 Contents:
     kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask, masked, mask_index, NEG_INF,

@@ -156,8 +156,8 @@ class Micro:
                 m[r] = row[0]
 
         @T.macro
-        def count_nonfinite(flag, X, rows, cols: T.int32):
-            # flag[0] = how many elements of X[0:rows, 0:cols] are NaN or +-Inf (cols % L == 0): a
+        def count_nonfinite(count, X, rows, cols: T.int32):
+            # count[0] = how many elements of X[0:rows, 0:cols] are NaN or +-Inf (cols % L == 0): a
             # compare and an add per vector of X, next to the O(tile * rows) GEMMs the flag selects
             part = T.alloc_buffer((L,), "float32", scope="local")
             for v in T.vectorized(L):
@@ -165,7 +165,7 @@ class Micro:
             for r, c0 in T.grid(rows, cols // L):
                 for v in T.vectorized(L):
                     part[v] = part[v] + T.Select(T.isfinite(X[r, c0 * L + v]), T.float32(0), T.float32(1))
-            flag[0] = lane_tree(_add, part, L)
+            count[0] = lane_tree(_add, part, L)
 
         self.gemm = gemm
         self.count_nonfinite = count_nonfinite

@@ -370,12 +370,11 @@ class _Body:
                                         prob, dpT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i],
                                         D_r[tile_col(li, tx, nt, i)], sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i])
                                 sT[slot(wi, li, tx), (mt * BQ // 8 + nt) * 4 + i] = prob
-            ops.sync()
+            ops.sync()  # every warp has read Q and dO as they are
             if want_dv:
                 zero_nonfinite_rows(dOs, q0, flags, 0, tx)
             if want_dk:
                 zero_nonfinite_rows(Qs, q0, flags, 1, tx)
-            ops.sync()
             # read into registers first: TVM's sync planner takes no shared load in a condition
             do_flagged: T.int32 = flags[0]
             q_flagged: T.int32 = flags[1]
@@ -441,9 +440,8 @@ class _Body:
                                                 Sk, alibi, mask),
                                     dp[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i],
                                     D_r[strip_row(wi, li, tx, MQ, mt, i)], s[slot(wi, li, tx), (mt * BK // 8 + nt) * 4 + i])
-            ops.sync()
+            ops.sync()  # every warp has read K as it is
             zero_nonfinite_keys(Ks, k0, flags, 0, tx)
-            ops.sync()
             k_flagged: T.int32 = flags[0]  # into a register: no shared load in a condition
             for wi in wt.warp_loop():
                 accumulate(dQ, dp, p, bb, Ks, k0, MQ, BK, wi, tx)

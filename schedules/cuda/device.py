@@ -163,23 +163,40 @@ class TileOps:
         self.sync, self.commit, self.wait = sync, commit, wait
 
     def zero_nonfinite(self, rows: int, width: int):
-        """Macro ``zero_nonfinite(X, row0, flags, flag, tx)``: the NaN and Inf of rows ``row0 ..
-        row0 + rows`` (``width`` columns) of a shared tile become 0, and ``flags[flag] = 1`` if
-        there was one. Tensor cores cannot skip a zero weight (the NaN rule, tvm_fuel.semantics):
-        a tile an mma multiplies by weights that may be 0 is zeroed first, and its non-finite
-        elements are added back, to the rows that weigh them, by ``WarpTiles.nonfinite_terms``.
-        The caller resets the flag and syncs around it; a finite tile costs a compare per element."""
+        """Macro ``zero_nonfinite(X, row0, flags, flag, tx)``: ``flags[flag] = 1`` if rows ``row0 ..
+        row0 + rows`` (``width`` columns) of a shared tile hold a NaN or Inf, and then those become
+        0. Tensor cores cannot skip a zero weight (the NaN rule, tvm_fuel.semantics): a tile an
+        mma multiplies by weights that may be 0 is zeroed first, and its non-finite elements are
+        added back, to the rows that weigh them, by ``WarpTiles.nonfinite_terms``. The caller
+        resets the flag before (and a barrier separates the reset from this). A finite tile costs
+        a read-only pass (a compare per element) and two barriers; only a flagged tile runs the
+        pass that writes (TVM's sync planner puts barriers inside a loop that reads and writes the
+        merged dynamic shared memory, two per element step)."""
         NT = self.launch.threads
+        sync = self.sync
+        # whole steps (tiles are 16-multiples squared, at most 256 threads): no bound check in the
+        # writing pass, whose barriers may not sit inside a condition
+        if rows * width % NT:
+            raise ValueError(f"zero_nonfinite: a {rows} x {width} tile is no whole number of {NT}-thread steps")
 
         @T.macro
         def zero_nonfinite(X, row0, flags, flag, tx):
             for i in range((rows * width + NT - 1) // NT):
                 if i * NT + tx < rows * width:
-                    # into a register first: TVM's sync planner takes no shared load in a condition
+                    # into a register first: the planner takes no shared load in a condition
                     x: T.float32 = T.Cast(F32, X[row0 + (i * NT + tx) // width, (i * NT + tx) % width])
                     if not T.isfinite(x):
-                        X[row0 + (i * NT + tx) // width, (i * NT + tx) % width] = T.Cast(self.dtype, 0)
                         flags[flag] = 1  # every writer writes 1: no order needed
+            sync()
+            # the writing pass runs 0 times on a finite tile: a loop, not a condition, because the
+            # planner puts barriers inside it and takes none inside a condition (flagged is the
+            # same for every thread, so every thread meets them)
+            flagged: T.int32 = flags[flag]
+            for i in range(flagged * (rows * width // NT)):
+                y: T.float32 = T.Cast(F32, X[row0 + (i * NT + tx) // width, (i * NT + tx) % width])
+                if not T.isfinite(y):
+                    X[row0 + (i * NT + tx) // width, (i * NT + tx) % width] = T.Cast(self.dtype, 0)
+            sync()
 
         return zero_nonfinite
 

@@ -315,8 +315,9 @@ class _Body:
                             wt.mma(o, (mt * DT + 2 * d2 + 1) * 4, pa, 0, vb, 4, w)
 
             # The NaN rule (tvm_fuel.semantics) on tensor cores: the V tile's NaN and Inf are zeroed
-            # for the P V mma and added back to the rows whose weight is not 0 (one flag per tile
-            # parity: the pipeline's barriers separate a tile's readers from the reset two tiles on)
+            # for the P V mma and added back to the rows whose weight is not 0. One flag per tile
+            # parity: a slot is reset by the next tile, after the pipeline's barriers that follow
+            # its readers, and reused the tile after that.
             zero_nonfinite_values = ops.zero_nonfinite(BK, DP)
             nonfinite_values = wt.nonfinite_terms(MT, KS, DP, D)
 
@@ -329,7 +330,6 @@ class _Body:
                 if tx == 0:
                     flags[(kt + 1) % 2] = 0
                 zero_nonfinite_values(Vs, st * BK, flags, kt % 2, tx)
-                ops.sync()
                 for wi in wt.warp_loop():
                     tile_scores(s, qa, kb, Qs, Ks, st, wt.warp_of(wi, tx), tx)
                     tile_softmax(s, o, m, l, mx, alpha, alibi, mask, b, g, r0, rows,
@@ -395,8 +395,9 @@ class _Body:
                 pa = T.alloc_buffer((SL, 8), dtype, scope=local)
                 vb = T.alloc_buffer((SL, 8), dtype, scope=local)
                 flags = T.alloc_buffer((2,), "int32", scope=launch.small_shared)  # a V tile held NaN or Inf
-                if tx == 0:
+                if tx == 0:  # the first tile's slot (the first tile index may be odd); each tile resets the next
                     flags[0] = 0
+                    flags[1] = 0
                 load_queries(Qs, q, b, g, r0, rows, tx)
                 wt.fill(m, R, T.float32(float("-inf")), tx)
                 wt.fill(l, R, T.float32(0), tx)

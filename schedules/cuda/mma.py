@@ -228,7 +228,7 @@ class WarpTiles:
             for nt in range(inner // 8):
                 for e2 in range(2):
                     picked = T.Select(tirx.all(i // 8 == nt, i % 2 == e2),
-                                      weights[0, (mt * inner // 8 + nt) * 4 + half * 2 + e2], picked)
+                                      weights[self.slot(w, lane), (mt * inner // 8 + nt) * 4 + half * 2 + e2], picked)
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), picked, src, WARP, WARP)
 
         @T.macro
