@@ -23,7 +23,49 @@ Contents:
     AttnConfig -- the validated attention options
 """
 
-from . import threads
+
+def _map_source_layout() -> None:
+    """Make ``tvm_fuel.schedules`` and ``tvm_fuel.tuning_logs`` importable from a source checkout.
+
+    The repository keeps ``schedules/`` and ``tuning_logs/`` at its top level, beside ``tvm_fuel/``;
+    pyproject.toml's package-dir puts them inside the package in a wheel (``pip install .``) and
+    the editable finder maps them (``pip install -e .``). A checkout imported straight from its
+    root (``PYTHONPATH=.``, or ``python -m tvm_fuel`` run there, which shadows any installed copy)
+    has neither, so a meta-path finder maps exactly those two names to the folders beside this
+    package. Installed with the folders inside the package, it does nothing.
+    """
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    mapping = {}
+    for name in ("schedules", "tuning_logs"):
+        init = os.path.join(root, name, "__init__.py")
+        if not os.path.isdir(os.path.join(here, name)) and os.path.isfile(init):
+            mapping[f"{__name__}.{name}"] = init
+
+    class _SourceLayoutFinder(importlib.abc.MetaPathFinder):
+        tvm_fuel_source_layout = True
+
+        def find_spec(self, fullname, path=None, target=None):
+            init = mapping.get(fullname)
+            if init is None or (path is not None and here not in (os.path.abspath(p) for p in path)):
+                return None  # not ours, or a different tvm_fuel is being imported
+            return importlib.util.spec_from_file_location(fullname, init,
+                                                          submodule_search_locations=[os.path.dirname(init)])
+
+    # A re-import (another copy of tvm_fuel) replaces the finder of the previous one.
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "tvm_fuel_source_layout", False)]
+    if mapping:
+        sys.meta_path.insert(0, _SourceLayoutFinder())  # before an editable install's finder (maybe another checkout)
+
+
+_map_source_layout()  # before anything imports .schedules or .tuning_logs
+
+from . import threads  # noqa: E402
 
 threads.configure()  # before any TVM kernel starts the runtime's thread pool
 

@@ -259,8 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="every op vs the reference, a decoder's serving loop, a training run")
     demo.add_argument("--target", default="host", help="CPU target: host (this CPU's features, default), "
                                                          "llvm, or a target JSON")
-    demo.add_argument("--parts", nargs="+", choices=["ops", "decoder", "training"],
-                      default=["ops", "decoder", "training"])
+    which = demo.add_mutually_exclusive_group()
+    which.add_argument("--parts", nargs="+", choices=["ops", "decoder", "training"],
+                       default=["ops", "decoder", "training"])
+    which.add_argument("--quick", action="store_const", const=["ops"], dest="parts",
+                       help="the ops part only (every op vs the reference, under a minute): same as --parts ops")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="benchmark the floor, the tuned kernels and PyTorch")

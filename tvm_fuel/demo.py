@@ -9,8 +9,8 @@
 3. **training**: the attention model's loss curve under the Gradient pass and Adam, against
    PyTorch's autograd and Adam.
 
-Every comparison is a ``Check``; the command fails if any is out of tolerance. PyTorch
-comparisons run when PyTorch is installed.
+``--quick`` runs the ops part alone (``--parts ops``). Every comparison is a ``Check``; the
+command fails if any is out of tolerance. PyTorch comparisons run when PyTorch is installed.
 
 Contents:
     Check, build_demo_module, demo_inputs, run_demo, run_ops, run_decoder, run_training
