@@ -1,5 +1,19 @@
 """Rules that put the CPU kernels in place of the floor for fuel calls on llvm targets.
 
+A tuning record is matched by target key (instruction set and vector width), not by core count:
+``port_knobs`` re-derives the knobs that set the task count (``tiles.CORE_KNOBS``) for the core
+count of the machine that uses the record:
+
+- the backward's ``splits`` keeps the record's tasks per core (splits x cores here / cores there):
+  the tuner chose how finely to cut each (batch, KV head)'s keys for load balance, per core;
+- decode's ``kv_heads`` keeps its ratio to the hand-picked rule (record x rule here / rule there):
+  the rule chunks a task's heads only so that every core gets a task (whole page rows read
+  fastest), so a record's departure from it is kept and the chunking redone for this machine.
+
+Both land on the nearest (log scale) value the knob space offers that builds the kernel. A knob a
+record left at its machine's hand-picked value outside the candidates (e.g. decode's prefetch,
+derived from the KV heads per task) takes this machine's hand-picked value.
+
 Contents:
     FlashForward, FlashBackward, PagedAttention -- one rule per kernel pattern (dlight style)
 """
@@ -16,7 +30,7 @@ from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
 from .backward import flash_backward
 from .forward import dense_forward, paged_forward
-from .tiles import STREAMING_ROWS, CpuTiles, cores, streaming_space, tile_space, tiles_for
+from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
 
 
 def _rows(workload: Workload) -> int | None:
@@ -38,6 +52,41 @@ class _CpuRule(KernelRule):
         if workload.spec.num_kv_heads % tiles.kv_heads:
             return f"kv_heads {tiles.kv_heads} does not divide the {workload.spec.num_kv_heads} KV heads"
         return None
+
+    def port_knobs(self, workload: Workload, knobs: Knobs, tuned_on: tvm.target.Target,
+                   target: tvm.target.Target) -> dict[str, int]:
+        """The knobs of a record tuned on ``tuned_on`` (same target key) for ``target``: the core
+        knobs re-derived for ``target``'s core count (module docstring), the others as recorded.
+        Unchanged where the core counts agree; ``rule.knobs`` still checks the result."""
+        ported = dict(knobs)
+        if cores(tuned_on) == cores(target):
+            return ported
+        space, ours = self.knob_space(workload, target), self.default_knobs(workload, target)
+        theirs = self.default_knobs(workload, tuned_on)
+        for name, value in knobs.items():
+            if name in space and value not in space[name] and value == theirs.get(name) != ours.get(name):
+                ported[name] = ours[name]  # the record kept its machine's hand-picked value
+        for name in CORE_KNOBS:
+            if name not in knobs or name not in space:
+                continue
+            want = self.scaled_core_knob(name, knobs[name], cores(tuned_on), cores(target),
+                                         theirs[name], ours[name])
+            # the space's values and the hand-picked one, within the space's range (the hand-picked
+            # splits, 2 tasks per core, may exceed the key tiles on many cores)
+            low, high = min(space[name]), max(space[name])
+            candidates = [c for c in sorted({*space[name], ours[name]}) if low <= c <= high
+                          and self.check_knobs(workload, {**ours, **ported, name: c}) is None]
+            if candidates:
+                ported[name] = nearest(want, candidates)
+        return ported
+
+    def scaled_core_knob(self, name: str, value: int, theirs_cores: int, ours_cores: int,
+                         theirs_rule: int, ours_rule: int) -> float:
+        """A core knob's value for ``ours_cores`` from the record's ``value`` at ``theirs_cores``
+        (before rounding to a candidate); ``*_rule``: the hand-picked value at each count."""
+        if name == "splits":  # tasks per core kept
+            return value * ours_cores / theirs_cores
+        return value * ours_rule / theirs_rule  # kv_heads: the record's factor over the rule kept
 
 
 class _DenseRule(_CpuRule):

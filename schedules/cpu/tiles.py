@@ -8,16 +8,26 @@ Contents:
     tiles_for     -- the hand-picked tiles for a target, head dim and row count
     tile_space, streaming_space -- the knob candidates the tuner samples
     cores         -- the target's thread count
+    CORE_KNOBS    -- the knobs that set how many parallel tasks a kernel has (they depend on cores)
+    nearest       -- the candidate nearest a value on a log scale (re-deriving a core knob)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import tvm
 
 
 STREAMING_ROWS = 8  # at most this many rows per task: read K/V rows in place rather than packing tiles
+
+# The knobs that set how many parallel tasks a kernel has, so their best value depends on the core
+# count: the backward's splits (tasks = batch x KV heads x splits) and decode's KV heads per task
+# (tasks = batch x KV heads / kv_heads). Every other knob shapes one task (tiles, vector width,
+# prefetch) and depends on the instruction set and caches only. A tuning record holds these for
+# its own target's core count; the rules re-derive them for another (``port_knobs``).
+CORE_KNOBS = ("splits", "kv_heads")
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,13 @@ class CpuTiles:
 def cores(target: tvm.target.Target) -> int:
     """The target's thread count (``num-cores``; 1 when unset)."""
     return int(target.attrs.get("num-cores", 0) or 1)
+
+
+def nearest(value: float, candidates) -> int:
+    """The candidate nearest ``value`` on a log scale (a tie goes to the larger): how a core knob
+    scaled by a ratio of core counts lands on a point of the knob space."""
+    value = max(float(value), 1e-9)
+    return min(candidates, key=lambda c: (abs(math.log2(c / value)), -c))
 
 
 def vector_lanes(target: tvm.target.Target) -> int:

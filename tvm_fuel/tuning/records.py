@@ -12,11 +12,20 @@ Layout (``tuning_logs/`` in the package, or any directory a user passes)::
 
 MetaSchedule's own lookup matches records by the structural hash of the workload and ignores the
 target; here a record is matched by its ``Workload`` key (stable when a kernel template changes)
-and used only when its own target has the same target key and core count (the knobs that set
-tasks per core are tuned for it). Each line of a log is read on its own: a line that cannot be
-read (a run killed mid-write leaves half a line), a record for another target or knobs outside
-the kernel's design space give a ``TuningLogWarning`` naming the file and line and are skipped;
-the other records still apply, and a kernel without one keeps its hand-picked knobs.
+and used when its own target has the same target key: what the knobs depend on (instruction set
+and vector width for the CPU, arch for CUDA, whose SM count follows from it). The core count is
+not part of the key. The CPU knobs that set the task count (``schedules.cpu.tiles.CORE_KNOBS``:
+the backward's splits, decode's KV heads per task) are stored as tuned on the record's target and
+re-derived for the using machine's core count by the rule's ``port_knobs`` (splits keep their
+tasks per core; KV heads per task keep their ratio to the hand-picked rule), rounded to a value
+of the knob space that builds the kernel; see ``schedules.cpu.rules``.
+
+No record for a target is normal (a log root without this target key's folder is silent, the
+kernel keeps its hand-picked knobs). Each line of a log is read on its own: a line that cannot
+be read (a run killed mid-write leaves half a line), a record of another target key found in this
+key's folder or knobs outside the kernel's design space give a ``TuningLogWarning`` naming the
+file and line and are skipped; the other records still apply. Each such warning is given once
+per file and process, however many builds read the file.
 
 Contents:
     target_key       -- "llvm-x86-avx2", "cuda-sm90", ...
@@ -42,7 +51,6 @@ from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import TuningLogWarning, rule_for
-from ..schedules.cpu.tiles import cores
 from ..schedules.workload import Workload
 from .space import BLOCK, KNOB_PREFIX, knobs_of, verification_of
 
@@ -150,15 +158,27 @@ def _shown(items: list[str]) -> str:
     return "; ".join(items[:SHOWN_PER_FILE]) + (f"; and {more} more" if more > 0 else "")
 
 
+def _ported(rule, record: Record, tuned_on: tvm.target.Target, target: tvm.target.Target) -> dict:
+    """The record's knobs for ``target``: the core knobs re-derived from the record's target's core
+    count where the rule knows how (the CPU rules' ``port_knobs``), else as recorded. Knobs the
+    re-derivation cannot place are kept as recorded: ``rule.knobs`` then judges them."""
+    port = getattr(rule, "port_knobs", None)
+    if port is None:
+        return dict(record.knobs)
+    try:
+        return port(record.workload, record.knobs, tuned_on, target)
+    except Exception:  # noqa: BLE001 -- e.g. the record's target has no hand-picked point
+        return dict(record.knobs)
+
+
 def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[Record], list[str]]:
     """The records of ``target``'s key whose knobs build their kernel, and notes on the others.
     ``raw_records``: (line in ``source`` or None, MetaSchedule record) pairs."""
-    key = f"{target_key(target)} with {cores(target)} cores"
+    key = target_key(target)
     records, foreign, broken = [], set(), []
     for line, raw in raw_records:
         try:
-            # the parallel knobs (tasks per core) are tuned for a core count: it must match too
-            theirs = f"{target_key(raw.target)} with {cores(raw.target)} cores"
+            theirs = target_key(raw.target)
             if theirs != key:
                 foreign.add(theirs)
                 continue
@@ -168,12 +188,13 @@ def _usable(raw_records, target: tvm.target.Target, source: str) -> tuple[list[R
             rule = rule_for(record.workload.op, target)
             if rule is None:
                 raise ValueError(f"no kernel serves {record.workload.op}")
+            knobs = _ported(rule, record, raw.target, target)
             # the same check as the tuner's candidates pass: names and values of the design space
-            rule.knobs(record.workload, target, record.knobs)
+            rule.knobs(record.workload, target, knobs)
         except Exception as err:  # noqa: BLE001 -- a record that does not build a kernel here is skipped
             broken.append(f"line {line}: {_reason(err)}" if line else _reason(err))
             continue
-        records.append(Record(record.workload, record.knobs, record.seconds, source, record.verified))
+        records.append(Record(record.workload, knobs, record.seconds, source, record.verified))
     notes = []
     if foreign:
         notes.append(f"{source}: records tuned for {sorted(foreign)} ignored on {key}; {FALLBACK}")
@@ -234,6 +255,15 @@ def _read_database(folder: Path, target: tvm.target.Target) -> tuple[list[Record
 
 
 _CACHE: dict = {}
+_WARNED: set = set()  # (file or database, note) pairs already warned in this process
+
+
+def _warn(where: str, note: str) -> None:
+    """Warn ``note`` about ``where`` once per process: every build reads the logs again."""
+    if (where, note) in _WARNED:
+        return
+    _WARNED.add((where, note))
+    warnings.warn(f"tvm_fuel: {note}", TuningLogWarning, stacklevel=5)
 
 
 def _database_folders(root: Path, target: tvm.target.Target) -> list[Path]:
@@ -267,13 +297,12 @@ class TuningRecords:
             except Exception as err:  # noqa: BLE001 -- an unreadable database is skipped, never fatal
                 records, notes = [], [f"database {type(root).__name__}: unreadable ({err}); {FALLBACK}"]
             for note in notes:
-                warnings.warn(f"tvm_fuel: {note}", TuningLogWarning, stacklevel=4)
+                _warn(f"database {id(root)}", note)
             return records
         records: list[Record] = []
         root = Path(root)
         if not root.exists():
-            warnings.warn(f"tvm_fuel: tuning log directory {root} does not exist; hand-picked knobs are used",
-                          TuningLogWarning, stacklevel=4)
+            _warn(str(root), f"tuning log directory {root} does not exist; hand-picked knobs are used")
             return records
         for folder in _database_folders(root, target):
             files = [folder / WORKLOAD_FILE, folder / RECORD_FILE]
@@ -283,7 +312,7 @@ class TuningRecords:
                 _CACHE[stamp] = _read_database(folder, target)
             found, notes = _CACHE[stamp]
             for note in notes:
-                warnings.warn(f"tvm_fuel: {note}", TuningLogWarning, stacklevel=4)
+                _warn(str(folder), note)
             records += found
         return records
 
