@@ -209,7 +209,8 @@ def test_causal_future_keys_and_a_nan_row_of_do(kernels, dtype):
     for name, before, after in zip(("out", "lse", "dq"), (clean[0], clean[1], clean[2]),
                                    (dirty[0], dirty[1], dirty[2])):
         np.testing.assert_array_equal(after[:, :, :12], before[:, :, :12], err_msg=name)
-        assert np.isnan(after[:, :, 12:]).all(axis=-1 if after.ndim == 4 else None).all() or name == "dq", name
+        # rows 12.. see key 12: out, lse and dq are NaN there (every column: the NaN is in k)
+        assert np.isnan(after[:, :, 12:]).all(), name
     do_dirty = do.copy()
     do_dirty[0, 1, 6, :] = np.nan
     dq, dk, dv = backward(q, k, v, do_dirty)
