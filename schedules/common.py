@@ -157,7 +157,8 @@ def param_buffers(spec: KernelSpec, dims: dict, **handles) -> tuple:
 def masked_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta):
     """The logit of query (b, h, i) and key j from the (softcapped) score: biased, or -inf where
     the key is dropped. What every kernel computes per score element."""
-    return sem.masked(visible(spec, mask, b, h, i, j, kv_len, delta), biased(spec, capped, alibi, mask, b, h, i, j, delta))
+    return sem.masked(visible(spec, mask, b, h, i, j, kv_len, delta),
+                      biased(spec, capped, alibi, mask, b, h, i, j, delta))
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

@@ -24,8 +24,8 @@ underflows to 0 passes its NaN on is unspecified (the paths round differently).
 
 Contents:
     kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask, masked, mask_index, NEG_INF,
-    safe_row_max, normalize, log_sum_exp, probability, weighted, add_weighted, fast_exp, fast_exp2 (LOG2E, LN2),
-    fast_tanh
+    safe_row_max, normalize, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
+    fast_exp2 (LOG2E, LN2), fast_tanh
 """
 
 from __future__ import annotations
@@ -113,6 +113,19 @@ def add_weighted(acc, weight, value):
     as a kernel's accumulation: where the weight is not 0 it rounds exactly as the plain
     multiply-add, so a kernel that takes this path for a tile gives bit-identical rows)."""
     return tirx.Select(weight == _ZERO, acc, acc + weight * value)
+
+
+def score_grad(cfg: AttnConfig, p, dp, d_row, capped, *, factor=None):
+    """dS of one score: ``P * (dP - D) * softcap'(capped) [* factor]``, and exactly 0 where P is 0,
+    whatever a dropped key's dP or capped score holds (0 * NaN is NaN). ``D`` is the row's
+    ``rowsum(dO * O)``; ``capped`` the softcapped score (unused without softcap); ``factor``
+    folds a constant such as the softmax scale into the same expression."""
+    ds = p * (dp - d_row)
+    if cfg.softcap > 0:
+        ds = ds * softcap_grad(cfg, capped)
+    if factor is not None:
+        ds = ds * factor
+    return tirx.Select(p == _ZERO, _ZERO, ds)
 
 
 def masked(visible, logit):

@@ -24,6 +24,7 @@ Contents:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 from tvm import tirx
@@ -32,8 +33,157 @@ from tvm.script import tirx as T
 from ... import semantics as sem
 from ..common import (F32, balanced_order, biased, drop_params, finish, KernelSpec, param_buffers, query_tile_range,
                       shape_vars, visible)
+from .common import absent_inputs, Buffers
 from .micro import Micro
 from .tiles import CpuTiles
+
+
+@dataclass(frozen=True)
+class _Params(Buffers):
+    """The parameter buffers the backward's macros read and write; None where the kernel has none
+    (no ALiBi, no mask, a gradient it does not produce)."""
+
+    q: tirx.Buffer
+    k: tirx.Buffer
+    v: tirx.Buffer
+    do: tirx.Buffer
+    lse: tirx.Buffer
+    dk: tirx.Buffer | None = None
+    dv: tirx.Buffer | None = None
+    alibi: tirx.Buffer | None = None
+    mask: tirx.Buffer | None = None
+
+
+@dataclass(frozen=True)
+class _KeyTile:
+    """A task's float32 scratch of one key tile: K [block_k, DP] (dq += dS K), K^T and V^T
+    [D, block_k] (the score GEMMs vectorize over keys), and the dk, dv accumulators [block_k, DP]."""
+
+    Kn: tirx.Buffer
+    Kt: tirx.Buffer
+    Vt: tirx.Buffer
+    dK: tirx.Buffer
+    dV: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _QueryRows:
+    """A task's float32 scratch of one query tile: q and do [block_q, DP], and per row the forward's
+    lse and D = rowsum(do * out) [block_q]."""
+
+    Qs: tirx.Buffer
+    dOs: tirx.Buffer
+    lse_r: tirx.Buffer
+    D_r: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _TilePair:
+    """The (query tile, key tile) pair of one step: batch ``b``, query head ``h``, the query tile's
+    first position ``i0`` and the key tile's first key ``key_start``."""
+
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    i0: tirx.PrimExpr
+    key_start: tirx.PrimExpr
+
+
+class _Body:
+    """The macros of a backward task, specialised to one spec, tile configuration, gradient set
+    and the kernel's dims Sq, Sk."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...], Sq, Sk):
+        dtype, D, cfg, scale = spec.dtype, spec.head_dim, spec.cfg, spec.scale
+        BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+        want_dk, want_dv = "dk" in grads, "dv" in grads
+        # the capped score is kept only where the softcap derivative uses it
+        capped_needed = cfg.softcap > 0 and ("dq" in grads or want_dk)
+
+        def probability(capped, lse_row, params, pair, r, c):
+            # P = exp(logit - lse) of one score from its capped value, 0 where the key is dropped
+            return T.Select(
+                visible(spec, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c, Sk, Sk - Sq),
+                sem.probability(biased(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r,
+                                       pair.key_start + c, Sk - Sq), lse_row, fast=True),
+                T.float32(0))
+
+        @T.macro
+        def load_keys(keys, params, b, g, kt):
+            # key tile kt of KV head g, and its dk, dv accumulators zeroed
+            for c in range(BK):
+                if kt * BK + c < Sk:
+                    for d in range(D):
+                        keys.Kn[c, d] = params.k[b, g, kt * BK + c, d].astype(F32)
+                        keys.Kt[d, c] = params.k[b, g, kt * BK + c, d].astype(F32)
+                        keys.Vt[d, c] = params.v[b, g, kt * BK + c, d].astype(F32)
+                else:
+                    for d in range(D):
+                        keys.Kn[c, d] = T.float32(0)
+                        keys.Kt[d, c] = T.float32(0)
+                        keys.Vt[d, c] = T.float32(0)
+                for d in range(D, DP):
+                    keys.Kn[c, d] = T.float32(0)
+                for d in T.vectorized(DP):
+                    keys.dK[c, d] = T.float32(0)
+                    keys.dV[c, d] = T.float32(0)
+
+        @T.macro
+        def load_rows(rows, params, row_dot, pair):
+            for r in range(BQ):
+                if pair.i0 + r < Sq:
+                    for d in range(D):
+                        rows.Qs[r, d] = params.q[pair.b, pair.h, pair.i0 + r, d].astype(F32)
+                        rows.dOs[r, d] = params.do[pair.b, pair.h, pair.i0 + r, d].astype(F32)
+                    rows.lse_r[r] = params.lse[pair.b, pair.h, pair.i0 + r]
+                    rows.D_r[r] = row_dot[pair.b, pair.h, pair.i0 + r]
+                else:
+                    for d in range(D):
+                        rows.Qs[r, d] = T.float32(0)
+                        rows.dOs[r, d] = T.float32(0)
+                    rows.lse_r[r] = T.float32(float("-inf"))
+                    rows.D_r[r] = T.float32(0)
+                for d in range(D, DP):
+                    rows.Qs[r, d] = T.float32(0)
+                    rows.dOs[r, d] = T.float32(0)
+
+        @T.macro
+        def probabilities(S, Cap, lse_r, params, pair):
+            # S holds q.k^T; it becomes P = exp(logit - lse), 0 where the key is dropped (a vectorized
+            # exp: LLVM's vector exp is 16 libm calls, which had cost the backward ~30 % of its time)
+            for r in range(BQ):
+                if pair.i0 + r < Sq:
+                    for c in T.vectorized(BK):
+                        if capped_needed:  # keep the capped score for the softcap derivative
+                            Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
+                            S[r, c] = probability(Cap[r, c], lse_r[r], params, pair, r, c)
+                        else:
+                            S[r, c] = probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), lse_r[r],
+                                                  params, pair, r, c)
+                else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
+                    for c in T.vectorized(BK):
+                        S[r, c] = T.float32(0)
+                        if capped_needed:
+                            Cap[r, c] = T.float32(0)
+
+        @T.macro
+        def score_grads(dP, S, Cap, D_r):
+            # dP holds do.v^T; it becomes dS = P * (dP - D) * dsoftcap * scale (0 where P is 0)
+            for r in range(BQ):
+                for c in T.vectorized(BK):
+                    dP[r, c] = sem.score_grad(cfg, S[r, c], dP[r, c], D_r[r], Cap[r, c], factor=T.float32(scale))
+
+        @T.macro
+        def store_key_grads(keys, params, b, g, kt):
+            for c in range(BK):
+                if kt * BK + c < Sk:
+                    for d in range(D):
+                        if want_dk:
+                            params.dk[b, g, kt * BK + c, d] = keys.dK[c, d].astype(dtype)
+                        if want_dv:
+                            params.dv[b, g, kt * BK + c, d] = keys.dV[c, d].astype(dtype)
+
+        self.load_keys, self.load_rows, self.store_key_grads = load_keys, load_rows, store_key_grads
+        self.probabilities, self.score_grads = probabilities, score_grads
 
 
 def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
@@ -43,71 +193,14 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     splits = tiles.splits
     micro = Micro(tiles)
+    body = _Body(spec, tiles, grads, Sq, Sk)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim)
     KV, DV = tiles.key_vecs, tiles.dim_vecs
-    cfg, scale = spec.cfg, spec.scale
+    cfg = spec.cfg
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
-    has_mask = len(spec.mask_broadcast) > 0
-    capped_needed = cfg.softcap > 0 and want_ds
-
-    @T.macro
-    def load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, h, i0, Sq):
-        for r in range(BQ):
-            if i0 + r < Sq:
-                for d in range(D):
-                    Qs[r, d] = q[b, h, i0 + r, d].astype(F32)
-                    dOs[r, d] = do[b, h, i0 + r, d].astype(F32)
-                lse_r[r] = lse[b, h, i0 + r]
-                D_r[r] = row_dot[b, h, i0 + r]
-            else:
-                for d in range(D):
-                    Qs[r, d] = T.float32(0)
-                    dOs[r, d] = T.float32(0)
-                lse_r[r] = T.float32(float("-inf"))
-                D_r[r] = T.float32(0)
-            for d in range(D, DP):
-                Qs[r, d] = T.float32(0)
-                dOs[r, d] = T.float32(0)
-
-    @T.macro
-    def probabilities(S, Cap, lse_r, alibi, mask, b, h, i0, key_start, Sq, Sk):
-        # S holds q.k^T; it becomes P = exp(logit - lse), 0 where the key is dropped (a vectorized
-        # exp: LLVM's vector exp is 16 libm calls, which had cost the backward ~30 % of its time)
-        for r in range(BQ):
-            if i0 + r < Sq:
-                for c in T.vectorized(BK):
-                    if capped_needed:  # keep the capped score for the softcap derivative
-                        Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
-                        S[r, c] = T.Select(
-                            visible(spec, mask, b, h, i0 + r, key_start + c, Sk, Sk - Sq),
-                            sem.probability(biased(spec, Cap[r, c], alibi, mask, b, h, i0 + r, key_start + c, Sk - Sq),
-                                            lse_r[r], fast=True),
-                            T.float32(0))
-                    else:
-                        S[r, c] = T.Select(
-                            visible(spec, mask, b, h, i0 + r, key_start + c, Sk, Sk - Sq),
-                            sem.probability(
-                                biased(spec, sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), alibi, mask,
-                                       b, h, i0 + r, key_start + c, Sk - Sq), lse_r[r], fast=True),
-                            T.float32(0))
-            else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
-                for c in T.vectorized(BK):
-                    S[r, c] = T.float32(0)
-                    if capped_needed:
-                        Cap[r, c] = T.float32(0)
-
-    @T.macro
-    def score_grads(dP, S, Cap, D_r):
-        # dP holds do.v^T; it becomes dS = P * (dP - D) * dsoftcap * scale
-        for r in range(BQ):
-            for c in T.vectorized(BK):
-                # 0 where P is 0, whatever dP or the capped score of a dropped key holds
-                if capped_needed:
-                    dP[r, c] = T.Select(S[r, c] == T.float32(0), T.float32(0), S[r, c] * (dP[r, c] - D_r[r]) * sem.softcap_grad(cfg, Cap[r, c]) * T.float32(scale))
-                else:
-                    dP[r, c] = T.Select(S[r, c] == T.float32(0), T.float32(0), S[r, c] * (dP[r, c] - D_r[r]) * T.float32(scale))
+    unused = absent_inputs(spec) | {name for name in ("dq", "dk", "dv") if name not in grads}
 
     # fmt: off
     @T.prim_func
@@ -118,6 +211,7 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         q, k, v, do, alibi, mask, out, lse, dq, dk, dv = param_buffers(
             spec, dict(B=B, Sq=Sq, Sk=Sk),
             q=q_h, k=k_h, v=v_h, do=do_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, dq=dq_h, dk=dk_h, dv=dv_h)
+        params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi, mask=mask))
         row_dot = T.alloc_buffer((B, Hq, Sq), F32)
         dq_part = T.alloc_buffer((splits, B, Hq, (Sq + BQ - 1) // BQ * BQ, DP) if want_dq else (1,), F32)
         n_key_tiles = (Sk + BK - 1) // BK
@@ -155,61 +249,37 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
             keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
+            rows = T.meta_var(_QueryRows(Qs, dOs, lse_r, D_r))
             for i in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
                 kt: T.int64 = balanced_order(i, n_key_tiles)  # causal work falls with kt: pair them
-                for c in range(BK):
-                    if kt * BK + c < Sk:
-                        for d in range(D):
-                            Kn[c, d] = k[b, g, kt * BK + c, d].astype(F32)
-                            Kt[d, c] = k[b, g, kt * BK + c, d].astype(F32)
-                            Vt[d, c] = v[b, g, kt * BK + c, d].astype(F32)
-                    else:
-                        for d in range(D):
-                            Kn[c, d] = T.float32(0)
-                            Kt[d, c] = T.float32(0)
-                            Vt[d, c] = T.float32(0)
-                    for d in range(D, DP):
-                        Kn[c, d] = T.float32(0)
-                    for d in T.vectorized(DP):
-                        dK_acc[c, d] = T.float32(0)
-                        dV_acc[c, d] = T.float32(0)
+                body.load_keys(keys, params, b, g, kt)
                 micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
                 for hr in range(group):
                     qlo, qhi = query_tile_range(cfg, key_first=kt * BK, key_last=T.min(kt * BK + BK, Sk) - 1,
                                                 num_queries=Sq, delta=Sk - Sq, block_q=BQ)
                     for qt in range(qlo, qhi):
-                        load_rows(Qs, dOs, lse_r, D_r, q, do, lse, row_dot, b, g * group + hr, qt * BQ, Sq)
-                        micro.gemm(S, Qs, Kt, BQ, BK, D, KV, False, False, None)
-                        probabilities(S, Cap, lse_r, alibi, mask, b, g * group + hr, qt * BQ, kt * BK, Sq, Sk)
+                        pair = T.meta_var(_TilePair(b, g * group + hr, qt * BQ, kt * BK))
+                        body.load_rows(rows, params, row_dot, pair)
+                        micro.gemm(S, Qs, Kt, BQ, BK, D, KV)
+                        body.probabilities(S, Cap, lse_r, params, pair)
                         if want_dv:
                             micro.count_nonfinite(do_nonfinite, dOs, BQ, DP)
-                            if do_nonfinite[0] == T.float32(0):
-                                micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True, None)
-                            else:
-                                micro.gemm(dV_acc, S, dOs, BK, DP, BQ, DV, True, True, None, True)
+                            micro.nan_safe_gemm(dV_acc, S, dOs, BK, DP, BQ, DV, do_nonfinite[0] == T.float32(0),
+                                                a_transposed=True, accumulate=True)
                         if want_ds:
-                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KV, False, False, None)
-                            score_grads(dP, S, Cap, D_r)
+                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KV)
+                            body.score_grads(dP, S, Cap, D_r)
                             if want_dk:
                                 micro.count_nonfinite(q_nonfinite, Qs, BQ, DP)
-                                if q_nonfinite[0] == T.float32(0):
-                                    micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True, None)
-                                else:
-                                    micro.gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, True, True, None, True)
+                                micro.nan_safe_gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, q_nonfinite[0] == T.float32(0),
+                                                    a_transposed=True, accumulate=True)
                             if want_dq:
                                 dQv = T.decl_buffer((BQ, DP), F32, data=dq_part.data, elem_offset=(
                                     ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
-                                if keys_nonfinite[0] == T.float32(0):
-                                    micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True, None)
-                                else:
-                                    micro.gemm(dQv, dP, Kn, BQ, DP, BK, DV, False, True, None, True)
-                for c in range(BK):
-                    if kt * BK + c < Sk:
-                        for d in range(D):
-                            if want_dk:
-                                dk[b, g, kt * BK + c, d] = dK_acc[c, d].astype(dtype)
-                            if want_dv:
-                                dv[b, g, kt * BK + c, d] = dV_acc[c, d].astype(dtype)
+                                micro.nan_safe_gemm(dQv, dP, Kn, BQ, DP, BK, DV, keys_nonfinite[0] == T.float32(0),
+                                                    accumulate=True)
+                body.store_key_grads(keys, params, b, g, kt)
         # 3. dq = sum of the splits' partials
         if want_dq:
             for bh in T.parallel(B * Hq):
@@ -221,9 +291,4 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                     dq[bh // Hq, bh % Hq, i, d] = total[0].astype(dtype)
     # fmt: on
 
-    unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}
-    if not spec.has_alibi:
-        unused.add("alibi")
-    if not has_mask:
-        unused.add("mask")
     return finish(drop_params(fuel_flash_attn_backward_cpu, unused))

@@ -1,14 +1,43 @@
-"""The llvm-only piece of the CPU kernels (the rest is shared: ``schedules.common``).
+"""Pieces of the CPU kernels that are not TVMScript macros (the rest is shared: ``schedules.common``).
 
 Contents:
-    prefetch -- software prefetch of a cache line
+    prefetch      -- software prefetch of a cache line
+    absent_inputs -- the optional inputs (ALiBi, mask) a spec does not use
+    Buffers       -- base of the frozen bundles of parameter buffers handed to the task macros
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..common import KernelSpec
+
 
 def prefetch(address):
     """Software prefetch of the cache line at ``address`` into all cache levels (for reading)."""
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+
+
+def absent_inputs(spec: KernelSpec) -> set[str]:
+    """The optional inputs ("alibi", "mask") ``spec`` does not use: the kernels drop them from their
+    signature, and their bundles hold None in their place."""
+    absent = set()
+    if not spec.has_alibi:
+        absent.add("alibi")
+    if len(spec.mask_broadcast) == 0:
+        absent.add("mask")
+    return absent
+
+
+class Buffers:
+    """Base of the frozen dataclasses that bundle a kernel's parameter buffers for its macros.
+
+    Built inside a ``@T.prim_func`` body as ``T.meta_var(Bundle.of(absent, name=buffer, ...))``:
+    ``T.meta_var`` keeps the parser from binding the bundle as a TIR value.
+    """
+
+    @classmethod
+    def of(cls, absent: set[str], **buffers):
+        """The bundle of ``buffers``, with None for the ``absent`` ones (a macro then cannot read a
+        parameter the kernel drops)."""
+        return cls(**{name: None if name in absent else buffer for name, buffer in buffers.items()})

@@ -17,12 +17,15 @@ The paged kernel reads its key tiles through the block table (no gather) and sto
 
 Contents:
     KernelSpec     -- the static facts of one kernel instance
+    Params         -- the parameter buffers a task's macros read and write
+    RowTile        -- the rows one task owns and the keys they may see
     dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
     paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import tvm
@@ -32,30 +35,124 @@ from tvm.script import tirx as T
 from ... import semantics as sem
 from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
                       param_buffers, row_head, row_position, shape_vars, tile_is_interior, tile_width)
-from .common import prefetch
-from .micro import Micro, store_row_sums
+from .common import absent_inputs, Buffers, prefetch
+from .micro import add_term, Micro, store_row_sums
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
+@dataclass(frozen=True)
+class Params(Buffers):
+    """The parameter buffers a forward task's macros read and write; None where the kernel has
+    none (no ALiBi, no mask, no lse; only the paged kernel has the caches and the block table)."""
+
+    q: tirx.Buffer
+    out: tirx.Buffer
+    alibi: tirx.Buffer | None = None
+    mask: tirx.Buffer | None = None
+    lse: tirx.Buffer | None = None
+    k_cache: tirx.Buffer | None = None
+    v_cache: tirx.Buffer | None = None
+    table: tirx.Buffer | None = None
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """The block_q rows one task owns and the keys they may see (expressions of the kernel body).
+
+    group       query heads per KV head: row = position * group + head in group
+    b, g        batch and KV head (paged streaming: the first of the task's KV heads)
+    r0          the tile's first row
+    head_rows   rows of the KV head (Sq * group); the tile's rows past it are padding
+    kv_len      keys of the sequence; delta = kv_len - Sq aligns query i with key i + delta
+    first_pos, last_pos  query positions of the tile's first and last row
+    """
+
+    group: int
+    b: tirx.PrimExpr
+    g: tirx.PrimExpr
+    r0: tirx.PrimExpr
+    head_rows: tirx.PrimExpr
+    kv_len: tirx.PrimExpr
+    delta: tirx.PrimExpr
+    first_pos: tirx.PrimExpr
+    last_pos: tirx.PrimExpr
+
+    def head(self, gi) -> RowTile:
+        """The same rows of KV head g + gi (a streaming task's gi-th head)."""
+        return replace(self, g=self.g + gi)
+
+    def row_head(self, r):
+        """Query head of the tile's row r."""
+        return row_head(self.g, self.r0 + r, self.group)
+
+    def row_position(self, r):
+        """Query position of the tile's row r."""
+        return row_position(self.r0 + r, self.group)
+
+    def key_tiles(self, cfg, block_k: int):
+        """[lo, hi) of the key tiles the rows can see."""
+        return key_tile_range(cfg, **self._bounds(), block_k=block_k)
+
+    def is_interior(self, cfg, key_start, block_k: int):
+        """Whether every row sees every key of the tile at ``key_start`` (no masking needed)."""
+        return tile_is_interior(cfg, key_start=key_start, **self._bounds(), block_k=block_k)
+
+    def width(self, cfg, key_start, block_k: int, step: int):
+        """Keys of the tile at ``key_start`` up to the last one a row sees, rounded up to ``step``."""
+        return tile_width(cfg, key_start=key_start, **self._bounds(), block_k=block_k, step=step)
+
+    def _bounds(self) -> dict:
+        return dict(first_pos=self.first_pos, last_pos=self.last_pos, kv_len=self.kv_len, delta=self.delta)
+
+
+@dataclass(frozen=True)
+class _Scratch:
+    """A task's float32 scratch: queries Qs [block_q, D], scores S [block_q, block_k], the
+    accumulator O [block_q, DP] and the row statistics m, l, alpha [block_q]. A paged task
+    holds one of each per KV head it streams: [heads, ...] buffers."""
+
+    Qs: tirx.Buffer
+    S: tirx.Buffer
+    O: tirx.Buffer
+    m: tirx.Buffer
+    l: tirx.Buffer
+    alpha: tirx.Buffer
+
+    def view(self, index) -> _Scratch:
+        """The scratch of head ``index`` of [heads, ...] buffers, as views (declared in field order)."""
+        return _Scratch(_head(self.Qs, index), _head(self.S, index), _head(self.O, index), _head(self.m, index),
+                        _head(self.l, index), _head(self.alpha, index))
+
+
 class _Body:
-    """The macros of a forward task, specialised to one spec and tile configuration."""
+    """The macros of a forward task, specialised to one spec and tile configuration.
+
+    Their arguments: scratch buffers (or a ``_Scratch``), then the ``Params`` and the ``RowTile``.
+    """
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles):
         micro = Micro(tiles)
-        cfg, dtype, group, D = spec.cfg, spec.dtype, spec.group, spec.head_dim
+        cfg, dtype, D = spec.cfg, spec.dtype, spec.head_dim
         BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
         DP = tiles.padded_dim(D)
         # scores are taken in log2 units (q pre-scaled by scale * log2 e): the online softmax's
         # exponentials are then exp2, whose range reduction is one subtraction
         scale = spec.scale * sem.LOG2E
-        mask_dtype = spec.mask_dtype
+
+        def logit(score, params, tile, r, key):
+            # softcap, ALiBi, masks and the window/length rule of one score, in natural units (S
+            # is in log2 units around it)
+            capped = sem.softcap(cfg, score * T.float32(sem.LN2), fast=True)
+            return masked_logit(spec, capped, params.alibi, params.mask, tile.b, tile.row_head(r),
+                                tile.row_position(r), key, tile.kv_len, tile.delta) * T.float32(sem.LOG2E)
 
         @T.macro
-        def load_queries(Qs, q, b, g, r0, rows):
+        def load_queries(Qs, params, tile):
             for r in range(BQ):
-                if r0 + r < rows:
+                if tile.r0 + r < tile.head_rows:
                     for d in range(D):
-                        Qs[r, d] = q[b, row_head(g, r0 + r, group), row_position(r0 + r, group), d].astype(F32) * T.float32(scale)
+                        Qs[r, d] = (params.q[tile.b, tile.row_head(r), tile.row_position(r), d].astype(F32)
+                                    * T.float32(scale))
                 else:
                     for d in range(D):
                         Qs[r, d] = T.float32(0)
@@ -69,64 +166,58 @@ class _Body:
                     O[r, d] = T.float32(0)
 
         @T.macro
-        def logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta):
-            # softcap, ALiBi, masks and the window/length rule, element by element (in natural units:
-            # S is in log2 units around it)
+        def logits(S, params, tile, key_start):
             for r in range(BQ):
-                if r0 + r < rows:
+                if tile.r0 + r < tile.head_rows:
                     for c in T.vectorized(BK):
-                        S[r, c] = masked_logit(spec, sem.softcap(cfg, S[r, c] * T.float32(sem.LN2), fast=True), alibi, mask, b, row_head(g, r0 + r, group), row_position(r0 + r, group), key_start + c, kv_len, delta) * T.float32(sem.LOG2E)
+                        S[r, c] = logit(S[r, c], params, tile, r, key_start + c)
 
         @T.macro
-        def normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
-                           last_pos, width):
+        def normalize_tile(S, m, l, alpha, params, tile, key_start, width):
             # scores -> masked logits -> 2^(logit - running max), log2 units; alpha: O's rescale to the new max
             if spec.elementwise_logits:
-                logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
+                logits(S, params, tile, key_start)
             else:
-                if not tile_is_interior(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
-                                        kv_len=kv_len, delta=delta, block_k=BK):
-                    logits(S, alibi, mask, b, g, r0, rows, key_start, kv_len, delta)
+                if not tile.is_interior(cfg, key_start, BK):
+                    logits(S, params, tile, key_start)
             micro.online_softmax(S, m, l, alpha, BQ, width)
 
         @T.macro
-        def attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta,
-                        first_pos, last_pos, values_finite):
+        def attend_tile(scratch, Kt, Vt, params, tile, key_start, values_finite):
             # a packed key tile: both products are register-tiled GEMMs over its first `width` keys
             # (past them no row sees a key: the rest of a causal diagonal tile is skipped)
-            width: T.int64 = tile_width(cfg, key_start=key_start, first_pos=first_pos, last_pos=last_pos,
-                                        kv_len=kv_len, delta=delta, block_k=BK, step=tiles.key_vecs * L)
-            micro.gemm(S, Qs, Kt, BQ, width, D, tiles.key_vecs, False, False, None)
-            normalize_tile(S, m, l, alpha, alibi, mask, b, g, r0, rows, key_start, kv_len, delta, first_pos,
-                           last_pos, width)
-            if values_finite:
-                micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True, alpha)
-            else:
-                micro.gemm(O, S, Vt, BQ, DP, width, tiles.dim_vecs, False, True, alpha, True)
+            width: T.int64 = tile.width(cfg, key_start, BK, tiles.key_vecs * L)
+            micro.gemm(scratch.S, scratch.Qs, Kt, BQ, width, D, tiles.key_vecs)
+            normalize_tile(scratch.S, scratch.m, scratch.l, scratch.alpha, params, tile, key_start, width)
+            micro.nan_safe_gemm(scratch.O, scratch.S, Vt, BQ, DP, width, tiles.dim_vecs, values_finite,
+                                accumulate=True, row_scale=scratch.alpha)
 
         @T.macro
-        def store(out, lse, O, m, l, b, g, r0, rows):
+        def store(O, m, l, params, tile):
             for r in range(BQ):
-                if r0 + r < rows:
+                if tile.r0 + r < tile.head_rows:
                     for d in range(D):
-                        out[b, row_head(g, r0 + r, group), row_position(r0 + r, group), d] = sem.normalize(O[r, d], l[r]).astype(dtype)
+                        params.out[tile.b, tile.row_head(r), tile.row_position(r), d] = sem.normalize(
+                            O[r, d], l[r]).astype(dtype)
                     if spec.return_lse:
-                        lse[b, row_head(g, r0 + r, group), row_position(r0 + r, group)] = sem.log_sum_exp(sem.safe_row_max(m[r]) * T.float32(sem.LN2), l[r])
+                        params.lse[tile.b, tile.row_head(r), tile.row_position(r)] = sem.log_sum_exp(
+                            sem.safe_row_max(m[r]) * T.float32(sem.LN2), l[r])
 
         self.load_queries, self.init_state, self.store = load_queries, init_state, store
         self.normalize_tile, self.attend_tile, self.scale_rows = normalize_tile, attend_tile, micro.scale_rows
         self.count_nonfinite = micro.count_nonfinite
 
 
-def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
+                  dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D]; ``dims`` fixes B, Sq, Sk
     (symbolic where absent)."""
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     body = _Body(spec, tiles)
-    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
     cfg = spec.cfg
-    has_mask = len(spec.mask_broadcast) > 0
+    unused = absent_inputs(spec) | (set() if spec.return_lse else {"lse"})
 
     # fmt: off
     @T.prim_func
@@ -136,6 +227,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         q, k, v, alibi, mask, out, lse = param_buffers(
             spec, dict(B=B, Sq=Sq, Sk=Sk),
             q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
+        params = T.meta_var(Params.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         # K and V are packed once into float32 key tiles shared by every task of the KV head:
@@ -170,7 +262,8 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
                 for d in range(D, DP):
                     v_tiles[pb, pg, pt, c, d] = T.float32(0)
             body.count_nonfinite(T.decl_buffer((1,), F32, data=v_nonfinite.data, elem_offset=pack),
-                                 T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=pack * (BK * DP)), BK, DP)
+                                 T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=pack * (BK * DP)),
+                                 BK, DP)
         for task in T.parallel(B * Hkv * n_row_tiles):
             b: T.int64 = task // (Hkv * n_row_tiles)
             g: T.int64 = task // n_row_tiles % Hkv
@@ -183,28 +276,165 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
             m = T.alloc_buffer((BQ,), F32)
             l = T.alloc_buffer((BQ,), F32)
             alpha = T.alloc_buffer((BQ,), F32)
-            body.load_queries(Qs, q, b, g, r0, rows)
+            scratch = T.meta_var(_Scratch(Qs, S, O, m, l, alpha))
+            tile = T.meta_var(RowTile(group, b, g, r0, rows, kv_len=Sk, delta=Sk - Sq, first_pos=first_pos,
+                                      last_pos=last_pos))
+            body.load_queries(Qs, params, tile)
             body.init_state(O, m, l)
-            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=Sk, delta=Sk - Sq, block_k=BK)
+            lo, hi = tile.key_tiles(cfg, BK)
             for kt in range(lo, hi):
-                Kt = T.decl_buffer((D, BK), F32, data=k_tiles.data, elem_offset=((b * Hkv + g) * n_key_tiles + kt) * (D * BK))
-                Vt = T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=((b * Hkv + g) * n_key_tiles + kt) * (BK * DP))
-                body.attend_tile(Qs, Kt, Vt, S, O, m, l, alpha, alibi, mask, b, g, r0, rows, kt * BK, Sk,
-                                 Sk - Sq, first_pos, last_pos, v_nonfinite[b, g, kt] == T.float32(0))
-            body.store(out, lse, O, m, l, b, g, r0, rows)
+                tile_offset = T.meta_var((b * Hkv + g) * n_key_tiles + kt)  # of the KV head's packed tile kt
+                Kt = T.decl_buffer((D, BK), F32, data=k_tiles.data, elem_offset=tile_offset * (D * BK))
+                Vt = T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=tile_offset * (BK * DP))
+                body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, v_nonfinite[b, g, kt] == T.float32(0))
+            body.store(O, m, l, params, tile)
     # fmt: on
 
-    unused = set()
-    if not spec.has_alibi:
-        unused.add("alibi")
-    if not has_mask:
-        unused.add("mask")
-    if not spec.return_lse:
-        unused.add("lse")
     return finish(drop_params(fuel_flash_attn_cpu, unused))
 
 
-def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+class _PagedTile:
+    """The macros that run one key tile of a paged task: ``stream_tile`` reads the tile's K and V
+    rows in place (decode), ``packed_tile`` packs them through the block table and runs the
+    register-tiled GEMMs. ``num_blocks``: the caches' block count (a dim of the kernel)."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, body: _Body, num_blocks):
+        cfg, dtype, D = spec.cfg, spec.dtype, spec.head_dim
+        BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
+        HT = tiles.kv_heads  # KV heads per streaming task
+        LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
+        VT = tiles.value_tokens
+        PREFETCH = tiles.prefetch
+        PER_LINE = 64 // (tvm.DataType(dtype).bits // 8)  # elements per 64-byte cache line
+        LINES = -(-D // PER_LINE)  # cache lines of one head's row of a token
+        ROWS_POW2 = 1 << (BQ - 1).bit_length()  # rows of the score shuffle tree
+
+        def page_of(table, b, j):
+            # a live token's block id was validated before the kernel (CPU check); clamp all the same
+            return T.max(T.min(T.Cast("int64", table[b, j // BS]), num_blocks - 1), T.int64(0))
+
+        @T.macro
+        def prefetch_row(cache, pages_ahead, token, kv_len, g, c):
+            # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
+            # pass. The hardware prefetchers restart at every 4 KiB page and at every jump through the
+            # block table (measured: bfloat16 1.7x faster with it, float32 0-16 % by the memory load).
+            ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
+            for line in T.unroll(LINES):
+                prefetch(T.address_of(cache[pages_ahead[c], ahead % BS, g, T.min(line * PER_LINE, D - 1)]))
+
+        @T.macro
+        def add_values(heads, params, tile, tokens, gi, first, count: T.int32, skip_zero_weights):
+            # O[gi] += sum over tokens first .. first + count - 1 of P[gi, :, token] * V[token, head g + gi]
+            # (skip_zero_weights: a dropped token's P is 0 and its V may be NaN, see the module docstring)
+            for d0 in range(D // LD):
+                acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
+                for r in T.unroll(BQ):
+                    for v in T.vectorized(LD):
+                        acc_o[r, v] = heads.O[gi, r, d0 * LD + v]
+                for u in T.unroll(count):
+                    for r in T.unroll(BQ):
+                        for v in T.vectorized(LD):
+                            acc_o[r, v] = add_term(
+                                acc_o[r, v], heads.S[gi, r, first + u],
+                                params.v_cache[tokens.pages[first + u], (tokens.kt * BK + first + u) % BS, tile.g + gi,
+                                               d0 * LD + v].astype(F32),
+                                skip_zero_weights)
+                for r in T.unroll(BQ):
+                    for v in T.vectorized(LD):
+                        heads.O[gi, r, d0 * LD + v] = acc_o[r, v]
+
+        @T.macro
+        def add_value_rows(heads, params, tile, tokens, live, skip_zero_weights):
+            # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
+            # VT tokens; each token's value row is still read as one contiguous run over the heads
+            for c0 in range(live // VT):
+                for gi in range(HT):
+                    if PREFETCH > 0:
+                        for u in T.unroll(VT):
+                            prefetch_row(params.v_cache, tokens.pages_ahead, tokens.kt * BK + c0 * VT + u,
+                                         tile.kv_len, tile.g + gi, c0 * VT + u)
+                    add_values(heads, params, tile, tokens, gi, c0 * VT, VT, skip_zero_weights)
+            for c in range(live // VT * VT, live):
+                for gi in range(HT):
+                    add_values(heads, params, tile, tokens, gi, c, 1, skip_zero_weights)
+
+        @T.macro
+        def stream_tile(heads, params, tile, kt):
+            # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
+            pages = T.alloc_buffer((BK,), "int64", scope="local")
+            sums = T.alloc_buffer((ROWS_POW2,), F32, scope="local")
+            for c in range(BK):
+                pages[c] = page_of(params.table, tile.b, T.min(kt * BK + c, tile.kv_len - 1))
+            # and of the token PREFETCH ahead of each (the last live one past the end)
+            pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64", scope="local")
+            if PREFETCH > 0:
+                for c in range(BK):
+                    pages_ahead[c] = page_of(params.table, tile.b, T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
+            tokens = T.meta_var(_Tokens(kt, pages, pages_ahead))
+            for c in range(BK):
+                if kt * BK + c < tile.kv_len:
+                    for gi in range(HT):
+                        acc = T.alloc_buffer((BQ, LD), F32, scope="local")
+                        for r in T.unroll(BQ):
+                            for v in T.vectorized(LD):
+                                acc[r, v] = T.float32(0)
+                        if PREFETCH > 0:
+                            prefetch_row(params.k_cache, pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
+                        for d0 in range(D // LD):
+                            for r in T.unroll(BQ):
+                                for v in T.vectorized(LD):
+                                    acc[r, v] = acc[r, v] + heads.Qs[gi, r, d0 * LD + v] * params.k_cache[
+                                        pages[c], (kt * BK + c) % BS, tile.g + gi, d0 * LD + v].astype(F32)
+                        store_row_sums(sums, acc, BQ, LD)
+                        for r in T.unroll(BQ):
+                            heads.S[gi, r, c] = sums[r]
+                else:
+                    for gi, r in T.grid(HT, BQ):
+                        heads.S[gi, r, c] = T.float32(0)
+            for gi in range(HT):
+                body.normalize_tile(_head(heads.S, gi), _head(heads.m, gi), _head(heads.l, gi),
+                                    _head(heads.alpha, gi), params, tile.head(gi), kt * BK, BK)
+                body.scale_rows(_head(heads.O, gi), _head(heads.alpha, gi), BQ, DP)
+            live = T.min(tile.kv_len - kt * BK, BK)
+            # interior tiles drop no token: their value rows need no zero-weight check
+            if tile.is_interior(cfg, kt * BK, BK):
+                add_value_rows(heads, params, tile, tokens, live, False)
+            else:
+                add_value_rows(heads, params, tile, tokens, live, True)
+
+        @T.macro
+        def packed_tile(heads, Kt, Vt, params, tile, kt):
+            for c in range(BK):
+                if kt * BK + c < tile.kv_len:
+                    block: T.int64 = page_of(params.table, tile.b, kt * BK + c)
+                    for d in range(D):
+                        Kt[d, c] = params.k_cache[block, (kt * BK + c) % BS, tile.g, d].astype(F32)
+                        Vt[c, d] = params.v_cache[block, (kt * BK + c) % BS, tile.g, d].astype(F32)
+                else:
+                    for d in range(D):
+                        Kt[d, c] = T.float32(0)
+                        Vt[c, d] = T.float32(0)
+                for d in range(D, DP):
+                    Vt[c, d] = T.float32(0)
+            nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            body.count_nonfinite(nonfinite, Vt, BK, DP)
+            body.attend_tile(heads.view(0), Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+
+        self.stream_tile, self.packed_tile = stream_tile, packed_tile
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """Key tile ``kt`` of a streaming paged task: the page of each of its tokens (``pages``) and of
+    the token PREFETCH ahead of each (``pages_ahead``)."""
+
+    kt: tirx.PrimExpr
+    pages: tirx.Buffer
+    pages_ahead: tirx.Buffer
+
+
+def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
+                  dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """Paged attention of q [B, Hq, Sq, D] over caches [num_blocks, block_size, Hkv, D].
 
     Decode-shaped work (at most STREAMING_ROWS rows per KV head) streams keys and values in place:
@@ -215,128 +445,13 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
     """
     B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
     body = _Body(spec, tiles)
-    dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
+    paged = _PagedTile(spec, tiles, body, num_blocks)
+    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     cfg = spec.cfg
     streaming = BQ <= STREAMING_ROWS
     HT = tiles.kv_heads if streaming else 1  # KV heads per task
-    LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
-    VT = tiles.value_tokens
-    PREFETCH = tiles.prefetch
-    PER_LINE = 64 // (tvm.DataType(dtype).bits // 8)  # elements per 64-byte cache line
-    LINES = -(-D // PER_LINE)  # cache lines of one head's row of a token
-    ROWS_POW2 = 1 << (BQ - 1).bit_length()  # rows of the score shuffle tree
-
-    def page_of(table, b, j, num_blocks):
-        # a live token's block id was validated before the kernel (CPU check); clamp all the same
-        return T.max(T.min(T.Cast("int64", table[b, j // BS]), num_blocks - 1), T.int64(0))
-
-    @T.macro
-    def prefetch_row(cache, pages_ahead, token, kv_len, g, c):
-        # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
-        # pass. The hardware prefetchers restart at every 4 KiB page and at every jump through the
-        # block table (measured: bfloat16 1.7x faster with it, float32 0-16 % by the memory load).
-        ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
-        for line in T.unroll(LINES):
-            prefetch(T.address_of(cache[pages_ahead[c], ahead % BS, g, T.min(line * PER_LINE, D - 1)]))
-
-    @T.macro
-    def add_values(O_all, S_all, pages, v_cache, kt, g0, gi, first, count: T.int32, skip_zero_weights):
-        # O[gi] += sum over tokens first .. first + count - 1 of P[gi, :, token] * V[token, head g0 + gi]
-        # (skip_zero_weights: a dropped token's P is 0 and its V may be NaN, see the module docstring)
-        for d0 in range(D // LD):
-            acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
-            for r in T.unroll(BQ):
-                for v in T.vectorized(LD):
-                    acc_o[r, v] = O_all[gi, r, d0 * LD + v]
-            for u in T.unroll(count):
-                for r in T.unroll(BQ):
-                    for v in T.vectorized(LD):
-                        if skip_zero_weights:
-                            acc_o[r, v] = sem.add_weighted(acc_o[r, v], S_all[gi, r, first + u], v_cache[pages[first + u], (kt * BK + first + u) % BS, g0 + gi, d0 * LD + v].astype(F32))
-                        else:
-                            acc_o[r, v] = acc_o[r, v] + S_all[gi, r, first + u] * v_cache[pages[first + u], (kt * BK + first + u) % BS, g0 + gi, d0 * LD + v].astype(F32)
-            for r in T.unroll(BQ):
-                for v in T.vectorized(LD):
-                    O_all[gi, r, d0 * LD + v] = acc_o[r, v]
-
-    @T.macro
-    def add_value_rows(O_all, S_all, pages, pages_ahead, v_cache, kt, kv_len, g0, live, skip_zero_weights):
-        for c0 in range(live // VT):
-            for gi in range(HT):
-                if PREFETCH > 0:
-                    for u in T.unroll(VT):
-                        prefetch_row(v_cache, pages_ahead, kt * BK + c0 * VT + u, kv_len, g0 + gi, c0 * VT + u)
-                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c0 * VT, VT, skip_zero_weights)
-        for c in range(live // VT * VT, live):
-            for gi in range(HT):
-                add_values(O_all, S_all, pages, v_cache, kt, g0, gi, c, 1, skip_zero_weights)
-
-    @T.macro
-    def stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0, r0, rows,
-                    kt, kv_len, Sq, num_blocks, first_pos, last_pos):
-        # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
-        pages = T.alloc_buffer((BK,), "int64", scope="local")
-        sums = T.alloc_buffer((ROWS_POW2,), F32, scope="local")
-        for c in range(BK):
-            pages[c] = page_of(table, b, T.min(kt * BK + c, kv_len - 1), num_blocks)
-        # and of the token PREFETCH ahead of each (the last live one past the end)
-        pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64", scope="local")
-        if PREFETCH > 0:
-            for c in range(BK):
-                pages_ahead[c] = page_of(table, b, T.min(kt * BK + c + PREFETCH, kv_len - 1), num_blocks)
-        for c in range(BK):
-            if kt * BK + c < kv_len:
-                for gi in range(HT):
-                    acc = T.alloc_buffer((BQ, LD), F32, scope="local")
-                    for r in T.unroll(BQ):
-                        for v in T.vectorized(LD):
-                            acc[r, v] = T.float32(0)
-                    if PREFETCH > 0:
-                        prefetch_row(k_cache, pages_ahead, kt * BK + c, kv_len, g0 + gi, c)
-                    for d0 in range(D // LD):
-                        for r in T.unroll(BQ):
-                            for v in T.vectorized(LD):
-                                acc[r, v] = acc[r, v] + Qs_all[gi, r, d0 * LD + v] * k_cache[pages[c], (kt * BK + c) % BS, g0 + gi, d0 * LD + v].astype(F32)
-                    store_row_sums(sums, acc, BQ, LD)
-                    for r in T.unroll(BQ):
-                        S_all[gi, r, c] = sums[r]
-            else:
-                for gi, r in T.grid(HT, BQ):
-                    S_all[gi, r, c] = T.float32(0)
-        for gi in range(HT):
-            body.normalize_tile(_head(S_all, gi), _head(m_all, gi), _head(l_all, gi), _head(alpha_all, gi), alibi,
-                                alibi, b, g0 + gi, r0, rows, kt * BK, kv_len, kv_len - Sq, first_pos, last_pos, BK)
-            body.scale_rows(_head(O_all, gi), _head(alpha_all, gi), BQ, DP)
-        live = T.min(kv_len - kt * BK, BK)
-        # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
-        # VT tokens; each token's value row is still read as one contiguous run over the heads
-        if tile_is_interior(cfg, key_start=kt * BK, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len,
-                            delta=kv_len - Sq, block_k=BK):
-            add_value_rows(O_all, S_all, pages, pages_ahead, v_cache, kt, kv_len, g0, live, False)
-        else:
-            add_value_rows(O_all, S_all, pages, pages_ahead, v_cache, kt, kv_len, g0, live, True)
-
-    @T.macro
-    def packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi, b, g,
-                    r0, rows, kt, kv_len, Sq, num_blocks, first_pos, last_pos):
-        for c in range(BK):
-            if kt * BK + c < kv_len:
-                block: T.int64 = page_of(table, b, kt * BK + c, num_blocks)
-                for d in range(D):
-                    Kt[d, c] = k_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
-                    Vt[c, d] = v_cache[block, (kt * BK + c) % BS, g, d].astype(F32)
-            else:
-                for d in range(D):
-                    Kt[d, c] = T.float32(0)
-                    Vt[c, d] = T.float32(0)
-            for d in range(D, DP):
-                Vt[c, d] = T.float32(0)
-        nonfinite = T.alloc_buffer((1,), F32, scope="local")
-        body.count_nonfinite(nonfinite, Vt, BK, DP)
-        body.attend_tile(_head(Qs_all, 0), Kt, Vt, _head(S_all, 0), _head(O_all, 0), _head(m_all, 0),
-                         _head(l_all, 0), _head(alpha_all, 0), alibi, alibi, b, g, r0, rows, kt * BK, kv_len,
-                         kv_len - Sq, first_pos, last_pos, nonfinite[0] == T.float32(0))
+    unused = absent_inputs(spec)
 
     # fmt: off
     @T.prim_func
@@ -346,6 +461,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
         q, k_cache, v_cache, table, lens, alibi, out = param_buffers(
             spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
             q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
+        params = T.meta_var(Params.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
+                                      table=table))
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
@@ -363,23 +480,23 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int |
             alpha_all = T.alloc_buffer((HT, BQ), F32)
             Kt = T.alloc_buffer((D, BK) if not streaming else (1,), F32)
             Vt = T.alloc_buffer((BK, DP) if not streaming else (1,), F32)
+            heads = T.meta_var(_Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all))
+            tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
+                                      first_pos=first_pos, last_pos=last_pos))
             for gi in range(HT):
-                body.load_queries(_head(Qs_all, gi), q, b, g0 + gi, r0, rows)
+                body.load_queries(_head(Qs_all, gi), params, tile.head(gi))
                 body.init_state(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi))
-            lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=kv_len - Sq,
-                                    block_k=BK)
+            lo, hi = tile.key_tiles(cfg, BK)
             for kt in range(lo, hi):
                 if streaming:
-                    stream_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, k_cache, v_cache, table, alibi, b, g0,
-                                r0, rows, kt, kv_len, Sq, num_blocks, first_pos, last_pos)
+                    paged.stream_tile(heads, params, tile, kt)
                 else:
-                    packed_tile(Qs_all, S_all, O_all, m_all, l_all, alpha_all, Kt, Vt, k_cache, v_cache, table, alibi,
-                                b, g0, r0, rows, kt, kv_len, Sq, num_blocks, first_pos, last_pos)
+                    paged.packed_tile(heads, Kt, Vt, params, tile, kt)
             for gi in range(HT):
-                body.store(out, out, _head(O_all, gi), _head(m_all, gi), _head(l_all, gi), b, g0 + gi, r0, rows)
+                body.store(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi), params, tile.head(gi))
     # fmt: on
 
-    return finish(drop_params(fuel_paged_attn_cpu, set() if spec.has_alibi else {"alibi"}))
+    return finish(drop_params(fuel_paged_attn_cpu, unused))
 
 
 def _head(buffer, index):

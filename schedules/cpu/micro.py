@@ -6,9 +6,11 @@ All buffers here are per-task float32 scratch: a score tile S [block_q, block_k]
 Contents:
     lane_tree     -- a balanced tree over the scalar lanes of a small buffer
     store_row_sums -- the lane sums of several vector rows as one transposing shuffle tree
+    add_term      -- acc + weight * value, optionally skipping zero weights (the NaN rule)
     Micro         -- the macros of one tile configuration:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
                         rescaled per row as it is loaded)
+        nan_safe_gemm   gemm that skips zero weights unless a run-time flag says the values are finite
         scale_rows      C[r, :] *= factor[r]
         count_nonfinite whether a tile holds a NaN or Inf (picks the gemm that skips 0 weights)
         online_softmax  the FlashAttention-2 row update of (m, l) and S -> 2^(S - m) (log2 units)
@@ -73,6 +75,17 @@ def _shuffle(a, b, indices):
     return tirx.Shuffle([a] if b is None else [a, b], [tirx.const(i, "int32") for i in indices])
 
 
+def add_term(acc, weight, value, skip_zero_weights: bool):
+    """``acc + weight * value``; with ``skip_zero_weights`` the term of a weight of exactly 0 is
+    skipped (``sem.add_weighted``), for values that may hold NaN or Inf at dropped keys or rows."""
+    return sem.add_weighted(acc, weight, value) if skip_zero_weights else acc + weight * value
+
+
+def _element(X, row, col, transposed: bool):
+    # X[row, col] of a matrix that may be stored transposed
+    return X[col, row] if transposed else X[row, col]
+
+
 class Micro:
     """Macros specialised to one ``CpuTiles``; used inside the kernels' ``@T.prim_func`` bodies."""
 
@@ -80,14 +93,13 @@ class Micro:
         MR, L = tiles.micro_rows, tiles.lanes
 
         @T.macro
-        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed, accumulate, row_scale,
-                 skip_zero_weights=False):
+        def gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, a_transposed=False, accumulate=False,
+                 row_scale=None, skip_zero_weights=False):
             # C[m, n] (+)= sum_k A[m, k] * Bm[k, n]; register tile MR x (vecs * L), n vectorized.
+            # a_transposed: A is stored [K, M] (the GEMMs that reduce over a tile's rows).
             # row_scale (accumulating; None or a [M] buffer): C[m, :] * row_scale[m] + A @ B, the
             # online softmax's rescale of the accumulator applied as it is loaded (no pass of its own).
-            # skip_zero_weights: a term whose weight A[m, k] is exactly 0 is skipped (sem.add_weighted), for
-            # a Bm that may hold NaN or Inf at dropped keys or rows. Requires M % MR == 0 and
-            # N % (vecs * L) == 0.
+            # skip_zero_weights: see add_term. Requires M % MR == 0 and N % (vecs * L) == 0.
             for m0, n0 in T.grid(M // MR, N // (vecs * L)):
                 acc = T.alloc_buffer((MR, vecs * L), "float32", scope="local")
                 for mi in T.unroll(MR):
@@ -97,31 +109,32 @@ class Micro:
                                 if row_scale is None:
                                     acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v]
                                 else:
-                                    acc[mi, nj * L + v] = C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v] * row_scale[m0 * MR + mi]
+                                    acc[mi, nj * L + v] = (C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v]
+                                                           * row_scale[m0 * MR + mi])
                             else:
                                 acc[mi, nj * L + v] = T.float32(0)
                 for k in range(K):
                     for mi in T.unroll(MR):
                         for nj in T.unroll(vecs):
                             for v in T.vectorized(L):
-                                if skip_zero_weights:
-                                    if a_transposed:
-                                        acc[mi, nj * L + v] = sem.add_weighted(
-                                            acc[mi, nj * L + v], A[k, m0 * MR + mi], Bm[k, n0 * (vecs * L) + nj * L + v])
-                                    else:
-                                        acc[mi, nj * L + v] = sem.add_weighted(
-                                            acc[mi, nj * L + v], A[m0 * MR + mi, k], Bm[k, n0 * (vecs * L) + nj * L + v])
-                                else:
-                                    if a_transposed:
-                                        acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
-                                            A[k, m0 * MR + mi] * Bm[k, n0 * (vecs * L) + nj * L + v])
-                                    else:
-                                        acc[mi, nj * L + v] = acc[mi, nj * L + v] + (
-                                            A[m0 * MR + mi, k] * Bm[k, n0 * (vecs * L) + nj * L + v])
+                                acc[mi, nj * L + v] = add_term(
+                                    acc[mi, nj * L + v], _element(A, m0 * MR + mi, k, a_transposed),
+                                    Bm[k, n0 * (vecs * L) + nj * L + v], skip_zero_weights)
                 for mi in T.unroll(MR):
                     for nj in T.unroll(vecs):
                         for v in T.vectorized(L):
                             C[m0 * MR + mi, n0 * (vecs * L) + nj * L + v] = acc[mi, nj * L + v]
+
+        @T.macro
+        def nan_safe_gemm(C, A, Bm, M: T.int32, N: T.int32, K, vecs: T.int32, values_finite,
+                          a_transposed=False, accumulate=False, row_scale=None):
+            # gemm over values Bm that may hold NaN or Inf where A's weight is 0: values_finite (a
+            # run-time flag, from count_nonfinite) picks the plain gemm, else the one that skips
+            # zero weights (0 * NaN is NaN)
+            if values_finite:
+                gemm(C, A, Bm, M, N, K, vecs, a_transposed, accumulate, row_scale)
+            else:
+                gemm(C, A, Bm, M, N, K, vecs, a_transposed, accumulate, row_scale, skip_zero_weights=True)
 
         @T.macro
         def scale_rows(C, factor, M: T.int32, N: T.int32):
@@ -168,6 +181,7 @@ class Micro:
             count[0] = lane_tree(_add, part, L)
 
         self.gemm = gemm
+        self.nan_safe_gemm = nan_safe_gemm
         self.count_nonfinite = count_nonfinite
         self.scale_rows = scale_rows
         self.online_softmax = online_softmax
