@@ -1,17 +1,31 @@
 """tvm_fuel.transform.FuseAttention: R.nn.attention and the unfused (masked, GQA) attention of exported
-programs -> flash_attn where the semantics match exactly (outputs equal before and after, and torch's),
-left untouched where they do not."""
+programs -> flash_attn where the semantics match exactly (outputs equal before and after, and the numpy
+reference's), left untouched where they do not.
+
+The exported programs are fixtures (tests/fixtures/fuse_attention/<case>.tvmscript): what TVM's
+``from_exported_program`` makes of each case's PyTorch block, saved as TVMScript, so these tests need no
+PyTorch. Where PyTorch is installed, ``test_the_fixtures_are_what_the_importer_makes`` exports the blocks
+again and checks the fixtures against them (``regenerate.py`` in that folder rewrites them).
+"""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pytest
 import tvm
-from helpers import HOST
+import tvm_ffi
+from helpers import flatten, HOST
 from tvm import relax
 
 import tvm_fuel
+from tvm_fuel import reference
 from tvm_fuel.transform import FuseAttention
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "fuse_attention"
 
 
 def _ops(mod: tvm.IRModule) -> set[str]:
@@ -23,8 +37,19 @@ def _ops(mod: tvm.IRModule) -> set[str]:
 
 
 def _run(mod: tvm.IRModule, arrays) -> np.ndarray:
+    """``main``'s (first) output."""
     vm = relax.VirtualMachine(tvm_fuel.compile(mod, HOST, kernels="tuned"), tvm.cpu())
-    return vm["main"](*map(tvm.runtime.tensor, arrays)).numpy()
+    return flatten(vm["main"](*map(tvm.runtime.tensor, arrays)))[0]
+
+
+def _flash_attn_options(mod: tvm.IRModule) -> tuple:
+    """(causal, window_size, has attn_mask) of the one flash_attn ``main`` calls."""
+    calls = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == "relax.fuel.flash_attn" else None)
+    (call,) = calls
+    return bool(call.attrs["causal"]), tuple(int(x) for x in call.attrs["window_size"]), bool(
+        call.attrs["has_attn_mask"])
 
 
 def _attention_module(sq: int, sk: int, *, bias: bool = False, **attrs) -> tuple[tvm.IRModule, list[np.ndarray]]:
@@ -83,129 +108,198 @@ def test_a_torch_sdpa_block_imported_through_fx(causal):
     np.testing.assert_allclose(_run(mod, arrays), want, atol=2e-5, rtol=2e-5)
 
 
-def _exported(block, arrays):
-    torch = pytest.importorskip("torch")
-    from torch.export import export
-    from tvm.relax.frontend.torch import from_exported_program
-
-    return from_exported_program(export(block, tuple(map(torch.from_numpy, arrays))))
+# ---- exported programs ------------------------------------------------------------------------------------------
 
 
-def _case(name: str):
-    """(torch block, its inputs) for an exported-program case: q [2, 4, Sq, D], k and v [2, Hkv, Sk, D],
-    then a mask where the block takes one."""
-    torch = pytest.importorskip("torch")
+def _keep(*shape) -> Callable[[np.random.Generator], np.ndarray]:
+    """A bool mask that keeps key 0 of every row: no row is left empty."""
+    def make(rng):
+        mask = rng.random(shape) > 0.4
+        mask[..., 0] = True
+        return mask
+    return make
+
+
+def _randn(*shape) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda rng: rng.standard_normal(shape).astype("float32")
+
+
+def _top_left(sq: int, sk: int) -> np.ndarray:
+    """torch's is_causal: query i sees the keys j <= i."""
+    return np.tri(sq, sk, 0, dtype=bool)
+
+
+class Case(NamedTuple):
+    dims: tuple  # (B, Hq, Hkv, Sq, Sk, D): q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]
+    extra: tuple = ()  # the further inputs' makers, each given the case's generator
+    reference: Callable[..., dict] | None = None  # reference.flash_attn's options (given the further inputs)
+    options: tuple | None = None  # (causal, window_size, has attn_mask) of the fused flash_attn
+    # reference None and options None: left untouched
+
+
+_PLAIN = (False, (-1, -1), False)
+_CAUSAL = (True, (-1, -1), False)
+_MASKED = (False, (-1, -1), True)
+_QUARTER = dict(softmax_scale=0.25)
+CASES = {
+    "sdpa": Case((2, 4, 4, 13, 9, 16), (), lambda: {}, _PLAIN),
+    "by_hand": Case((2, 4, 4, 13, 9, 16), (), lambda: _QUARTER, _PLAIN),
+    "causal_sdpa": Case((2, 4, 4, 17, 17, 16), (), lambda: dict(causal=True), _CAUSAL),
+    # torch's is_causal is top-left: j <= i, a window (-1, Sq - Sk) for fuel when Sq > Sk ...
+    "causal_sdpa_more_queries": Case((2, 4, 4, 13, 9, 40), (), lambda: dict(attn_mask=_top_left(13, 9)),
+                                     (False, (-1, 4), False)),
+    # ... and no window at all when Sk > Sq: the mask goes as a tensor
+    "causal_sdpa_more_keys": Case((2, 4, 4, 9, 13, 16), (), lambda: dict(attn_mask=_top_left(9, 13)), _MASKED),
+    "causal_sdpa_one_query_one_key": Case((2, 4, 4, 1, 1, 16), (), lambda: dict(causal=True), _CAUSAL),
+    "gqa_causal_sdpa": Case((2, 4, 2, 17, 17, 16), (), lambda: dict(causal=True), _CAUSAL),
+    "gqa3_causal_sdpa_one_query": Case((1, 6, 2, 1, 17, 16), (), lambda: dict(attn_mask=_top_left(1, 17)), _MASKED),
+    "gqa3_repeat_interleave_by_hand": Case((1, 6, 2, 1, 17, 16), (), lambda: _QUARTER, _PLAIN),
+    # row 3 keeps no key: SDPA's guard and fuel both output 0 there
+    "sdpa_bool_mask": Case((2, 4, 4, 13, 9, 40), (lambda rng: np.where(np.arange(13)[:, None] == 3, False,
+                                                                       rng.random((13, 9)) > 0.4),),
+                           lambda m: dict(attn_mask=m), _MASKED),
+    "sdpa_float_mask": Case((2, 4, 4, 13, 9, 16), (_randn(2, 1, 13, 9),), lambda m: dict(attn_mask=m), _MASKED),
+    "masked_by_hand": Case((2, 4, 4, 13, 9, 16), (), lambda: dict(
+        _QUARTER, attn_mask=np.triu(np.ones((13, 9), "float32"), 1) * np.float32(-1e4)), _MASKED),
+    "masked_fill_by_hand": Case((2, 4, 4, 13, 9, 16), (_keep(2, 1, 13, 9),), lambda m: dict(_QUARTER, attn_mask=m),
+                                _MASKED),
+    "tril_by_hand": Case((2, 4, 4, 17, 17, 16), (), lambda: dict(_QUARTER, causal=True), _CAUSAL),
+    # batched matmuls over [B * H] written out, the bias first and per (batch, head)
+    "merged_bias_first": Case((2, 4, 4, 13, 9, 16), (_randn(8, 13, 9),),
+                              lambda b: dict(_QUARTER, attn_mask=b.reshape(2, 4, 13, 9)), _MASKED),
+    # left untouched
+    "softmax_over_queries": Case((2, 4, 4, 13, 9, 16)),
+    "mask_after_softmax": Case((2, 4, 4, 13, 9, 16), (_keep(13, 9),)),  # a where() that is not SDPA's guard
+    "finite_fill": Case((2, 4, 4, 13, 9, 16), (_keep(13, 9),)),  # an empty row would be uniform, not 0
+    "bias_before_scale": Case((2, 4, 4, 13, 9, 16), (_randn(13, 9),)),
+    "bias_on_another_view": Case((2, 4, 4, 13, 9, 16), (_randn(52, 9),)),  # on a [B, H * Sq, Sk] view
+    "scalar_bias": Case((2, 4, 4, 13, 9, 16)),  # softmax ignores it, and fuel's kernels take no 0-d mask
+}
+FUSED = [name for name, case in CASES.items() if case.options is not None]
+UNTOUCHED = [name for name, case in CASES.items() if case.options is None]
+
+
+def forward(name: str, torch) -> Callable:
+    """The PyTorch block of case ``name`` (its forward)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    rng = np.random.default_rng(sum(map(ord, name)))
 
     def scores(q, k):
         return q @ k.transpose(-2, -1) * 0.25
 
-    def keep(*shape):  # a bool mask that keeps key 0 of every row: no row is left empty
-        mask = rng.random(shape) > 0.4
-        mask[..., 0] = True
-        return mask
+    def repeated(x):
+        return x.repeat_interleave(3, dim=1)
 
-    cases = {  # name: (forward, (Sq, Sk, D, Hkv), extra inputs)
-        "sdpa": (lambda q, k, v: sdpa(q, k, v), (13, 9, 16, 4), []),
-        "by_hand": (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v, (13, 9, 16, 4), []),
-        "causal_sdpa": (lambda q, k, v: sdpa(q, k, v, is_causal=True), (17, 17, 16, 4), []),
-        # torch's is_causal is top-left: j <= i, a window (-1, Sq - Sk) for fuel when Sq > Sk ...
-        "causal_sdpa_more_queries": (lambda q, k, v: sdpa(q, k, v, is_causal=True), (13, 9, 40, 4), []),
-        # ... and no window at all when Sk > Sq: the mask goes as a tensor
-        "causal_sdpa_more_keys": (lambda q, k, v: sdpa(q, k, v, is_causal=True), (9, 13, 16, 4), []),
-        "gqa_causal_sdpa": (lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True), (17, 17, 16, 2), []),
-        # row 3 keeps no key: SDPA's guard and fuel both output 0 there
-        "sdpa_bool_mask": (lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), (13, 9, 40, 4),
-                           [np.where(np.arange(13)[:, None] == 3, False, rng.random((13, 9)) > 0.4)]),
-        "sdpa_float_mask": (lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), (13, 9, 16, 4),
-                            [rng.standard_normal((2, 1, 13, 9)).astype("float32")]),
-        "masked_by_hand": (lambda q, k, v: torch.softmax(
-            scores(q, k) + torch.ones_like(scores(q, k)).triu(1) * -1e4, dim=-1) @ v, (13, 9, 16, 4), []),
-        "masked_fill_by_hand": (lambda q, k, v, m: torch.softmax(
-            scores(q, k).masked_fill(~m, float("-inf")), dim=-1) @ v, (13, 9, 16, 4), [keep(2, 1, 13, 9)]),
-        "tril_by_hand": (lambda q, k, v: torch.softmax(scores(q, k).masked_fill(
-            ~torch.ones(17, 17, dtype=torch.bool).tril(), float("-inf")), dim=-1) @ v, (17, 17, 16, 4), []),
-        # batched matmuls over [B * H] written out, the bias first and per (batch, head)
-        "merged_bias_first": (lambda q, k, v, b: torch.bmm(torch.softmax(
+    return {
+        "sdpa": lambda q, k, v: sdpa(q, k, v),
+        "by_hand": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v,
+        "causal_sdpa": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+        "causal_sdpa_more_queries": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+        "causal_sdpa_more_keys": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+        "causal_sdpa_one_query_one_key": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+        "gqa_causal_sdpa": lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+        "gqa3_causal_sdpa_one_query": lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+        "gqa3_repeat_interleave_by_hand": lambda q, k, v: torch.softmax(scores(q, repeated(k)), dim=-1) @ repeated(v),
+        "sdpa_bool_mask": lambda q, k, v, m: sdpa(q, k, v, attn_mask=m),
+        "sdpa_float_mask": lambda q, k, v, m: sdpa(q, k, v, attn_mask=m),
+        "masked_by_hand": lambda q, k, v: torch.softmax(
+            scores(q, k) + torch.ones_like(scores(q, k)).triu(1) * -1e4, dim=-1) @ v,
+        "masked_fill_by_hand": lambda q, k, v, m: torch.softmax(
+            scores(q, k).masked_fill(~m, float("-inf")), dim=-1) @ v,
+        "tril_by_hand": lambda q, k, v: torch.softmax(scores(q, k).masked_fill(
+            ~torch.ones(17, 17, dtype=torch.bool).tril(), float("-inf")), dim=-1) @ v,
+        "merged_bias_first": lambda q, k, v, b: torch.bmm(torch.softmax(
             b + torch.bmm(q.reshape(8, 13, 16), k.reshape(8, 9, 16).transpose(1, 2)) * 0.25, dim=-1),
-            v.reshape(8, 9, 16)).reshape(2, 4, 13, 16), (13, 9, 16, 4),
-            [rng.standard_normal((8, 13, 9)).astype("float32")]),
-        # left untouched
-        "softmax_over_queries": (lambda q, k, v: torch.softmax(scores(q, k), dim=-2) @ v, (13, 9, 16, 4), []),
-        # a where() on the probabilities that is not SDPA's empty-row guard
-        "mask_after_softmax": (lambda q, k, v, m: (lambda p: torch.where(~m, torch.zeros_like(p), p))(
-            torch.softmax(scores(q, k), dim=-1)) @ v, (13, 9, 16, 4), [keep(13, 9)]),
-        # an empty row would be uniform, not 0
-        "finite_fill": (lambda q, k, v, m: torch.softmax(
-            scores(q, k).masked_fill(~m, -1e9), dim=-1) @ v, (13, 9, 16, 4), [keep(13, 9)]),
-        "bias_before_scale": (lambda q, k, v, b: torch.softmax(
-            (q @ k.transpose(-2, -1) + b) * 0.25, dim=-1) @ v, (13, 9, 16, 4),
-            [rng.standard_normal((13, 9)).astype("float32")]),
-        # a bias added on a [B, H * Sq, Sk] view of the scores
-        "bias_on_another_view": (lambda q, k, v, b: torch.softmax(
-            (scores(q, k).reshape(2, 52, 9) + b).reshape(2, 4, 13, 9), dim=-1) @ v, (13, 9, 16, 4),
-            [rng.standard_normal((52, 9)).astype("float32")]),
-        # softmax ignores it, and fuel's kernels take no 0-d mask
-        "scalar_bias": (lambda q, k, v: torch.softmax(scores(q, k) + 1.5, dim=-1) @ v, (13, 9, 16, 4), []),
-    }
-    forward, (sq, sk, d, hkv), extra = cases[name]
+            v.reshape(8, 9, 16)).reshape(2, 4, 13, 16),
+        "softmax_over_queries": lambda q, k, v: torch.softmax(scores(q, k), dim=-2) @ v,
+        "mask_after_softmax": lambda q, k, v, m: (lambda p: torch.where(~m, torch.zeros_like(p), p))(
+            torch.softmax(scores(q, k), dim=-1)) @ v,
+        "finite_fill": lambda q, k, v, m: torch.softmax(scores(q, k).masked_fill(~m, -1e9), dim=-1) @ v,
+        "bias_before_scale": lambda q, k, v, b: torch.softmax((q @ k.transpose(-2, -1) + b) * 0.25, dim=-1) @ v,
+        "bias_on_another_view": lambda q, k, v, b: torch.softmax(
+            (scores(q, k).reshape(2, 52, 9) + b).reshape(2, 4, 13, 9), dim=-1) @ v,
+        "scalar_bias": lambda q, k, v: torch.softmax(scores(q, k) + 1.5, dim=-1) @ v,
+    }[name]
+
+
+def inputs(name: str) -> list[np.ndarray]:
+    """q, k, v, then the further inputs of case ``name``."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    b, hq, hkv, sq, sk, d = CASES[name].dims
+    shapes = ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
+    return [rng.standard_normal(s).astype("float32") for s in shapes] + [make(rng) for make in CASES[name].extra]
+
+
+def exported(name: str) -> tvm.IRModule:
+    """What ``from_exported_program`` makes of case ``name``'s block (needs PyTorch)."""
+    import torch
+    from torch.export import export
+    from tvm.relax.frontend.torch import from_exported_program
 
     class Block(torch.nn.Module):
         def forward(self, *args):
-            return forward(*args)
+            return forward(name, torch)(*args)
 
-    shapes = ((2, 4, sq, d), (2, hkv, sk, d), (2, hkv, sk, d))
-    return Block(), [rng.standard_normal(s).astype("float32") for s in shapes] + extra
-
-
-def _flash_attn_options(mod: tvm.IRModule) -> tuple:
-    """(causal, window_size, has attn_mask) of the one flash_attn ``main`` calls."""
-    calls = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call) and isinstance(
-        e.op, tvm.ir.Op) and e.op.name == "relax.fuel.flash_attn" else None)
-    (call,) = calls
-    return bool(call.attrs["causal"]), tuple(int(x) for x in call.attrs["window_size"]), bool(
-        call.attrs["has_attn_mask"])
+    return from_exported_program(export(Block(), tuple(map(torch.from_numpy, inputs(name)))))
 
 
-@pytest.mark.parametrize("name,options", [
-    ("sdpa", (False, (-1, -1), False)),
-    ("by_hand", (False, (-1, -1), False)),
-    ("causal_sdpa", (True, (-1, -1), False)),
-    ("causal_sdpa_more_queries", (False, (-1, 4), False)),
-    ("causal_sdpa_more_keys", (False, (-1, -1), True)),
-    ("gqa_causal_sdpa", (True, (-1, -1), False)),
-    ("sdpa_bool_mask", (False, (-1, -1), True)),
-    ("sdpa_float_mask", (False, (-1, -1), True)),
-    ("masked_by_hand", (False, (-1, -1), True)),
-    ("masked_fill_by_hand", (False, (-1, -1), True)),
-    ("tril_by_hand", (True, (-1, -1), False)),
-    ("merged_bias_first", (False, (-1, -1), True)),
-])
-def test_exported_programs_are_fused(name, options):
-    torch = pytest.importorskip("torch")
-    block, arrays = _case(name)
-    mod = _exported(block, arrays)
+def fixture_path(name: str) -> Path:
+    return FIXTURES / f"{name}.tvmscript"
+
+
+def fixture(name: str) -> tvm.IRModule:
+    return tvm.script.from_source(fixture_path(name).read_text())
+
+
+def fixture_text(mod: tvm.IRModule) -> str:
+    """``mod`` as TVMScript that parses back: the printer spells a -inf constant ``R.const("-inf", ...)``,
+    which the parser refuses; ``R.const(float("-inf"), ...)`` it takes."""
+    return re.sub(r'R\.const\("(-?inf|nan)", ', r'R.const(float("\1"), ', mod.script())
+
+
+def _expected(name: str, arrays) -> np.ndarray:
+    return reference.flash_attn(*arrays[:3], **CASES[name].reference(*arrays[3:]))
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_exported_programs_are_fused(name):
+    mod, arrays = fixture(name), inputs(name)
     fused = FuseAttention()(mod)
     # nothing of the unfused graph is left (a mask built from ones_like(scores) no longer needs them)
     assert "relax.fuel.flash_attn" in _ops(fused) and not {"relax.nn.softmax", "relax.matmul"} & _ops(fused)
-    assert _flash_attn_options(fused) == options
-    want = block(*map(torch.from_numpy, arrays)).numpy()
-    run = lambda m: relax.VirtualMachine(tvm_fuel.compile(m, HOST, kernels="tuned"), tvm.cpu())["main"](  # noqa: E731
-        *map(tvm.runtime.tensor, arrays))[0].numpy()
-    np.testing.assert_allclose(run(fused), want, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(run(mod), want, atol=2e-5, rtol=2e-5)
+    assert _flash_attn_options(fused) == CASES[name].options
+    want = _expected(name, arrays)
+    np.testing.assert_allclose(_run(fused, arrays), want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(_run(mod, arrays), want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["softmax_over_queries", "mask_after_softmax", "finite_fill", "bias_before_scale",
-                                  "bias_on_another_view", "scalar_bias"])
+@pytest.mark.parametrize("name", UNTOUCHED)
 def test_inexpressible_exported_programs_are_left_untouched(name):
-    fused = FuseAttention()(_exported(*_case(name)))
-    assert "relax.fuel.flash_attn" not in _ops(fused) and "relax.nn.softmax" in _ops(fused)
+    mod = fixture(name)
+    assert "relax.nn.softmax" in _ops(mod)
+    tvm.ir.assert_structural_equal(FuseAttention()(mod), mod)
 
 
-def _merged_block(dropout: bool) -> tvm.IRModule:
+@pytest.mark.parametrize("name", CASES)
+def test_the_fixtures_are_what_the_importer_makes(name):
+    torch = pytest.importorskip("torch")
+    assert fixture_path(name).exists(), "run tests/fixtures/fuse_attention/regenerate.py"
+    mod = exported(name)
+    assert tvm_ffi.structural_equal(mod, fixture(name)), \
+        f"{fixture_path(name)} is stale: run tests/fixtures/fuse_attention/regenerate.py"
+    if CASES[name].reference is not None:  # and the reference the tests use is what PyTorch computes
+        arrays = inputs(name)
+        want = forward(name, torch)(*map(torch.from_numpy, arrays)).numpy()
+        np.testing.assert_allclose(_expected(name, arrays), want, atol=2e-5, rtol=2e-5)
+
+
+def test_every_fixture_is_a_case():
+    assert sorted(path.stem for path in FIXTURES.glob("*.tvmscript")) == sorted(CASES)
+
+
+# ---- built in Relax -----------------------------------------------------------------------------------------------
+
+
+def _merged_block(dropout: bool, scale: float = 0.25) -> tvm.IRModule:
     """softmax(Q K^T / 4) V over merged [B * H] dims, built in Relax: PyTorch's importer drops
     dropout, so a training-mode R.nn.dropout only comes from Relax itself."""
     bb = relax.BlockBuilder()
@@ -217,7 +311,7 @@ def _merged_block(dropout: bool) -> tvm.IRModule:
 
             k_t = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
             s = bb.emit(relax.op.matmul(merged(q, 9, 16), merged(k_t, 16, 9)))
-            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.multiply(s, relax.const(0.25, "float32")))))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.multiply(s, relax.const(scale, "float32")))))
             if dropout:
                 p = bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(p, 0.1)), 0))
             out = bb.emit(relax.op.matmul(p, merged(v, 9, 16)))
@@ -228,5 +322,58 @@ def _merged_block(dropout: bool) -> tvm.IRModule:
 
 @pytest.mark.parametrize("dropout", [False, True])
 def test_dropout_is_left_untouched(dropout):
-    fused = FuseAttention()(_merged_block(dropout))
+    mod = _merged_block(dropout)
+    fused = FuseAttention()(mod)
     assert ("relax.fuel.flash_attn" in _ops(fused)) != dropout and ("relax.nn.softmax" in _ops(fused)) == dropout
+    if dropout:
+        tvm.ir.assert_structural_equal(fused, mod)
+
+
+def test_a_zero_scale_is_left_untouched():  # every row uniform: no flash_attn softmax_scale says it
+    mod = _merged_block(False, scale=0.0)
+    tvm.ir.assert_structural_equal(FuseAttention()(mod), mod)
+
+
+def test_unknown_shapes_are_left_untouched():
+    """A bias of unknown shape makes the scores' shape unknown (and that of a full_like of them)."""
+    bb = relax.BlockBuilder()
+    q, k, v = (relax.Var(n, relax.TensorType((1, 2, 9, 8), "float32")) for n in "qkv")
+    bias = relax.Var("bias", relax.TensorType(ndim=4, dtype="float32"))
+    with bb.function("main", [q, k, v, bias]):
+        with bb.dataflow():
+            k_t = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            x = bb.emit(relax.op.add(bb.emit(relax.op.matmul(q, k_t)), bias))
+            out = bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(bb.emit(relax.op.nn.softmax(x)), v)), (1, 2, 9, 8)))
+            out = bb.emit_output(relax.Tuple([out, bb.emit(relax.op.full_like(x, relax.const(0.0, "float32")))]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(FuseAttention()(mod), mod)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_gqa_head_repeat_is_read_unrepeated(group):
+    """k and v repeated as expand_dims(x, 2), broadcast_to [B, Hkv, group, S, D], reshape (what the
+    importer makes of repeat_interleave and enable_gqa), built in Relax: a group of 1 too."""
+    b, hkv, s, d = 1, 2, 17, 16
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((b, hkv * group, 1, d), "float32"))
+    k, v = (relax.Var(n, relax.TensorType((b, hkv, s, d), "float32")) for n in "kv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            def repeated(x):
+                x = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, 2)), (b, hkv, group, s, d)))
+                return bb.emit(relax.op.reshape(x, (b, hkv * group, s, d)))
+
+            k_t = bb.emit(relax.op.permute_dims(repeated(k), [0, 1, 3, 2]))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.divide(bb.emit(relax.op.matmul(q, k_t)),
+                                                                     relax.const(4.0, "float32")))))
+            out = bb.emit_output(relax.op.reshape(bb.emit(relax.op.matmul(p, repeated(v))), (b, hkv * group, 1, d)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    fused = FuseAttention()(mod)
+    assert _ops(fused) == {"relax.fuel.flash_attn"}  # k and v unrepeated: no broadcast left
+    rng = np.random.default_rng(group)
+    arrays = [rng.standard_normal([int(n) for n in x.ty.shape.values]).astype("float32") for x in (q, k, v)]
+    want = reference.flash_attn(*arrays, softmax_scale=0.25)
+    np.testing.assert_allclose(_run(fused, arrays), want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(_run(mod, arrays), want, atol=2e-5, rtol=2e-5)

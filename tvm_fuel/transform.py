@@ -12,67 +12,82 @@ Contents:
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Sequence
 
 import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
+from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import op
 from .build import LegalizeFuel  # noqa: F401 (the pass is built there; a pass is looked for here)
-from .config import FLOAT_DTYPES
+from .config import finite_nonzero_float32, FLOAT_DTYPES
 from .grad import bound_value
 from .op import options_of
 from .op import SPECS
 
 
 def _static(expr: relax.Expr) -> list[int | None]:
-    return [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in expr.ty.shape.values]
+    """A tensor's dims, None where one is not a constant (all of them where the shape is unknown; one
+    where the rank is too)."""
+    shape = expr.ty.shape
+    if not isinstance(shape, relax.ShapeExpr):
+        return [None] * max(expr.ty.ndim, 1)
+    return [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in shape.values]
+
+
+def _op_name(expr) -> str | None:
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
+
+
+def _any(*patterns: DFPattern) -> DFPattern:
+    return functools.reduce(operator.or_, patterns)
+
+
+def _calls(*names: str) -> DFPattern:
+    """A call of any of the ops ``names``, whatever its arguments."""
+    return _any(*(is_op(name)(varg_default_wildcard=True) for name in names))
 
 
 _NN_ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")  # the second carries a bias
 
 
-@mutator
-class _FuseNnAttention(PyExprMutator):
+def _fuse_nn_attention(call: relax.Call, _matched) -> relax.Expr:
     """``R.nn.attention`` ([B, S, H, D] layout) -> permute, ``flash_attn``, permute back."""
+    options = _nn_attention_options(call)
+    if options is None:
+        return call  # not expressible exactly: left as it is
+    q, k, v = (relax.op.permute_dims(x, [0, 2, 1, 3]) for x in call.args[:3])
+    bias = call.args[3] if len(call.args) > 3 else None
+    return relax.op.permute_dims(op.flash_attn(q, k, v, None, bias, **options), [0, 2, 1, 3])
 
-    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
-        call = super().visit_call_(call)
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name in _NN_ATTENTION):
-            return call
-        options = self._options(call)
-        if options is None:
-            return call  # not expressible exactly: left as it is
-        q, k, v = (self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) for x in call.args[:3])
-        bias = call.args[3] if len(call.args) > 3 else None
-        out = self.builder_.emit(op.flash_attn(q, k, v, None, bias, **options))
-        return relax.op.permute_dims(out, [0, 2, 1, 3])
 
-    @staticmethod
-    def _options(call: relax.Call) -> dict | None:
-        q, k, v = (_static(x) for x in call.args[:3])
-        if call.attrs.window_size is not None or q[3] is None or q[3] != k[3] or k[3] != v[3]:
-            return None  # its sliding window is TVM's own convention; and out's head dim must be q's
-        if len(call.args) > 3 and (len(call.args[3].ty.shape.values) != 4
-                                   or str(call.args[3].ty.dtype) not in FLOAT_DTYPES):
+def _nn_attention_options(call: relax.Call) -> dict | None:
+    q, k, v = (_static(x) for x in call.args[:3])
+    if call.attrs.window_size is not None or len(q) != 4 or q[3] is None or q[3] != k[3] or k[3] != v[3]:
+        return None  # its sliding window is TVM's own convention; and out's head dim must be q's
+    if len(call.args) > 3 and (len(_static(call.args[3])) != 4 or str(call.args[3].ty.dtype) not in FLOAT_DTYPES):
+        return None
+    scale = None if call.attrs.scale is None else float(call.attrs.scale.value)
+    if scale is not None and not finite_nonzero_float32(scale):
+        return None  # the kernels scale the logits in float32
+    options = dict(softmax_scale=scale)
+    mask, sq, sk = call.attrs.causal_mask, q[1], k[1]
+    if mask == "BottomRight":
+        options["causal"] = True  # fuel's causal is bottom-right aligned
+    elif mask == "TopLeft":
+        causal = None if sq is None or sk is None else _causal_options(sq, sk, 0)
+        if causal is None:
             return None
-        scale = call.attrs.scale
-        options = dict(softmax_scale=None if scale is None else float(scale.value))
-        mask, sq, sk = call.attrs.causal_mask, q[1], k[1]
-        if mask == "BottomRight":
-            options["causal"] = True  # fuel's causal is bottom-right aligned
-        elif mask == "TopLeft":
-            causal = None if sq is None or sk is None else _causal_options(sq, sk, 0)
-            if causal is None:
-                return None
-            options.update(causal)
-        elif mask is not None:
-            return None
-        return options
+        options.update(causal)
+    elif mask is not None:
+        return None
+    return options
 
 
 def _causal_options(sq: int, sk: int, diagonal: int) -> dict | None:
@@ -84,10 +99,6 @@ def _causal_options(sq: int, sk: int, diagonal: int) -> dict | None:
     return dict(causal=True) if right == 0 else dict(causal=False, window_size=(-1, right))
 
 
-def _op_name(expr) -> str | None:
-    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
-
-
 def _scalar(expr) -> float | None:
     """The value of a scalar float constant (None if ``expr`` is not one)."""
     value = _constant(expr)
@@ -95,174 +106,216 @@ def _scalar(expr) -> float | None:
 
 
 def _constant(expr) -> np.ndarray | None:
-    """The value of a constant (a tensor, or an integer such as ``arange``'s bounds)."""
     if not isinstance(expr, tvm.ir.expr.Constant):
         return None
     return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
 
 
+_LIKE = ("relax.full_like", "relax.ones_like", "relax.zeros_like")
+
+
+def _unlike(call: relax.Call, _matched) -> relax.Expr:
+    """``full_like(x, c)`` (``ones_like``, ``zeros_like``) of a static shape -> ``full(shape, c)``: a
+    mask built from ``ones_like(scores)`` then no longer keeps the unfused scores alive."""
+    shape, dtype, name = _static(call), str(call.ty.dtype), _op_name(call)
+    if None in shape:
+        return call
+    if name == "relax.full_like":
+        return relax.op.full(shape, call.args[1], dtype)
+    return (relax.op.ones if name == "relax.ones_like" else relax.op.zeros)(shape, dtype)
+
+
 _NEG_INF = float("-inf")
-_LIKE = {"relax.full_like": None, "relax.ones_like": 1, "relax.zeros_like": 0}  # value: its fill
-# the elementwise ops of mask constructions (causal index arithmetic), as numpy computes them
-_NUMPY = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
-          "relax.less": np.less, "relax.less_equal": np.less_equal, "relax.greater": np.greater,
-          "relax.greater_equal": np.greater_equal, "relax.equal": np.equal, "relax.not_equal": np.not_equal,
-          "relax.logical_and": np.logical_and, "relax.logical_or": np.logical_or,
-          "relax.logical_not": np.logical_not, "relax.bitwise_not": np.invert, "relax.where": np.where}
-_VIEWS = ("relax.reshape", "relax.expand_dims", "relax.broadcast_to", "relax.astype")
-_NUMPY_DTYPES = ("bool", "int8", "int32", "int64", "float16", "float32", "float64")
-_MASK_DEPTH = 16  # how far a mask construction is followed (it stops at the first op of another kind anyway)
-_MASK_ELEMENTS = 1 << 24  # larger masks are passed on as tensors, not evaluated
+_VIEWS = ("relax.reshape", "relax.broadcast_to")
+_DEPTH = 6  # views and scales followed between two ops of the pattern (the importers write up to 3)
+_MASK_ELEMENTS = 1 << 24  # larger bool masks are passed on as tensors, not evaluated
 
 
-@mutator
-class _FuseUnfused(PyExprMutator):
+class _Chain:
+    """``leaf`` under up to ``_DEPTH`` views (reshape, broadcast_to) and, where ``scaled``, products
+    and quotients by a constant; matched greedily (the leaf is none of these ops)."""
+
+    def __init__(self, leaf: DFPattern, scaled: bool):
+        def step(x: DFPattern, const: DFPattern) -> DFPattern:
+            scales = [is_op("relax.multiply")(x, const), is_op("relax.divide")(x, const)] if scaled else []
+            return _any(*(is_op(name)(x, wildcard()) for name in _VIEWS), *scales)
+
+        self.leaf, self.steps = leaf, []  # steps: (pattern, its constant), bottom up
+        bottom = leaf & ~step(wildcard(), is_const())
+        self.pattern = bottom
+        for _ in range(_DEPTH):
+            const = is_const()
+            self.steps.append((step(self.pattern, const), const))
+            self.pattern = self.steps[-1][0] | bottom
+
+    def matched(self, m) -> list[tuple]:
+        """(constant pattern, expression) of each step matched, top down."""
+        return [(const, m[step]) for step, const in reversed(self.steps) if step in m]
+
+    def peel(self, m) -> tuple[relax.Expr, list[float], bool]:
+        """(where the peeling stops, the scale factors above it, whether that is the leaf): it stops
+        at a view that changes the element count and at a product or quotient by anything but a
+        float scalar (a nonzero one for a quotient)."""
+        scales: list[float] = []
+        for const, value in self.matched(m):
+            name = _op_name(value)
+            if name in _VIEWS:
+                if _numel(value.args[0]) != _numel(value):
+                    return value, scales, False
+                continue
+            factor = _scalar(m[const])
+            if factor is None or name == "relax.divide" and not factor:
+                return value, scales, False
+            scales.append(factor if name == "relax.multiply" else 1.0 / factor)
+        return m[self.leaf], scales, True
+
+
+class _KV:
+    """k or v under a chain, GQA's head repeat undone: ``expand_dims(x, 2)`` broadcast to
+    [B, Hkv, group, S, D] (and merged), so head h reads x's head h // group."""
+
+    def __init__(self, scaled: bool):
+        self.inner = _Chain(wildcard(), scaled)
+        self.expand = is_op("relax.expand_dims")(self.inner.pattern)
+        self.chain = _Chain(self.expand | wildcard(), scaled)
+        self.pattern = self.chain.pattern
+
+    def peel(self, m) -> tuple[relax.Expr, int, list[float]]:
+        """(k or v, its group, the scale factors)."""
+        x, scales, whole = self.chain.peel(m)
+        steps = self.chain.matched(m)
+        repeat = steps[-1][1] if steps and self.expand in m else None  # the step right above expand_dims
+        if _op_name(repeat) == "relax.broadcast_to" and (whole or x.same_as(repeat)):
+            expand = m[self.expand]
+            src, out = _static(expand.args[0]), _static(repeat)
+            if ([int(a) % 5 for a in expand.attrs.axis] == [2] and len(src) == 4 and None not in src + out
+                    and out == [src[0], src[1], out[2], src[2], src[3]]):
+                x, more, _ = self.inner.peel(m)
+                return x, out[2], scales + more
+        return x, 1, scales
+
+
+class _UnfusedAttention:
     """``reshape(matmul(P, V))`` with ``P = softmax(mask(scale * Q @ K^T))`` as frontends write it
-    out (batched 3-D matmuls over merged [B * H] dims, scale constants on q, k or the scores, an
-    additive or boolean mask, GQA's head repeat of k and v, the fully-masked-row guard of
-    PyTorch's SDPA decomposition) -> ``flash_attn``."""
+    out -> ``flash_attn``: the pattern, and the rewrite that checks what a pattern does not say
+    (shapes, axes, constants) and declines where the semantics differ."""
 
-    def _bound(self, expr):
-        return bound_value(self, expr)
+    def __init__(self):
+        self.q, self.k = _Chain(wildcard(), scaled=True), _KV(scaled=True)
+        self.transpose = is_op("relax.permute_dims")(self.k.pattern)
+        self.k_t = _Chain(self.transpose, scaled=True)
+        self.qk = is_op("relax.matmul")(self.q.pattern, self.k_t.pattern)
+        self.scores = _Chain(self.qk, scaled=True)
+        s = self.scores.pattern
+        # scores + bias (either order; a where(keep, 0, -inf) bias is its keep mask), where(keep, scores, -inf)
+        # and where(drop, -inf, scores) (masked_fill(~keep, -inf)); no scale above them (it would scale the bias)
+        self.bias_keep, self.bias_fills = wildcard(), (is_const(), is_const())
+        self.bias = is_op("relax.where")(self.bias_keep, *self.bias_fills) | wildcard()
+        self.keep, self.keep_fill, self.drop_keep, self.drop_fill = wildcard(), is_const(), wildcard(), is_const()
+        self.drop = _any(*(is_op(name)(self.drop_keep) for name in ("relax.logical_not", "relax.bitwise_not")),
+                         wildcard())
+        self.add = is_op("relax.add")(s, self.bias) | is_op("relax.add")(self.bias, s)
+        self.where_keep = is_op("relax.where")(self.keep, s, self.keep_fill)
+        self.where_drop = is_op("relax.where")(self.drop, self.drop_fill, s)
+        self.masked = _Chain(_any(self.add, self.where_keep, self.where_drop), scaled=False)
+        self.logits = self.masked.pattern | s
+        self.softmax = is_op("relax.nn.softmax")(self.logits)
+        # PyTorch's guard where(no logit of the row is finite, 0, softmax):
+        # not(astype(max(astype(not(logits == -inf), int8), -1, keepdims), bool))
+        self.guard_inf, self.zero = is_const(), is_const()
+        self.row_max = is_op("relax.max")(is_op("relax.astype")(is_op("relax.logical_not")(
+            is_op("relax.equal")(self.logits, self.guard_inf))))
+        empty_rows = is_op("relax.logical_not")(is_op("relax.astype")(self.row_max))
+        zeros = _any(*(is_op(name)(wildcard(), self.zero) for name in ("relax.full", "relax.full_like")),
+                     *(is_op(name)(wildcard()) for name in ("relax.zeros", "relax.zeros_like")))
+        self.guard = is_op("relax.where")(empty_rows, zeros, self.softmax)
+        self.probs, self.v = _Chain(self.guard | self.softmax, scaled=False), _KV(scaled=False)
+        self.pv = is_op("relax.matmul")(self.probs.pattern, self.v.pattern)
+        self.pattern = is_op("relax.reshape")(self.pv, wildcard())
+        self.fused = 0
+        self.bindings: dict = {}
+        self.evaluated: dict[int, list[tuple]] = {}  # (function, value) of the masks evaluated, by structural hash
 
-    def _peel(self, expr, scale: list[float] | None = None):
-        """Strip reshapes and broadcasts that keep the element count, and, where ``scale`` collects
-        them, multiplies by a scalar constant."""
-        while True:
-            bound = self._bound(expr)
-            name = _op_name(bound)
-            if name in ("relax.reshape", "relax.broadcast_to") and _numel(bound.args[0]) == _numel(bound):
-                expr = bound.args[0]
-            elif name == "relax.multiply" and scale is not None and _scalar(self._bound(bound.args[1])) is not None:
-                scale.append(_scalar(self._bound(bound.args[1])))
-                expr = bound.args[0]
-            elif name == "relax.divide" and scale is not None and _scalar(self._bound(bound.args[1])):
-                scale.append(1.0 / _scalar(self._bound(bound.args[1])))
-                expr = bound.args[0]
-            else:
-                return expr, bound
+    def __call__(self, func: relax.Function) -> relax.Function:
+        """``func`` with its unfused attention fused (``func`` itself where there is none)."""
+        prepared = rewrite_call(_calls(*_LIKE), _unlike, func)
+        self.bindings = {binding.var: binding.value for block in prepared.body.blocks  # what _evaluate may copy
+                         if isinstance(block, relax.DataflowBlock)
+                         for binding in block.bindings if isinstance(binding, relax.VarBinding)}
+        before = self.fused
+        fused = rewrite_call(self.pattern, self._rewrite, prepared)
+        return fused if self.fused > before else func
 
-    def _is(self, expr, value: float) -> bool:
-        """Whether ``expr`` is the scalar float constant ``value``."""
-        return _scalar(self._bound(expr)) == value
+    def _rewrite(self, call: relax.Call, m) -> relax.Expr:
+        fused = self._fuse(call, m)
+        self.fused += fused is not None
+        return call if fused is None else fused
 
-    def _softmax_input(self, bound):
-        """X of ``softmax(X, axis=-1)``, or of PyTorch's guard ``where(row fully masked, 0, softmax(X))``."""
-        guard = None
-        if _op_name(bound) == "relax.where":
-            zeros = self._bound(bound.args[1])
-            if not (_op_name(zeros) in ("relax.full_like", "relax.zeros_like")
-                    and (len(zeros.args) < 2 or self._is(zeros.args[1], 0.0))):
+    def _fuse(self, call: relax.Call, m) -> relax.Call | None:
+        found = self._mask(m) if self._softmax_checked(m) else None
+        if found is None:
+            return None
+        mask, masked = found
+        chains = (self.probs, self.scores, self.k_t) + ((self.masked,) if masked is not None else ())
+        peeled = {chain: chain.peel(m) for chain in chains}  # each must reach its leaf
+        if not all(whole for _, _, whole in peeled.values()) or not _swaps_last_two(m[self.transpose]):
+            return None
+        q, q_scale, _ = self.q.peel(m)
+        (k, group, k_scale), (v, v_group, _) = self.k.peel(m), self.v.peel(m)
+        shapes = [_static(t) if len(_static(t)) == 4 else None for t in (q, k, v)]
+        if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != _static(call):
+            return None
+        (b, h, sq, d), (bk, hk, sk, dk), vs = shapes
+        if (bk, hk, sk, dk) != tuple(vs) or group != v_group or (b, h, d) != (bk, hk * group, dk):
+            return None
+        # every product runs over the same (batch, head) pairs: operands are [B, H, m, n] or [B*H, m, n]
+        qk, transpose, pv = m[self.qk], m[self.transpose], m[self.pv]
+        expected = ((qk.args[0], (sq, d)), (qk.args[1], (d, sk)), (transpose, (d, sk)), (transpose.args[0], (sk, d)),
+                    (m[self.scores.pattern], (sq, sk)), (m[self.logits], (sq, sk)), (pv.args[0], (sq, sk)),
+                    (pv.args[1], (sk, d)), (pv, (sq, d))) + (((masked, (sq, sk)),) if masked is not None else ())
+        if not all(_merged(_static(t), (b, h), tail) for t, tail in expected):
+            return None
+        scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
+        if not finite_nonzero_float32(scale):
+            return None  # the kernels scale the logits in float32 (and a 0 scale makes each row uniform)
+        options = dict(softmax_scale=scale)
+        if mask is not None:
+            found = self._mask_options(mask, masked, (b, h, sq, sk))
+            if found is None:
                 return None
-            guard, bound = bound.args[0], self._bound(bound.args[2])
-        if _op_name(bound) != "relax.nn.softmax" or not _last_axis(bound.args[0], bound.attrs.axis):
-            return None
-        if guard is not None and not self._empty_rows(guard, bound.args[0]):
-            return None  # zeroes other entries: a mask after the softmax
-        return bound.args[0]
+            mask, more = found
+            options.update(more)
+        return op.flash_attn(q, k, v, None, mask, **options)
 
-    def _empty_rows(self, cond, logits) -> bool:
-        """Whether ``cond`` is PyTorch's "no logit of the row is finite",
-        ``not(max(astype(not(logits == -inf), int8), -1, keepdims))``: the guard zeroes only the
-        rows fuel outputs as 0."""
-        chain = ("relax.logical_not", "relax.astype", "relax.max", "relax.astype", "relax.logical_not")
-        for name in chain:
-            cond = self._bound(cond)
-            if _op_name(cond) != name or (name == "relax.max" and not (
-                    bool(cond.attrs.keepdims) and len(cond.attrs.axis) == 1 and _last_axis(cond, cond.attrs.axis[0]))):
-                return False
-            cond = cond.args[0]
-        cond = self._bound(cond)
-        return (_op_name(cond) == "relax.equal" and self._is(cond.args[1], _NEG_INF)
-                and self._bound(cond.args[0]).same_as(self._bound(logits)))
+    def _softmax_checked(self, m) -> bool:
+        """Whether the softmax is over the last axis, and the guard (if any) is PyTorch's "no logit
+        of the row is finite", which zeroes only the rows fuel outputs as 0."""
+        if not _last_axis(m[self.logits], m[self.softmax].attrs.axis):
+            return False
+        if self.guard not in m:
+            return True
+        row_max = m[self.row_max]
+        axis = row_max.attrs.axis
+        return (bool(row_max.attrs.keepdims) and axis is not None and len(axis) == 1 and _last_axis(row_max, axis[0])
+                and _scalar(m[self.guard_inf]) == _NEG_INF and (self.zero not in m or _scalar(m[self.zero]) == 0.0))
 
-    def _unmask(self, x):
-        """(scores, mask, masked) for a softmax input ``x``: ``scores + bias`` (either order),
-        ``where(keep, scores, -inf)`` or ``where(drop, -inf, scores)``, with ``mask`` the float bias
-        or the bool keep mask and ``masked`` the tensor the mask is broadcast against; ``mask`` is
-        None for no mask, and scores None where ``x`` masks in another way. A ``where(keep, 0, -inf)``
-        bias is its keep mask."""
-        masked, bound = self._peel(x)  # no scale: one outside the mask would scale the bias too
-        name = _op_name(bound)
-        if name == "relax.add":
-            for scores, bias in (bound.args, bound.args[::-1]):
-                if _op_name(self._peel(scores, [])[1]) == "relax.matmul":
-                    keep = self._bound(bias)
-                    if _op_name(keep) == "relax.where" and self._is(keep.args[1], 0.0) and self._is(
-                            keep.args[2], _NEG_INF):
-                        return scores, keep.args[0], masked
-                    return scores, bias, masked
-            return None, None, None
-        if name == "relax.where" and self._is(bound.args[2], _NEG_INF):
-            return bound.args[1], bound.args[0], masked
-        if name == "relax.where" and self._is(bound.args[1], _NEG_INF):
-            return bound.args[2], self._negated(bound.args[0]), masked
-        return x, None, None
-
-    def _negated(self, cond):
-        """``not cond``, unwrapping a negation (``masked_fill(~keep, -inf)``)."""
-        bound = self._bound(cond)
-        if _op_name(bound) in ("relax.logical_not", "relax.bitwise_not") and str(bound.ty.dtype) == "bool":
-            return bound.args[0]
-        return self.builder_.normalize(relax.op.logical_not(cond))  # emitted only if the fusion goes ahead
-
-    def _kv(self, expr, scale: list[float] | None = None):
-        """(k or v, group): ``expr`` peeled, and GQA's head repeat undone: ``expand_dims(x, 2)``
-        broadcast to [B, Hkv, group, S, D] and merged, so head h reads x's head h // group."""
-        x, bound = self._peel(expr, scale)
-        if _op_name(bound) == "relax.broadcast_to":
-            inner = self._bound(bound.args[0])
-            if _op_name(inner) == "relax.expand_dims" and [int(a) % 5 for a in inner.attrs.axis] == [2]:
-                src, out = _static(inner.args[0]), _static(bound)
-                if len(src) == 4 and None not in src + out and out == [src[0], src[1], out[2], src[2], src[3]]:
-                    return self._peel(inner.args[0], scale)[0], out[2]
-        return x, 1
-
-    def _evaluate(self, expr, depth: int = 0) -> np.ndarray | None:
-        """The value of a tensor computed from constants alone (a causal mask's index arithmetic)."""
-        expr = self._bound(expr)
-        value = _constant(expr)
-        name = _op_name(expr)
-        if value is not None or name is None or depth > _MASK_DEPTH:
-            return value
-        shape, dtype = _static(expr), str(expr.ty.dtype)
-        if None in shape or math.prod(shape) > _MASK_ELEMENTS or dtype not in _NUMPY_DTYPES:
-            return None
-        if name == "relax.arange":
-            bounds = [_constant(a) for a in expr.args]
-            return None if any(b is None for b in bounds) else np.arange(*bounds, dtype=dtype)
-        if name in ("relax.full", "relax.ones", "relax.zeros", *_LIKE):
-            fill = _LIKE.get(name, 1 if name == "relax.ones" else 0)
-            fill = self._evaluate(expr.args[1], depth + 1) if name in ("relax.full", "relax.full_like") else fill
-            return None if fill is None else np.full(shape, fill, dtype)
-        if name not in _NUMPY and name not in _VIEWS:
-            return None
-        args = []
-        for arg in expr.args[:1] if name in _VIEWS else expr.args:  # a view's other arguments are its shape
-            args.append(self._evaluate(arg, depth + 1))
-            if args[-1] is None:
-                return None
-        if name in _NUMPY:
-            return _NUMPY[name](*args)
-        if name == "relax.astype":
-            return args[0].astype(dtype)
-        return np.broadcast_to(args[0], shape) if name == "relax.broadcast_to" else args[0].reshape(shape)
-
-    def _detached(self, expr, depth: int = 0):
-        """``expr`` with each ``*_like(x)`` made a tensor of x's static shape: a mask built from
-        ``ones_like(scores)`` then no longer keeps the unfused scores alive."""
-        bound = self._bound(expr)
-        name = _op_name(bound)
-        if name in _LIKE and None not in _static(bound):
-            dtype = str(bound.ty.dtype)
-            fill = bound.args[1] if _LIKE[name] is None else relax.const(_LIKE[name], dtype)
-            return self.builder_.emit(relax.op.full(_static(bound), fill, dtype))
-        if not (name in _NUMPY or name in _VIEWS) or depth > _MASK_DEPTH:
-            return expr
-        args = [self._detached(arg, depth + 1) for arg in bound.args]
-        if all(new.same_as(old) for new, old in zip(args, bound.args)):
-            return expr
-        return self.builder_.emit(relax.Call(bound.op, args, bound.attrs, bound.ty_args))
+    def _mask(self, m) -> tuple | None:
+        """(mask, masked): the float bias or the bool keep mask, and the tensor it is applied to;
+        (None, None) without a mask; None for a ``where`` that fills with anything but -inf."""
+        if self.masked.leaf not in m:
+            return None, None
+        masked = m[self.masked.leaf]
+        if self.add in m:
+            keep = self.bias_keep in m and [_scalar(m[fill]) for fill in self.bias_fills] == [0.0, _NEG_INF]
+            return m[self.bias_keep] if keep else m[self.bias], masked
+        if _scalar(m[self.keep_fill if self.where_keep in m else self.drop_fill]) != _NEG_INF:
+            return None  # an empty row would be uniform, not 0
+        if self.where_keep in m:
+            return m[self.keep], masked
+        drop = m[self.drop]
+        if self.drop_keep in m and str(drop.ty.dtype) == "bool":
+            return m[self.drop_keep], masked  # masked_fill(~keep, -inf)
+        return relax.BlockBuilder().normalize(relax.op.logical_not(drop)), masked
 
     def _mask_options(self, mask, masked, dims: tuple[int, int, int, int]) -> tuple | None:
         """(attn_mask, options) for a float bias or bool keep ``mask`` broadcast against
@@ -280,61 +333,35 @@ class _FuseUnfused(PyExprMutator):
                 options = _causal_options(sq, sk, diagonal)
                 if options is not None and np.array_equal(grid, np.tri(sq, sk, diagonal, dtype=bool)):
                     return None, options
-        mask = self._detached(mask)
-        if not isinstance(mask, relax.Var):
-            mask = self.builder_.emit(mask)
         if len(_static(masked)) == 3 and len(shape) == 3 and shape[0] != 1:
-            mask = self.builder_.emit(relax.op.reshape(mask, [b, h, *shape[1:]]))  # [B * H, ...] -> [B, H, ...]
+            mask = relax.op.reshape(mask, [b, h, *shape[1:]])  # [B * H, ...] -> [B, H, ...]
         return mask, {}  # otherwise the broadcast against [B * H, Sq, Sk] is the one against [B, H, Sq, Sk]
 
-    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
-        call = super().visit_call_(call)
-        if _op_name(call) != "relax.reshape" or len(call.ty.shape.values) != 4:
-            return call
-        fused = self._fuse(call)
-        return call if fused is None else fused
-
-    def _fuse(self, call: relax.Call) -> relax.Call | None:
-        matmul = self._bound(call.args[0])
-        if _op_name(matmul) != "relax.matmul":
+    def _evaluate(self, expr: relax.Expr) -> np.ndarray | None:
+        """The value of a tensor computed from constants alone (a causal mask's index arithmetic) as
+        TVM computes it: the dataflow bindings it reads, copied into a function of no parameters,
+        legalized and folded (``relax.transform.FoldConstant``). None where it reads anything else."""
+        if math.prod(_static(expr)) > _MASK_ELEMENTS:
             return None
-        _, probs = self._peel(matmul.args[0])
-        x = self._softmax_input(probs)
-        scores, mask, masked = (None, None, None) if x is None else self._unmask(x)
-        if scores is None:
-            return None
-        scale: list[float] = []
-        _, s_bound = self._peel(scores, scale)
-        if _op_name(s_bound) != "relax.matmul":
-            return None
-        q, _ = self._peel(s_bound.args[0], scale)
-        k_t, k_t_bound = self._peel(s_bound.args[1], scale)
-        if not _swaps_last_two(k_t_bound):
-            return None
-        (k, group), (v, v_group) = self._kv(k_t_bound.args[0], scale), self._kv(matmul.args[1])
-        shapes = [_static(t) if len(t.ty.shape.values) == 4 else None for t in (q, k, v)]
-        if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != _static(call):
-            return None
-        (b, h, sq, d), (bk, hk, sk, dk), vs = shapes
-        if (bk, hk, sk, dk) != tuple(vs) or group != v_group or (b, h, d) != (bk, hk * group, dk):
-            return None
-        # every product runs over the same (batch, head) pairs: operands are [B, H, m, n] or [B*H, m, n]
-        expected = ((s_bound.args[0], (sq, d)), (s_bound.args[1], (d, sk)), (k_t, (d, sk)),
-                    (k_t_bound.args[0], (sk, d)), (scores, (sq, sk)), (x, (sq, sk)), (matmul.args[0], (sq, sk)),
-                    (matmul.args[1], (sk, d)), (matmul, (sq, d)))
-        if masked is not None:
-            expected += ((masked, (sq, sk)),)
-        if not all(_merged(_static(t), (b, h), tail) for t, tail in expected):
-            return None
-        options = dict(softmax_scale=math.prod(scale, start=1.0))
-        attn_mask = None
-        if mask is not None:
-            found = self._mask_options(mask, masked, (b, h, sq, sk))
-            if found is None:
+        needed, todo = set(), list(relax.analysis.free_vars(expr))
+        while todo:
+            var = todo.pop()
+            if var not in self.bindings:
                 return None
-            attn_mask, more = found
-            options.update(more)
-        return op.flash_attn(q, k, v, None, attn_mask, **options)
+            if var not in needed:
+                needed.add(var)
+                todo.extend(relax.analysis.free_vars(self.bindings[var]))
+        out = relax.Var("mask", expr.ty)
+        bindings = [relax.VarBinding(var, value) for var, value in self.bindings.items() if var in needed]
+        func = relax.Function([], relax.SeqExpr([relax.DataflowBlock([*bindings, relax.VarBinding(out, expr)])], out),
+                              expr.ty)
+        known = self.evaluated.setdefault(tvm_ffi.structural_hash(func), [])
+        for other, value in known:
+            if tvm_ffi.structural_equal(other, func):
+                return value
+        folded = relax.transform.FoldConstant()(relax.transform.LegalizeOps()(tvm.IRModule({"main": func})))
+        known.append((func, _constant(folded["main"].body.body)))
+        return known[-1][1]
 
 
 def _swaps_last_two(call) -> bool:
@@ -346,7 +373,7 @@ def _swaps_last_two(call) -> bool:
 
 
 def _last_axis(tensor, axis) -> bool:
-    rank = len(tensor.ty.shape.values)
+    rank = len(_static(tensor))
     return int(axis) % rank == rank - 1
 
 
@@ -356,12 +383,8 @@ def _merged(shape: list, lead: tuple, tail: tuple) -> bool:
 
 
 def _numel(expr) -> int | None:
-    size = 1
-    for dim in expr.ty.shape.values:
-        if not isinstance(dim, tvm.tirx.IntImm):
-            return None
-        size *= int(dim)
-    return size
+    dims = _static(expr)
+    return None if None in dims else math.prod(dims)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_fuel.FuseAttention")
@@ -397,11 +420,18 @@ class FuseAttention:
     ``where`` that is not SDPA's empty-row guard), a scale after the bias, a finite fill value
     (its empty rows are uniform, not 0), a bias added on another view of the scores than
     [B, H, Sq, Sk] or [B * H, Sq, Sk], a scalar bias, dropout (``R.nn.dropout``; PyTorch's
-    importer drops dropout itself), and anything with symbolic shapes.
+    importer drops dropout itself), a scale that is 0 or not finite in float32, and anything with
+    symbolic shapes.
+
+    Both are ``relax.dpl`` patterns rewritten by ``rewrite_call``; a keep mask built from constants
+    is evaluated by TVM itself (``LegalizeOps`` and ``FoldConstant`` of the bindings it reads).
     """
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        fused = _rewrite(_rewrite(mod, _FuseNnAttention), _FuseUnfused)
+        unfused, fused = _UnfusedAttention(), mod.clone()
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                fused.update_func(gvar, unfused(rewrite_call(_calls(*_NN_ATTENTION), _fuse_nn_attention, func)))
         return relax.transform.DeadCodeElimination()(fused)
 
 
