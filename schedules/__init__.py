@@ -3,8 +3,11 @@
 ``tuned_legalize_map(target, records)`` maps each fuel op to a legalization that asks the
 target's rules for a kernel and falls back to the TE decomposition (the floor) when every rule
 declines. A kernel's knobs come from a tuning record that matches its workload and target
-(``records.lookup``), else they are the rule's hand-picked ones; each kernel PrimFunc says which
-in its ``fuel.knobs`` attribute ("hand-picked" or the record's log file).
+(``records.lookup``: the same dims, else a record of the same shape bucket), else they are the
+rule's hand-picked ones; each kernel PrimFunc says which in its ``fuel.knobs`` attribute
+("hand-picked" or the record's log file), the knobs it was built with in ``fuel.knob_values``
+(JSON) and, for a record, whether it was tuned at the call's dims or a bucket neighbour's
+(``fuel.match``: "exact" or "bucket") and at which (``fuel.tuned_at``).
 
 Contents:
     base      -- KernelRule, the dlight-style contract
@@ -12,13 +15,16 @@ Contents:
     common    -- pieces every target's kernels share (tile ranges, masking, GQA row packing)
     cpu       -- llvm kernels (forward, backward, paged) and their rules
     cuda      -- sm_80/sm_90 kernels (forward, backward, paged) and their rules
+    KnobSource, KnobMatch -- where tuned knobs come from, and what a lookup finds
     rules_for, rule_for, tuned_legalize_map
 """
 
 from __future__ import annotations
 
+import json
 import warnings
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
 
 import tvm
 from tvm import relax
@@ -41,11 +47,23 @@ def rule_for(op: str, target: tvm.target.Target) -> KernelRule | None:
     return next((rule for rule in rules_for(target) if rule.op == op), None)
 
 
+@dataclass(frozen=True)
+class KnobMatch:
+    """What a knob lookup found: the knobs, where they came from (a log file) and the workload
+    they were tuned at (None: unknown). ``exact``: tuned at the call's own dims, not a bucket
+    neighbour's."""
+
+    knobs: Mapping[str, int]
+    source: str
+    tuned: Workload | None = None
+    exact: bool = True
+
+
 class KnobSource(Protocol):
     """Where tuned knobs come from (``tvm_fuel.tuning.TuningRecords``)."""
 
-    def lookup(self, workload: Workload, target: tvm.target.Target) -> tuple[dict[str, int], str] | None:
-        """(knobs, where they came from) of the best record for ``workload`` on ``target``."""
+    def lookup(self, workload: Workload, target: tvm.target.Target) -> KnobMatch | None:
+        """The best record for ``workload`` on ``target``, or None."""
 
 
 def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = None, *,
@@ -65,16 +83,24 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
                 workload = rule.workload(call, target)
                 if workload is None:
                     continue
-                knobs, source = rule.knobs(workload, target), "hand-picked"
+                knobs, source, match = rule.knobs(workload, target), "hand-picked", None
                 found = records.lookup(workload, target) if records is not None else None
                 if found is not None:
                     try:
-                        knobs, source = rule.knobs(workload, target, found[0]), found[1]
-                    except ValueError as err:  # e.g. decode knobs for a call whose Sq is symbolic
-                        warnings.warn(f"tvm_fuel: record in {found[1]} does not fit {workload.describe()} ({err}); "
-                                      "hand-picked knobs are used", TuningLogWarning, stacklevel=2)
+                        knobs, source, match = rule.knobs(workload, target, found.knobs), found.source, found
+                    except ValueError as err:
+                        # a bucket neighbour's knobs may not fit (e.g. decode knobs for more rows):
+                        # normal, silent; an exact record that does not fit is worth a warning
+                        if found.exact:
+                            warnings.warn(f"tvm_fuel: record in {found.source} does not fit {workload.describe()} "
+                                          f"({err}); hand-picked knobs are used", TuningLogWarning, stacklevel=2)
                 func = rule.kernel(workload, knobs).with_attr("fuel.knobs", source)
+                func = func.with_attr("fuel.knob_values", json.dumps(knobs, sort_keys=True))  # what was built
                 func = func.with_attr("fuel.workload", workload.describe())
+                if match is not None:
+                    func = func.with_attr("fuel.match", "exact" if match.exact else "bucket")
+                    if match.tuned is not None:
+                        func = func.with_attr("fuel.tuned_at", match.tuned.dims_label())
                 args = _with_forward_state(bb, name, call, legalize_with) if rule.needs_forward_state else None
                 return emit_kernel(bb, name, call, func, args)
             return LEGALIZE[name](bb, call)

@@ -8,13 +8,21 @@ the processes that build candidates.
 
 Contents:
     KernelSpec -- the static facts of one kernel instance (dtype, heads, head dim, options, ...)
-    Workload   -- op + spec + grads + dims; key / from_key / matches / describe
+    Workload   -- op + spec + grads + dims; key / from_key / matches / in_bucket_of / describe
+    size_bucket -- the bucket ladder of a runtime dim (powers of two)
     KEY_VERSION
+
+Shape buckets: a record tuned at static dims also serves calls whose every dim falls in the same
+bucket of the ladder ``size_bucket``: powers of two, a size ``n`` belonging to the smallest
+``2**k >= n`` (1, 2, 3-4, 5-8, ..., 513-1024, ...; 0 is its own bucket). A record tuned at
+Sq = Sk = 1024 serves a call at 1000; one at 1000 serves 1024 too. An exact record wins over a
+bucket neighbour.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 from ..config import AttnConfig
@@ -104,6 +112,25 @@ class Workload:
         theirs = tuned.dim
         return all(size is None or theirs.get(name) == size for name, size in self.dims)
 
+    def in_bucket_of(self, tuned: Workload) -> bool:
+        """Whether ``tuned`` (static) shares this workload's op, spec and grads, and each of this
+        workload's static dims lies in the same ``size_bucket`` as the tuned size."""
+        if (self.op, self.spec, self.grads) != (tuned.op, tuned.spec, tuned.grads):
+            return False
+        theirs = tuned.dim
+        return all(size is None or (theirs.get(name) is not None and size_bucket(theirs[name]) == size_bucket(size))
+                   for name, size in self.dims)
+
+    def distance(self, tuned: Workload) -> float:
+        """How far ``tuned``'s dims are from this workload's static ones (sum of |log2 ratio|; 0: equal)."""
+        theirs = tuned.dim
+        return sum(abs(math.log2(max(1, theirs[name]) / max(1, size))) for name, size in self.dims
+                   if size is not None and theirs.get(name) is not None)
+
+    def dims_label(self) -> str:
+        """The dims alone, e.g. ``B1 Sq1024 Sk1024`` (``?`` for a symbolic one)."""
+        return " ".join(f"{name}{'?' if size is None else size}" for name, size in self.dims)
+
     def describe(self) -> str:
         """A short human-readable label, e.g. ``flash_attn_backward float32 Hq8/Hkv8 D64 causal B1 Sq1024 Sk1024``."""
         spec, cfg = self.spec, self.spec.cfg
@@ -120,5 +147,9 @@ class Workload:
             parts.append("alibi")
         if spec.mask_dtype:
             parts.append(f"mask:{spec.mask_dtype}")
-        parts += [f"{name}{'?' if size is None else size}" for name, size in self.dims]
-        return " ".join(parts)
+        return " ".join([*parts, self.dims_label()])
+
+
+def size_bucket(n: int) -> int:
+    """The bucket of a runtime dim of size ``n``: the smallest power of two ``>= n`` (0 for 0)."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()

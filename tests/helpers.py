@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Mapping
 
 import ml_dtypes
@@ -11,7 +12,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 import tvm_fuel
-from tvm_fuel.deploy.node.compare import TOLERANCE  # one table: this suite's and the GPU node's
+from tvm_fuel.deploy.node.compare import TOLERANCE
+from tvm_fuel.schedules import KnobMatch  # one table: this suite's and the GPU node's
 
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -46,6 +48,36 @@ def dense_inputs(rng: np.random.Generator, B: int, Hq: int, Hkv: int, Sq: int, S
     if with_do:
         inputs["do"] = randn(rng, (B, Hq, Sq, D), dtype)
     return inputs
+
+
+BLOCK = 16  # the tests' paged block size
+
+
+def paged_inputs(rng, lens, *, Hq=6, Hkv=2, Sq=1, D=40, dtype="float32", num_blocks=24, max_blocks=6,
+                  shared_block=True, table_dtype="int32"):
+    """paged_attn's inputs for sequences of context lengths ``lens``: a random cache of
+    ``num_blocks`` blocks of BLOCK tokens, non-contiguous, permuted block tables padded with -1.
+
+    With ``shared_block`` the first block of every sequence is the same id (a shared prefix).
+    """
+    B = len(lens)
+    table = np.full((B, max_blocks), -1, np.int64)
+    ids = rng.permutation(num_blocks)
+    cursor = 1
+    for b, n in enumerate(lens):
+        live = -(-n // BLOCK)
+        assert live <= max_blocks
+        for i in range(live):
+            if i == 0 and shared_block:
+                table[b, i] = ids[0]
+            else:
+                table[b, i] = ids[cursor % num_blocks]
+                cursor += 1
+    return dict(q=randn(rng, (B, Hq, Sq, D), dtype),
+                k_cache=randn(rng, (num_blocks, BLOCK, Hkv, D), dtype),
+                v_cache=randn(rng, (num_blocks, BLOCK, Hkv, D), dtype),
+                block_table=table.astype(table_dtype),
+                context_lens=np.asarray(lens, table_dtype if table_dtype != "int64" else "int32"))
 
 
 HOST = tvm_fuel.build.host_target()
@@ -128,3 +160,25 @@ def buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:
 
     tvm_ffi.structural_walk(func.body, (s_tir.SBlock, check_block), order="post")
     return found
+
+
+class PinnedKnobs:
+    """A KnobSource giving every kernel the same knobs (a point of its space); ``applied_knobs``
+    reads back what a kernel was built with."""
+
+    def __init__(self, **knobs):
+        self.knobs = knobs
+
+    def lookup(self, workload, target):
+        return KnobMatch(dict(self.knobs), f"pinned {self.knobs}")
+
+
+def applied_knobs(func: tirx.PrimFunc) -> dict:
+    """The knobs a performance-path kernel was built with (its ``fuel.knob_values``)."""
+    return json.loads(str(func.attrs["fuel.knob_values"]))
+
+
+def assert_pinned(func: tirx.PrimFunc, **knobs):
+    """The kernel was built with these knob values (no silent fallback to other knobs)."""
+    applied = applied_knobs(func)
+    assert {name: applied.get(name) for name in knobs} == knobs, (applied, knobs)

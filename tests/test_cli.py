@@ -41,7 +41,7 @@ def test_logs_reports_a_module_file(tmp_path, capsys):
 
 
 def test_cuda_commands_without_a_device_say_so(capsys):
-    from tvm_fuel.gpu import has_gpu
+    from tvm_fuel.cuda import has_gpu
 
     if has_gpu():
         pytest.skip("this machine has a CUDA device")

@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from helpers import assert_close, build, buffers_growing_with, flatten, legalize_cuda_emulated, randn
+from helpers import (PinnedKnobs, assert_close, assert_pinned, build, buffers_growing_with, flatten,
+                     legalize_checked, legalize_cuda_emulated, randn)
 from tvm import relax, tirx
 
 import tvm_fuel
 from tvm_fuel import cuda, op, reference
 from tvm_fuel.deploy.node.compare import DEVICE_SCALE, LSE_TOLERANCE
+from tvm_fuel.cuda import device_arch, has_gpu
 from tvm_fuel.models import llama, peers
 from tvm_fuel.models.engine import LlamaEngine
 from tvm_fuel.schedules.cuda import mma
@@ -187,16 +189,6 @@ def _streaming_loops(func: tirx.PrimFunc) -> list[tuple[set[str], list]]:
     return result
 
 
-class _Pinned:
-    """A KnobSource that pins some knobs of every kernel (and says so in ``fuel.knobs``)."""
-
-    def __init__(self, **knobs):
-        self.knobs = knobs
-
-    def lookup(self, workload, target):
-        return dict(self.knobs), f"pinned {self.knobs}"
-
-
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_pipeline_depth_gives_the_reference(stages, dtype):
@@ -211,9 +203,9 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     for options, knobs in cases:
         mod = build(lambda **a: op.flash_attn(**a, return_lse=True, **options),
                     {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v).items()})
-        legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, **knobs))
+        legalized = legalize_cuda_emulated(mod, host, PinnedKnobs(stages=stages, **knobs))
         (kernel,) = _kernel_funcs(legalized).values()
-        assert f"'stages': {stages}" in str(kernel.attrs["fuel.knobs"])
+        assert_pinned(kernel, stages=stages, **knobs)
         vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
         out, lse = flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v))))
         want, want_lse = reference.flash_attn(q, k, v, return_lse=True, **options)
@@ -226,7 +218,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     params = dict(q=(q.shape, dtype), k_cache=(k_cache.shape, dtype), v_cache=(v_cache.shape, dtype),
                   block_table=(table.shape, "int32"), context_lens=(lens.shape, "int32"))
     mod = build(lambda **a: op.paged_attn(**a), params)
-    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_k=16, threads=32))
+    legalized = legalize_cuda_emulated(mod, host, PinnedKnobs(stages=stages, block_k=16, threads=32))
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
     (out,) = flatten(vm["main"](*map(tvm.runtime.tensor, (q, k_cache, v_cache, table, lens))))
     assert_close(out, reference.paged_attn(q, k_cache, v_cache, table, lens), dtype, what="paged out")
@@ -235,7 +227,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     k, v = randn(rng, (1, 2, 70, 64), dtype), randn(rng, (1, 2, 70, 64), dtype)
     mod = build(lambda **a: op.flash_attn_backward(**a, causal=True),
                 {n: (a.shape, dtype) for n, a in dict(q=q, k=k, v=v, do=do).items()})
-    legalized = legalize_cuda_emulated(mod, host, _Pinned(stages=stages, block_q=16, block_k=16, threads=32))
+    legalized = legalize_cuda_emulated(mod, host, PinnedKnobs(stages=stages, block_q=16, block_k=16, threads=32))
     vm = tvm.relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
     got = flatten(vm["main"](*map(tvm.runtime.tensor, (q, k, v, do))))
     for name, array, want in zip("qkv", got, reference.flash_attn_backward(q, k, v, do, causal=True)):
@@ -296,19 +288,14 @@ def test_split_kv_for_long_decode_contexts():
 # ---------------------------------------------------------------------------------------------
 # On a GPU
 
-def _has_gpu() -> bool:
-    try:
-        return tvm.cuda(0).exist
-    except Exception:  # noqa: BLE001 (no CUDA runtime at all)
-        return False
-
-
-requires_gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA device")
+requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
 
 
 def _run_on_gpu(mod, arrays, kernels):
-    target = _target(f"sm_{''.join(tvm.cuda(0).compute_version.split('.'))}")
-    vm = tvm.relax.VirtualMachine(tvm_fuel.compile(mod, target, kernels=kernels), tvm.cuda(0))
+    """Run on device 0; with kernels="tuned" every op that has a CUDA kernel must run it (no floor)."""
+    target = _target(device_arch())
+    legalized = legalize_checked(mod, target, kernels)
+    vm = tvm.relax.VirtualMachine(tvm_fuel.compile(legalized, target, kernels=kernels), tvm.cuda(0))
     return flatten(vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a), device=tvm.cuda(0)) for a in arrays]))
 
 
@@ -384,7 +371,7 @@ def test_the_decoder_builds_for_cuda():
 def test_gpu_decoder_generation():
     """On a device: paged decode reproduces the no-cache forward, which matches numpy (float16)."""
     config = llama.LlamaConfig(dtype="float16")
-    arch = f"sm_{''.join(tvm.cuda(0).compute_version.split('.'))}"
+    arch = device_arch()
     engine = LlamaEngine(config, target=_target(arch), kernels="tuned", num_blocks=32, device=tvm.cuda(0))
     prompts = [[5], list(range(40)), list(range(3, 100))]
     result = engine.generate(prompts, max_new_tokens=8)

@@ -28,7 +28,7 @@ from tvm_fuel.deploy.node.environment import CubinStore, source_key
 from tvm_fuel.deploy.suites import tune_buckets
 from tvm_fuel.schedules import rule_for
 from tvm_fuel.tuning.buckets import bucket_module
-from tvm_fuel.tuning.records import TuningRecords
+from tvm_fuel.logs import TuningRecords
 from tvm_fuel.tuning.tune import workloads_of
 
 needs_nvcc = pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
@@ -200,7 +200,7 @@ def test_tune_import_turns_node_measurements_into_applied_records(tmp_path, caps
     (kernel,) = [f for f in legalized.functions.values() if f.attrs is not None and "fuel.knobs" in f.attrs]
     assert str(logs) in str(kernel.attrs["fuel.knobs"])  # the record, not the hand-picked knobs
     (workload,) = workloads_of(bucket_module(op, shape), target)
-    knobs, _ = TuningRecords([logs]).lookup(workload, target)
+    knobs = TuningRecords([logs]).lookup(workload, target).knobs
     hand = next(c["knobs"] for c in manifest["cases"] if c.get("bucket") == bucket["id"] and c["hand_picked"])
     assert knobs == {name: fastest[name] for name in knobs} != {name: hand[name] for name in knobs}
     capsys.readouterr()
@@ -236,6 +236,7 @@ def test_tune_stage_measures_points_side_by_side_and_imports_them(venv, llvm_bun
     logs = tmp_path / "logs"
     rows = import_results(results, logs, log=lambda line: None)
     assert rows[0]["hand_picked_s"] > 0 and rows[0]["best_knobs"] in points
-    knobs, source = TuningRecords([logs]).lookup(workload, target)
+    found = TuningRecords([logs]).lookup(workload, target)
+    knobs, source = found.knobs, found.source
     assert source.startswith(str(logs / "llvm-generic" / "flash_attn"))
     assert knobs == {name: rows[0]["best_knobs"][name] for name in knobs}

@@ -24,8 +24,8 @@ from tvm_fuel.schedules import rule_for
 from tvm_fuel.schedules.cuda.rules import cuda_rules
 from tvm_fuel.tuning import TuningLogWarning, TuningRecords, target_key
 from tvm_fuel.tuning.buckets import bucket_module
-from tvm_fuel.tuning.records import RECORD_FILE, WORKLOAD_FILE, kernel_family
-from tvm_fuel.tuning.space import BLOCK, KNOB_PREFIX, ValidKnobs, workload_module
+from tvm_fuel.logs import BLOCK, KNOB_PREFIX, RECORD_FILE, WORKLOAD_FILE, kernel_family
+from tvm_fuel.tuning.space import ValidKnobs, workload_module
 from tvm_fuel.tuning.tune import commit_record, workloads_of
 
 # decode: the streaming kernel's knobs (lanes, block_k, kv_heads, value_tokens, prefetch)
@@ -78,7 +78,7 @@ def test_truncated_last_line_keeps_the_records_before_it(tmp_path):
     records.write_text("\n".join(lines) + "\n" + lines[1][: len(lines[1]) // 2])
     with pytest.warns(TuningLogWarning) as caught:
         found = TuningRecords([tmp_path]).lookup(workload, HOST)
-    assert found == ({"block_k": 32}, str(records))
+    assert (found.knobs, found.source) == ({"block_k": 32}, str(records))
     assert _line_warned(caught, records, 4), [str(w.message) for w in caught]
     assert not _line_warned(caught, records, 3)
 
@@ -99,7 +99,8 @@ def test_bad_lines_in_the_middle_cost_only_themselves(tmp_path):
         assert _line_warned(caught, records, line), (line, [str(w.message) for w in caught])
     with warnings.catch_warnings():  # the same bad lines again: warned once per file and process
         warnings.simplefilter("error", TuningLogWarning)
-        assert TuningRecords([tmp_path]).lookup(workload, HOST) == ({"block_k": 64}, str(records))
+        found = TuningRecords([tmp_path]).lookup(workload, HOST)
+        assert (found.knobs, found.source) == ({"block_k": 64}, str(records))
 
 
 def test_bad_workload_line_skips_only_the_records_that_point_to_it(tmp_path):
@@ -208,4 +209,5 @@ def test_record_with_a_time_of_zero_is_skipped(tmp_path):
     _, workload = _paged()
     _, records = _write_log(tmp_path, workload, [({"block_k": 32}, 0.0), ({"block_k": 64}, 1e-4)])
     with pytest.warns(TuningLogWarning, match=re.escape(str(records)) + ".*line 1: .*not positive"):
-        assert TuningRecords([tmp_path]).lookup(workload, HOST) == ({"block_k": 64}, str(records))
+        found = TuningRecords([tmp_path]).lookup(workload, HOST)
+        assert (found.knobs, found.source) == ({"block_k": 64}, str(records))

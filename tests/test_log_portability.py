@@ -4,7 +4,8 @@ Records are matched by target key (instruction set and vector width), not by cor
 that set the task count are re-derived for the using machine: the backward's splits keep their
 tasks per core, decode's KV heads per task keep their ratio to the hand-picked rule. A machine
 without records builds silently with hand-picked knobs; a record of another key in this key's
-folder warns once per file, however many builds read it.
+folder warns once per file, however many builds read it. A record serves the lengths of its
+shape bucket (powers of two: 1000 takes the record tuned at 1024), and ``logs`` says so.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tvm_fuel.schedules import rule_for
 from tvm_fuel.schedules.cpu.rules import FlashBackward
 from tvm_fuel.tuning import TuningLogWarning, TuningRecords, shipped_logs, target_key
 from tvm_fuel.tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module
-from tvm_fuel.tuning.records import RECORD_FILE, WORKLOAD_FILE
+from tvm_fuel.logs import RECORD_FILE, WORKLOAD_FILE
+from tvm_fuel.schedules.workload import size_bucket
 from tvm_fuel.tuning.tune import workloads_of
 
 AVX2 = "llvm-x86-avx2"
@@ -70,9 +72,9 @@ def test_shipped_avx2_logs_apply_on_any_core_count(cores):
         for op in TUNABLE_OPS:
             for bucket in benchmark_buckets(op):
                 found = _lookup(op, bucket, target)
-                assert found is not None and found[1] == _record_file(op), (op, bucket, cores, found)
-                as_tuned, _ = _lookup(op, bucket, tuned_on)
-                knobs = found[0]
+                assert found is not None and found.source == _record_file(op), (op, bucket, cores, found)
+                as_tuned = _lookup(op, bucket, tuned_on).knobs
+                knobs = found.knobs
                 moved = {name for name in knobs if knobs[name] != as_tuned[name]}
                 assert moved <= {"splits", "kv_heads"}, (op, bucket, cores, as_tuned, knobs)
                 if "splits" in knobs:  # tasks per core kept: splits x cores / 2, at most the space's 16
@@ -81,18 +83,18 @@ def test_shipped_avx2_logs_apply_on_any_core_count(cores):
 
 def test_core_knobs_scaled_for_sixteen_cores():
     """The values a 16-core AVX2 machine builds the benchmark's backward and decode with."""
-    backward, _ = _lookup("flash_attn_backward", BACKWARD, _avx2(TUNED_CORES))
+    backward = _lookup("flash_attn_backward", BACKWARD, _avx2(TUNED_CORES)).knobs
     assert backward["splits"] == 4  # 32 tasks on 2 cores: 16 per core
-    assert _lookup("flash_attn_backward", BACKWARD, _avx2(4))[0]["splits"] == 8  # 16 per core again
+    assert _lookup("flash_attn_backward", BACKWARD, _avx2(4)).knobs["splits"] == 8  # 16 per core again
     # 16 per core would be 32 splits: more than the space's 16 (2 key tiles of 32 per split)
-    assert _lookup("flash_attn_backward", BACKWARD, _avx2(16))[0] == {**backward, "splits": 16}
-    decode, _ = _lookup("paged_attn", PAGED, _avx2(TUNED_CORES))
+    assert _lookup("flash_attn_backward", BACKWARD, _avx2(16)).knobs == {**backward, "splits": 16}
+    decode = _lookup("paged_attn", PAGED, _avx2(TUNED_CORES)).knobs
     assert decode["kv_heads"] == 8  # whole page rows (the hand-picked value for 8 sequences on 2 cores)
-    assert _lookup("paged_attn", PAGED, _avx2(4))[0] == decode  # 8 sequences still fill 4 cores
+    assert _lookup("paged_attn", PAGED, _avx2(4)).knobs == decode  # 8 sequences still fill 4 cores
     # on 16 cores the rule halves the heads per task (16 tasks for 16 cores); the record follows it
     assert rule_for("paged_attn", _avx2(16)).default_knobs(
         workloads_of(bucket_module("paged_attn", PAGED), _avx2(16))[0], _avx2(16))["kv_heads"] == 4
-    assert _lookup("paged_attn", PAGED, _avx2(16))[0] == {**decode, "kv_heads": 4}
+    assert _lookup("paged_attn", PAGED, _avx2(16)).knobs == {**decode, "kv_heads": 4}
 
 
 def test_port_knobs_lands_on_the_space():
@@ -137,7 +139,7 @@ def test_sixteen_core_build_uses_the_record_with_scaled_splits(monkeypatch):
         legalized = tvm_fuel.build.legalize(mod, target, kernels="tuned")
     (func,) = _kernels(legalized)
     assert str(func.attrs["fuel.knobs"]) == _record_file("flash_attn_backward")
-    knobs, _ = _lookup("flash_attn_backward", BACKWARD, target)
+    knobs = _lookup("flash_attn_backward", BACKWARD, target).knobs
     assert built == [rule_for("flash_attn_backward", target).knobs(
         workloads_of(mod, target)[0], target, knobs)] and built[0]["splits"] == 16
     if target_key(HOST) not in (AVX2, "llvm-x86-avx512"):
@@ -200,3 +202,39 @@ def test_foreign_record_in_this_keys_folder_warns_once_per_file(tmp_path):
             assert str(func.attrs["fuel.knobs"]) == str(records)
     messages = [str(w.message) for w in caught if issubclass(w.category, TuningLogWarning)]
     assert len(messages) == 1 and str(records) in messages[0] and "llvm-x86-avx512" in messages[0], messages
+
+
+def test_size_bucket_ladder():
+    assert [size_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 513, 1000, 1024, 1025)] == \
+        [0, 1, 2, 4, 4, 8, 8, 16, 1024, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("cores", [2, 4, 16])
+def test_a_length_within_the_bucket_uses_the_record(cores):
+    """Sequence length 1000 (and 513) builds with the record tuned at 1024, on any core count, with
+    the knobs an exact 1024 call gets; 512 is another bucket's."""
+    target = _avx2(cores)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningLogWarning)
+        for op in ("flash_attn", "flash_attn_backward"):
+            exact = _lookup(op, BACKWARD, target)
+            for length in (1000, 513):
+                near = _lookup(op, {**BACKWARD, "S": length}, target)
+                assert not near.exact and near.tuned.dim == exact.tuned.dim == {"B": 1, "Sq": 1024, "Sk": 1024}
+                assert near.knobs == exact.knobs and near.source == exact.source == _record_file(op)
+            other = _lookup(op, {**BACKWARD, "S": 512}, target)
+            assert other is None or other.tuned.dim["Sq"] != 1024
+        mod = bucket_module("flash_attn", {**BACKWARD, "S": 1000})
+        (func,) = _kernels(tvm_fuel.build.legalize(mod, target, kernels="tuned"))
+    assert str(func.attrs["fuel.knobs"]) == _record_file("flash_attn") and str(func.attrs["fuel.match"]) == "bucket"
+    assert str(func.attrs["fuel.tuned_at"]) == "B1 Sq1024 Sk1024"
+
+
+def test_logs_command_names_the_bucket_that_served(capsys):
+    from tvm_fuel.cli import main
+
+    target = json.dumps({"kind": "llvm", "mcpu": "znver3", "num-cores": 4})
+    assert main(["logs", "--target", target, "--op", "flash_attn", "--shapes", "B=1,H=8,S=1000,D=64,causal=1"]) == 0
+    text = capsys.readouterr().out
+    assert "bucket" in text and "tuned at B1 Sq1024 Sk1024 (same shape bucket)" in text, text
+    assert _record_file("flash_attn") in text

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import importlib.util, json, sys
 import tvm_fuel, tvm_fuel.schedules, tvm_fuel.tuning_logs, tvm_fuel.schedules.cpu.rules
-from tvm_fuel.tuning.records import shipped_logs
+from tvm_fuel.logs import shipped_logs
 print(json.dumps(dict(
     package=tvm_fuel.__file__, schedules=tvm_fuel.schedules.__file__,
     cpu_rules=tvm_fuel.schedules.cpu.rules.__file__, tuning_logs=tvm_fuel.tuning_logs.__file__,

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import HOST, Runner, assert_close, build, randn
+from helpers import HOST, PinnedKnobs, Runner, assert_close, assert_pinned, build, randn
 
 import tvm
 from tvm import relax, s_tir
@@ -25,8 +25,8 @@ from tvm_fuel import reference as ref
 from tvm_fuel.schedules import rule_for, tuned_legalize_map
 from tvm_fuel.tuning import TuningLogWarning, shipped_logs, target_key, tune, tuning_report
 from tvm_fuel.tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module, parse_bucket
-from tvm_fuel.tuning.records import RECORD_FILE, WORKLOAD_FILE
-from tvm_fuel.tuning.space import ValidKnobs, design_space, knobs_of, workload_module
+from tvm_fuel.logs import RECORD_FILE, WORKLOAD_FILE, knobs_of
+from tvm_fuel.tuning.space import ValidKnobs, design_space, workload_module
 from tvm_fuel.tuning.tune import workloads_of
 
 # awkward shapes: GQA groups 3 and 7, head dims 40 and 64, lengths 17 and 97
@@ -100,8 +100,8 @@ def test_build_uses_the_latest_side_by_side_verification(tuned_root, op):
     root, results = tuned_root
     (result,) = results[op]
     (workload,) = workloads_of(bucket_module(op, BUCKETS[op]), HOST)
-    knobs, source = TuningRecords([root]).lookup(workload, HOST)
-    assert knobs == result.best_knobs and source.endswith(RECORD_FILE)
+    found = TuningRecords([root]).lookup(workload, HOST)
+    assert found.exact and found.knobs == result.best_knobs and found.source.endswith(RECORD_FILE)
 
 
 def test_tuning_resumes_from_its_database(tuned_root, tmp_path):
@@ -115,16 +115,6 @@ def test_tuning_resumes_from_its_database(tuned_root, tmp_path):
     # the previous records count from the first line on (a fresh log says "no valid trial yet")
     assert "trials 0/2, best" in lines[0] and "verified side by side" in lines[-1]
     assert again.hand_picked_s > 0 and after >= before + 2
-
-
-class _Fixed:
-    """A knob source that gives every workload the same knobs (a point of its space)."""
-
-    def __init__(self, knobs):
-        self.knobs = knobs
-
-    def lookup(self, workload, target):
-        return dict(self.knobs), "test point"
 
 
 @pytest.mark.parametrize("op", list(BUCKETS))
@@ -151,7 +141,11 @@ def test_random_points_of_the_space_are_correct(op):
 def _run_with_knobs(mod, knobs: dict, inputs: dict) -> list[np.ndarray]:
     with HOST, warnings.catch_warnings():
         warnings.simplefilter("error", TuningLogWarning)  # pinned knobs outside the space would not apply
-        legalized = relax.transform.LegalizeOps(tuned_legalize_map(HOST, _Fixed(knobs)))(mod)
+        legalized = relax.transform.LegalizeOps(tuned_legalize_map(HOST, PinnedKnobs(**knobs)))(mod)
+    kernels = [f for f in legalized.functions.values() if f.attrs is not None and "fuel.knob_values" in f.attrs]
+    assert kernels, "the floor ran, not a kernel"
+    for kernel in kernels:
+        assert_pinned(kernel, **knobs)
     vm = relax.VirtualMachine(tvm.compile(legalized, target=HOST), tvm.cpu())
     outputs = vm["main"](*[tvm.runtime.tensor(a) for a in inputs.values()])
     return [t.numpy() for t in ([outputs] if isinstance(outputs, tvm.runtime.Tensor) else outputs)]
@@ -164,7 +158,7 @@ def _shipped_paged_knobs() -> dict:
     (bench,) = benchmark_buckets("paged_attn")
     (workload,) = workloads_of(bucket_module("paged_attn", bench), HOST)
     found = TuningRecords([shipped_logs()]).lookup(workload, HOST)
-    return found[0] if found else dict(value_tokens=4, block_k=256, kv_heads=4)
+    return dict(found.knobs) if found else dict(value_tokens=4, block_k=256, kv_heads=4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -12,7 +12,7 @@ from helpers import HOST
 
 from tvm_fuel.tuning import target_key, tune
 from tvm_fuel.tuning.buckets import bucket_module
-from tvm_fuel.tuning.records import RECORD_FILE
+from tvm_fuel.logs import RECORD_FILE
 
 pytest.importorskip("tornado", reason="the RPC tracker needs tornado (pip install -e '.[test]')")
 

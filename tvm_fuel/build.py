@@ -173,7 +173,7 @@ class LegalizeFuel:
 
             return {SPECS[name].op_name: rule for name, rule in LEGALIZE.items()}
         from .schedules import tuned_legalize_map
-        from .tuning.records import TuningRecords, shipped_logs as shipped
+        from .logs import TuningRecords, shipped_logs as shipped
 
         roots = ([self.database] if self.database is not None else []) + ([shipped()] if self.shipped_logs else [])
         return tuned_legalize_map(target, TuningRecords(roots))

@@ -26,7 +26,7 @@ _MAX_DIM = 2**31 - 1  # a larger dim is no workload to tune: it would only fail 
 def _shape_bucket(text: str) -> dict:
     """argparse type of --shapes: a bucket whose every value is checked here, so a mistake is an
     ``error: argument --shapes: ...`` naming the key, not a traceback from deep in the build."""
-    from .config import FLOAT_DTYPES, MAX_WINDOW, _finite_nonzero_float32
+    from .config import FLOAT_DTYPES, MAX_WINDOW, finite_nonzero_float32
     from .tuning.buckets import parse_bucket
 
     def bad(message: str):
@@ -49,7 +49,7 @@ def _shape_bucket(text: str) -> dict:
                 number = float(value)
             except ValueError:
                 number = math.nan
-            if not (number == 0 or (number > 0 and math.isfinite(number) and _finite_nonzero_float32(number))):
+            if not (number == 0 or (number > 0 and math.isfinite(number) and finite_nonzero_float32(number))):
                 raise bad(f"softcap must be a float >= 0 (0: off), finite and non-zero as a float32, got {value!r}")
         elif key == "dtype" and value not in FLOAT_DTYPES:
             raise bad(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {value!r}")
@@ -209,7 +209,7 @@ def _logs(args: argparse.Namespace) -> int:
     import warnings
 
     from .tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module
-    from .tuning.records import TuningRecords, shipped_logs, target_key
+    from .logs import TuningRecords, shipped_logs, target_key
     from .tuning.report import format_report, tuning_report
 
     target = _target(args.target)

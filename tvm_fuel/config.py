@@ -5,6 +5,7 @@ Contents:
     FLOAT_DTYPES -- dtypes the attention ops accept for q, k, v, do
     INDEX_DTYPES -- dtypes accepted for block tables and context lengths
     MAX_WINDOW   -- the largest window side accepted (2**31 - 1)
+    as_int, as_bool, finite_nonzero_float32 -- the argument checks every op and the CLI share
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ class AttnConfig:
         """Validate raw option values, naming ``op`` in any error, and return the config."""
         if softmax_scale is not None:
             softmax_scale = _as_real(op, "softmax_scale", softmax_scale, "a float or None")
-            if not _finite_nonzero_float32(softmax_scale):  # the kernels scale the logits in float32
+            if not finite_nonzero_float32(softmax_scale):  # the kernels scale the logits in float32
                 raise ValueError(f"{op}: softmax_scale must be finite and non-zero as a float32 "
                                  f"({_F32_RANGE}), got {softmax_scale!r}")
-        causal = _as_bool(op, "causal", causal)
+        causal = as_bool(op, "causal", causal)
         if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
             raise ValueError(f"{op}: window_size must be a pair (left, right), got {window_size!r}")
-        window = tuple(_as_int(op, f"window_size {side}", w) for side, w in zip(("left", "right"), window_size))
+        window = tuple(as_int(op, f"window_size {side}", w) for side, w in zip(("left", "right"), window_size))
         for side, w in zip(("left", "right"), window):
             if w < -1:
                 raise ValueError(f"{op}: window_size {side} must be -1 (unbounded) or >= 0, got {w}")
@@ -57,7 +58,7 @@ class AttnConfig:
         softcap = _as_real(op, "softcap", softcap, "a float")
         if softcap < 0:
             raise ValueError(f"{op}: softcap must be >= 0 (0 disables it), got {softcap!r}")
-        if softcap != 0 and not _finite_nonzero_float32(softcap):  # the kernels divide by it in float32
+        if softcap != 0 and not finite_nonzero_float32(softcap):  # the kernels divide by it in float32
             raise ValueError(f"{op}: softcap must be finite and non-zero as a float32 ({_F32_RANGE}) "
                              f"or 0 (disabled), got {softcap!r}")
         return AttnConfig(softmax_scale, causal, window, softcap)
@@ -108,7 +109,7 @@ class AttnConfig:
 ATTN_ATTR_KEYS = ("softmax_scale", "causal", "window_size", "softcap")
 
 
-def _as_int(op: str, name: str, value: Any) -> int:
+def as_int(op: str, name: str, value: Any) -> int:
     """``value`` as a Python int: ints, numpy integers and TIR IntImms qualify; bools (Python or
     numpy) and floats do not. TypeError names ``op`` and ``name``."""
     if type(value).__name__ == "IntImm":  # read back from a call's attributes
@@ -123,7 +124,7 @@ def _as_int(op: str, name: str, value: Any) -> int:
         raise TypeError(f"{op}: {name} must be an int, got {value!r}") from None
 
 
-def _as_bool(op: str, name: str, value: Any) -> bool:
+def as_bool(op: str, name: str, value: Any) -> bool:
     """``value`` as a Python bool: only bools and numpy bools qualify (``causal=2`` is a mistake)."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{op}: {name} must be a bool (True or False), got {value!r}")
@@ -140,7 +141,7 @@ def _as_real(op: str, name: str, value: Any, expected: str) -> float:
 _F32_RANGE = "1.4e-45 <= |x| <= 3.4e+38"  # the smallest subnormal and the largest finite float32
 
 
-def _finite_nonzero_float32(value: float) -> bool:
+def finite_nonzero_float32(value: float) -> bool:
     """Whether ``value`` stays finite and non-zero when rounded to float32."""
     with np.errstate(over="ignore", under="ignore"):
         rounded = float(np.float32(value))

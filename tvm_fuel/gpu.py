@@ -7,7 +7,7 @@ bench, tune); ``bench --target cuda`` the smoke and bench stages. Results go to
 ``<out>/results.json`` (``tune --import`` reads its tune stage).
 
 Contents:
-    has_gpu, device_arch
+    has_gpu, device_arch -- from tvm_fuel.cuda
     run_gpucheck -- build the bundle of a suite for this device and run it; run.py's exit status
 """
 
@@ -17,21 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-def has_gpu() -> bool:
-    import tvm
-
-    try:
-        return bool(tvm.cuda(0).exist)
-    except Exception:  # noqa: BLE001 (no CUDA runtime in this TVM build or no driver)
-        return False
-
-
-def device_arch() -> str:
-    """``sm_XY`` of device 0."""
-    import tvm
-
-    return "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+from .cuda import device_arch, has_gpu
 
 
 def run_gpucheck(*, out_dir: str | Path = "bench_results", suite: str = "all") -> int:

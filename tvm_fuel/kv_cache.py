@@ -32,7 +32,7 @@ import numpy as np
 import tvm
 from tvm.script import tirx as T
 
-from .config import _as_int
+from .config import as_int
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +155,7 @@ class PagedKVCache:
         """Forget the sequence's tokens from ``length`` on, returning the blocks they alone used
         (a failed step rolls back with it)."""
         (seq,) = self._check([seq], "truncate")
-        length = _as_int("PagedKVCache.truncate", "length", length)
+        length = as_int("PagedKVCache.truncate", "length", length)
         if not 0 <= length <= self._lens[seq]:
             raise ValueError(f"PagedKVCache.truncate: length must be in [0, {self._lens[seq]}], got {length}")
         blocks = self._blocks[seq]
@@ -234,7 +234,7 @@ class PagedKVCache:
         """[B, max_blocks] int32: each sequence's blocks, padded with -1 (never read: past its length)."""
         seqs = self._check(seqs, "block_table")
         width = (max(1, max(len(self._blocks[s]) for s in seqs)) if max_blocks is None
-                 else _as_int("PagedKVCache.block_table", "max_blocks", max_blocks))
+                 else as_int("PagedKVCache.block_table", "max_blocks", max_blocks))
         if width < 1:
             raise ValueError(f"PagedKVCache.block_table: max_blocks must be >= 1, got {max_blocks}")
         table = np.full((len(seqs), width), -1, "int32")
@@ -254,7 +254,7 @@ class PagedKVCache:
         """``seqs`` as a list of known, distinct sequence ids (numpy integers qualify, bools do not)."""
         if isinstance(seqs, (int, np.integer)) or not hasattr(seqs, "__iter__"):  # a bare id, not a list
             raise TypeError(f"PagedKVCache.{what}: seqs must be a list of sequence ids, got {seqs!r}")
-        seqs = [_as_int(f"PagedKVCache.{what}", "a sequence id", s) for s in seqs]
+        seqs = [as_int(f"PagedKVCache.{what}", "a sequence id", s) for s in seqs]
         if not seqs:
             raise ValueError(f"PagedKVCache.{what}: seqs must name at least one sequence")
         unknown = [s for s in seqs if s not in self._blocks]
@@ -266,7 +266,7 @@ class PagedKVCache:
 
 def _positive_int(where: str, name: str, value) -> int:
     """``value`` as an int >= 1 (numpy integers qualify, bools do not); the error names ``where`` and ``name``."""
-    value = _as_int(where, name, value)
+    value = as_int(where, name, value)
     if value < 1:
         raise ValueError(f"{where}: {name} must be a positive int, got {value}")
     return value

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from tvm import relax
 from tvm.ir import Op
 
-from .config import AttnConfig, _as_bool, _as_int
+from .config import AttnConfig, as_bool, as_int
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None
     """
     attrs = _attn_attrs("flash_attn", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         softcap=softcap)
-    attrs["return_lse"] = _as_bool("fuel.flash_attn", "return_lse", return_lse)
+    attrs["return_lse"] = as_bool("fuel.flash_attn", "return_lse", return_lse)
     return SPECS["flash_attn"].make_call(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask),
                                          attrs)
 
@@ -270,5 +270,5 @@ def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:
     >>> t = relax.TensorType((2, 8, 17, 97), "float32")
     >>> dlogits = op.softmax_backward(relax.Var("p", t), relax.Var("dp", t))
     """
-    axis = _as_int("fuel.softmax_backward", "axis", axis)  # numpy integers qualify, bools do not
+    axis = as_int("fuel.softmax_backward", "axis", axis)  # numpy integers qualify, bools do not
     return SPECS["softmax_backward"].make_call(dict(probs=probs, dprobs=dprobs), {"axis": axis})

@@ -22,8 +22,8 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 
 from ..schedules.workload import Workload
-from ..tuning.records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
-from ..tuning.space import fixed_point, knobs_of, workload_module
+from ..logs import RECORD_FILE, WORKLOAD_FILE, kernel_family, knobs_of, replay, target_key
+from ..tuning.space import fixed_point, workload_module
 from ..tuning.tune import commit_record, default_work_dir
 
 

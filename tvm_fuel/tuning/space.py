@@ -17,7 +17,7 @@ the space brings its own: ``KnobMutator`` re-samples one knob of a trace (evolut
 Contents:
     workload_module  -- IRModule of a workload's tuning task
     design_space     -- the ScheduleFn: one sample_categorical per knob
-    knobs_of         -- (Workload, knobs) read back from a scheduled module
+    knobs_of         -- (Workload, knobs) read back from a scheduled module (from tvm_fuel.logs)
     space_generator  -- ScheduleFn with the mutator and postproc above
     KnobMutator, ValidKnobs, KnobFeatures
 """
@@ -36,13 +36,9 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import rule_for
 from ..schedules.cpu.tiles import cores
+from ..logs import BLOCK, KNOB_PREFIX, SPACE_KEY, VERIFIED_KEY, WORKLOAD_KEY, knobs_of, verification_of
 from ..schedules.workload import Workload
 
-BLOCK = "fuel_kernel"
-WORKLOAD_KEY = "fuel.workload"
-SPACE_KEY = "fuel.space"
-VERIFIED_KEY = "fuel.verified"  # id (a time) of the side-by-side re-measurement a record comes from
-KNOB_PREFIX = "fuel."
 # the features the cost model sees, in this order (absent knobs count as 1)
 FEATURE_KNOBS = ("lanes", "block_q", "block_k", "micro_rows", "key_vecs", "dim_vecs", "kv_heads", "splits",
                  "value_tokens", "prefetch")
@@ -65,35 +61,6 @@ def workload_module(workload: Workload, target: tvm.target.Target) -> tvm.IRModu
     func = tirx.PrimFunc(func.params, s_tir.SBlockRealize([], True, root), func.ret_type, func.attrs)
     # the task is tuned, not hand-scheduled: MetaSchedule skips functions marked scheduled
     return tvm.IRModule({"main": func.without_attr("tirx.is_scheduled")})
-
-
-def _kernel_block(mod: tvm.IRModule) -> s_tir.SBlock:
-    found = []
-
-    def visit(node):
-        if node.name_hint == BLOCK:
-            found.append(node)
-
-    import tvm_ffi
-
-    tvm_ffi.structural_walk(mod["main"].body, (s_tir.SBlock, visit), order="post")
-    if not found:
-        raise ValueError("not a tvm_fuel tuning workload (no fuel_kernel block)")
-    return found[0]
-
-
-def knobs_of(mod: tvm.IRModule) -> tuple[Workload, dict[str, int]]:
-    """The workload of a (scheduled) tuning module and the knob values its trace annotated."""
-    annotations = _kernel_block(mod).annotations
-    workload = Workload.from_key(str(annotations[WORKLOAD_KEY]))
-    knobs = {key[len(KNOB_PREFIX):]: int(value) for key, value in annotations.items()
-             if key.startswith(KNOB_PREFIX) and key not in (WORKLOAD_KEY, SPACE_KEY, VERIFIED_KEY)}
-    return workload, knobs
-
-
-def verification_of(mod: tvm.IRModule) -> int:
-    """The id of the verification a scheduled tuning module was measured in (0: none; see ``tune``)."""
-    return int(_kernel_block(mod).annotations.get(VERIFIED_KEY, 0))
 
 
 def fixed_point(mod: tvm.IRModule, knobs: dict[str, int], *, verification: int = 0) -> s_tir.Schedule:

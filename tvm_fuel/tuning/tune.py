@@ -38,14 +38,14 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..build import as_target
-from ..config import _as_int
+from ..config import as_int
 from ..op import SPECS
 from ..schedules import rule_for
 from ..schedules.workload import Workload
 from . import measure
 from .buckets import TUNABLE_OPS
-from .records import RECORD_FILE, WORKLOAD_FILE, kernel_family, replay, target_key
-from .space import KnobFeatures, fixed_point, knobs_of, space_generator, workload_module
+from ..logs import RECORD_FILE, WORKLOAD_FILE, kernel_family, knobs_of, replay, target_key
+from .space import KnobFeatures, fixed_point, space_generator, workload_module
 
 _OP_NAMES = {spec.op_name: name for name, spec in SPECS.items()}
 WORK_DIR_ENV = "TVM_FUEL_TUNING_DIR"
@@ -302,7 +302,7 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
         if unknown:
             raise ValueError(f"tvm_fuel.tune: ops must be among {TUNABLE_OPS}, got {unknown}")
     trials, trials_per_iter, verify_top, verify_rounds, seed = (
-        _as_int("tvm_fuel.tune", name, value) for name, value in (
+        as_int("tvm_fuel.tune", name, value) for name, value in (
             ("trials", trials), ("trials_per_iter", trials_per_iter), ("verify_top", verify_top),
             ("verify_rounds", verify_rounds), ("seed", seed)))
     for name, value, least in (("trials", trials, 0), ("trials_per_iter", trials_per_iter, 1),
@@ -313,7 +313,7 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
     if (rpc_tracker is None) != (rpc_key is None):
         raise ValueError("tvm_fuel.tune: rpc_tracker and rpc_key go together")
     if target.kind.name == "cuda" and rpc_tracker is None:
-        from ..gpu import has_gpu
+        from ..cuda import has_gpu
 
         if not has_gpu():
             raise ValueError("tvm_fuel.tune: measuring cuda kernels needs a CUDA device on this machine, or "

@@ -31,9 +31,10 @@ Contents:
     target_key       -- "llvm-x86-avx2", "cuda-sm90", ...
     kernel_family    -- the log folder of an op
     shipped_logs     -- the package's tuning_logs directory
-    TuningRecords    -- records of some log roots; ``lookup(workload, target)``
+    TuningRecords    -- records of some log roots; ``lookup(workload, target)`` -> ``KnobMatch``
     replay           -- workload, knobs and time of one MetaSchedule record
     TuningLogWarning
+    knobs_of, verification_of -- a record's workload and knobs, read from its scheduled module
 """
 
 from __future__ import annotations
@@ -50,15 +51,52 @@ import tvm
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..schedules import TuningLogWarning, rule_for
-from ..schedules.workload import Workload
-from .space import BLOCK, KNOB_PREFIX, knobs_of, verification_of
+from .diagnostics import TuningLogWarning
+from .schedules import KnobMatch, rule_for
+from .schedules.workload import Workload
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 FAILED_SECONDS = 1e9  # MetaSchedule stores a failed build or run as 1e10 s
 SHOWN_PER_FILE = 5  # bad lines or records named one by one per file; the rest are counted
 FALLBACK = "hand-picked knobs are used where no other record fits"
+
+# The record format: a tuning record's trace schedules a module whose one block BLOCK carries
+# the workload key and, per knob, the annotation KNOB_PREFIX + name (see tuning.space)
+BLOCK = "fuel_kernel"
+WORKLOAD_KEY = "fuel.workload"
+SPACE_KEY = "fuel.space"
+VERIFIED_KEY = "fuel.verified"  # id (a time) of the side-by-side re-measurement a record comes from
+KNOB_PREFIX = "fuel."
+
+
+def _kernel_block(mod: tvm.IRModule) -> s_tir.SBlock:
+    found = []
+
+    def visit(node):
+        if node.name_hint == BLOCK:
+            found.append(node)
+
+    import tvm_ffi
+
+    tvm_ffi.structural_walk(mod["main"].body, (s_tir.SBlock, visit), order="post")
+    if not found:
+        raise ValueError("not a tvm_fuel tuning workload (no fuel_kernel block)")
+    return found[0]
+
+
+def knobs_of(mod: tvm.IRModule) -> tuple[Workload, dict[str, int]]:
+    """The workload of a (scheduled) tuning module and the knob values its trace annotated."""
+    annotations = _kernel_block(mod).annotations
+    workload = Workload.from_key(str(annotations[WORKLOAD_KEY]))
+    knobs = {key[len(KNOB_PREFIX):]: int(value) for key, value in annotations.items()
+             if key.startswith(KNOB_PREFIX) and key not in (WORKLOAD_KEY, SPACE_KEY, VERIFIED_KEY)}
+    return workload, knobs
+
+
+def verification_of(mod: tvm.IRModule) -> int:
+    """The id of the verification a scheduled tuning module was measured in (0: none; see ``tune``)."""
+    return int(_kernel_block(mod).annotations.get(VERIFIED_KEY, 0))
 
 
 def target_key(target: tvm.target.Target) -> str:
@@ -87,7 +125,7 @@ def kernel_family(op: str) -> str:
 
 def shipped_logs() -> Path:
     """The tuning_logs directory installed with the package."""
-    from .. import tuning_logs
+    from . import tuning_logs
 
     return Path(tuning_logs.__file__).parent
 
@@ -320,26 +358,38 @@ class TuningRecords:
         """Every usable record for ``target``, root by root."""
         return [record for root in self.roots for record in self._records(root, target)]
 
-    def lookup(self, workload: Workload, target: tvm.target.Target) -> tuple[dict[str, int], str] | None:
-        """(knobs, record file) of the fastest record of the best-matching tuned workload.
+    def lookup(self, workload: Workload, target: tvm.target.Target) -> KnobMatch | None:
+        """The fastest record of the best-matching tuned workload (None: no record fits).
 
-        A static workload needs a record of exactly its dims; a symbolic dim matches any size
-        (the largest tuned bucket is taken: tuned for throughput). Where a workload has verified
+        A static workload takes a record of exactly its dims, else one of the nearest tuned
+        workload in its shape bucket (``schedules.workload.size_bucket``: each dim within the
+        same power of two; ``exact`` is then False). A symbolic dim matches any size (the
+        largest tuned workload is taken: tuned for throughput). Where a workload has verified
         records (the search's best re-measured side by side with the hand-picked knobs), only
         those of its latest verification compete: measurements taken at different times on a
         shared machine are not comparable.
         """
         for root in self.roots:
-            matching = [r for r in self._records(root, target) if workload.matches(r.workload)]
-            latest: dict = {}
-            for r in matching:
-                latest[r.workload] = max(latest.get(r.workload, 0), r.verified)
-            matching = [r for r in matching if r.verified == latest[r.workload]]
-            if matching:
+            records = self._records(root, target)
+            exact = [r for r in records if workload.matches(r.workload)]
+            if exact:
                 def size(record: Record) -> float:
                     return math.prod(max(1, s or 1) for _, s in record.workload.dims)
 
-                largest = max(size(r) for r in matching)
-                best = min((r for r in matching if size(r) == largest), key=lambda r: r.seconds)
-                return dict(best.knobs), best.source
+                largest = max(size(r) for r in exact)
+                best = _fastest_latest([r for r in exact if size(r) == largest])
+                return KnobMatch(dict(best.knobs), best.source, best.workload, exact=True)
+            near = [r for r in records if workload.in_bucket_of(r.workload)]
+            if near:
+                nearest = min(workload.distance(r.workload) for r in near)
+                best = _fastest_latest([r for r in near if workload.distance(r.workload) == nearest])
+                return KnobMatch(dict(best.knobs), best.source, best.workload, exact=False)
         return None
+
+
+def _fastest_latest(records: list[Record]) -> Record:
+    """The fastest of the records of each workload's latest verification (see ``lookup``)."""
+    latest: dict = {}
+    for r in records:
+        latest[r.workload] = max(latest.get(r.workload, 0), r.verified)
+    return min((r for r in records if r.verified == latest[r.workload]), key=lambda r: (r.seconds, r.workload.key))
