@@ -5,40 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import HOST, Runner, assert_close, build, randn, run
+from helpers import BLOCK, HOST, Runner, assert_close, build, paged_inputs, randn, run
 from tvm import tirx
 
 from tvm_fuel import op
 from tvm_fuel import reference as ref
-
-BLOCK = 16
-
-
-def _paged_inputs(rng, lens, *, Hq=6, Hkv=2, Sq=1, D=40, dtype="float32", num_blocks=24, max_blocks=6,
-                  shared_block=True, table_dtype="int32"):
-    """A random cache with non-contiguous, permuted block tables padded with -1.
-
-    With ``shared_block`` the first block of every sequence is the same id (a shared prefix).
-    """
-    B = len(lens)
-    table = np.full((B, max_blocks), -1, np.int64)
-    ids = rng.permutation(num_blocks)
-    cursor = 1
-    for b, n in enumerate(lens):
-        live = -(-n // BLOCK)
-        assert live <= max_blocks
-        for i in range(live):
-            if i == 0 and shared_block:
-                table[b, i] = ids[0]
-            else:
-                table[b, i] = ids[cursor % num_blocks]
-                cursor += 1
-    return dict(q=randn(rng, (B, Hq, Sq, D), dtype),
-                k_cache=randn(rng, (num_blocks, BLOCK, Hkv, D), dtype),
-                v_cache=randn(rng, (num_blocks, BLOCK, Hkv, D), dtype),
-                block_table=table.astype(table_dtype),
-                context_lens=np.asarray(lens, table_dtype if table_dtype != "int64" else "int32"))
-
 
 LENS = [0, 1, BLOCK, 3 * BLOCK, 37, 5 * BLOCK + 7]  # empty, one token, exact block multiples, ragged
 
@@ -46,7 +17,7 @@ LENS = [0, 1, BLOCK, 3 * BLOCK, 37, 5 * BLOCK + 7]  # empty, one token, exact bl
 @pytest.mark.parametrize("sq,causal", [(1, False), (1, True), (5, True), (5, False)])
 def test_matches_reference(sq, causal, kernels):
     rng = np.random.default_rng(sq)
-    inputs = _paged_inputs(rng, LENS, Sq=sq)
+    inputs = paged_inputs(rng, LENS, Sq=sq)
     (out,) = run(lambda **a: op.paged_attn(**a, causal=causal), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), causal=causal), "float32")
     assert np.all(out[0] == 0)  # context length 0
@@ -55,7 +26,7 @@ def test_matches_reference(sq, causal, kernels):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_low_precision_gqa7_head_dim_128(dtype, kernels):
     rng = np.random.default_rng(1)
-    inputs = _paged_inputs(rng, [17, 64, 97], Hq=7, Hkv=1, D=128, Sq=3, dtype=dtype, max_blocks=7)
+    inputs = paged_inputs(rng, [17, 64, 97], Hq=7, Hkv=1, D=128, Sq=3, dtype=dtype, max_blocks=7)
     (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), causal=True), dtype)
 
@@ -64,7 +35,7 @@ def test_low_precision_gqa7_head_dim_128(dtype, kernels):
                                      dict(window_size=(4, 2)), dict(softmax_scale=0.3)])
 def test_options_and_alibi(options, kernels):
     rng = np.random.default_rng(2)
-    inputs = _paged_inputs(rng, [1, 40, 97], Hq=9, Hkv=3, Sq=4, D=64, max_blocks=7)
+    inputs = paged_inputs(rng, [1, 40, 97], Hq=9, Hkv=3, Sq=4, D=64, max_blocks=7)
     inputs["alibi_slopes"] = (rng.random(9) * 0.2).astype(np.float32)
     (out,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), **options), "float32")
@@ -75,7 +46,7 @@ def test_decode_one_sequence_with_window(options, kernels):
     """Decode (few rows per KV head) of a single sequence: the kernel splits the KV heads over
     tasks to fill the cores, and the window skips whole interior tiles."""
     rng = np.random.default_rng(12)
-    inputs = _paged_inputs(rng, [5 * BLOCK + 7], Hq=8, Hkv=4, Sq=2, D=64)
+    inputs = paged_inputs(rng, [5 * BLOCK + 7], Hq=8, Hkv=4, Sq=2, D=64)
     (out,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values(), **options), "float32")
 
@@ -83,7 +54,7 @@ def test_decode_one_sequence_with_window(options, kernels):
 @pytest.mark.parametrize("table_dtype", ["uint32", "int64"])
 def test_index_dtypes(table_dtype, kernels):
     rng = np.random.default_rng(3)
-    inputs = _paged_inputs(rng, [5, 33], table_dtype=table_dtype)
+    inputs = paged_inputs(rng, [5, 33], table_dtype=table_dtype)
     (out,) = run(lambda **a: op.paged_attn(**a), inputs, kernels=kernels)
     assert_close(out, ref.paged_attn(*inputs.values()), "float32")
 
@@ -93,7 +64,7 @@ def test_matches_flash_attn_on_gathered_blocks(sq, causal, kernels):
     """Paged vs dense on gathered blocks, one compiled flash_attn with symbolic Sk for every sequence."""
     rng = np.random.default_rng(4)
     lens = [1, 2 * BLOCK, 50, 90]
-    inputs = _paged_inputs(rng, lens, Hq=6, Hkv=3, Sq=sq, D=64)
+    inputs = paged_inputs(rng, lens, Hq=6, Hkv=3, Sq=sq, D=64)
     inputs["alibi_slopes"] = (rng.random(6) * 0.2).astype(np.float32)
     options = dict(causal=causal, softcap=8.0)
     (paged,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)
@@ -111,7 +82,7 @@ def test_matches_flash_attn_on_gathered_blocks(sq, causal, kernels):
 def test_dead_table_entries_are_never_read(kernels):
     """Garbage past the live blocks changes nothing (and cannot crash)."""
     rng = np.random.default_rng(5)
-    inputs = _paged_inputs(rng, [3, 20, 0])
+    inputs = paged_inputs(rng, [3, 20, 0])
     (clean,) = run(lambda **a: op.paged_attn(**a), inputs, kernels=kernels)
     table = inputs["block_table"].copy()
     table[0, 1:] = np.iinfo(np.int32).max
@@ -134,14 +105,14 @@ def symbolic_runner(kernels):
 def test_symbolic_batch(symbolic_runner, kernels):
     rng = np.random.default_rng(6)
     for lens in ([7], [0, 33, 96]):
-        inputs = _paged_inputs(rng, lens)
+        inputs = paged_inputs(rng, lens)
         (out,) = symbolic_runner(*inputs.values())
         assert_close(out, ref.paged_attn(*inputs.values()), "float32")
 
 
 @pytest.mark.parametrize("bad_id", [-1, 24, 10**6])
 def test_live_block_id_out_of_range_raises(symbolic_runner, bad_id, kernels):
-    inputs = _paged_inputs(np.random.default_rng(7), [20, 40])
+    inputs = paged_inputs(np.random.default_rng(7), [20, 40])
     inputs["block_table"][1, 2] = bad_id  # block 2 holds tokens 32..39: live
     with pytest.raises(RuntimeError, match=r"fuel\.paged_attn: block_table\[b, n\] of a live block"):
         symbolic_runner(*inputs.values())
@@ -149,7 +120,7 @@ def test_live_block_id_out_of_range_raises(symbolic_runner, bad_id, kernels):
 
 @pytest.mark.parametrize("bad_len", [6 * BLOCK + 1, -1])
 def test_context_length_beyond_capacity_raises(symbolic_runner, bad_len, kernels):
-    inputs = _paged_inputs(np.random.default_rng(8), [20, 40])
+    inputs = paged_inputs(np.random.default_rng(8), [20, 40])
     inputs["context_lens"][0] = bad_len
     with pytest.raises(RuntimeError, match=r"fuel\.paged_attn: context_lens\[b\] must be in \[0, max_blocks"):
         symbolic_runner(*inputs.values())
@@ -157,7 +128,7 @@ def test_context_length_beyond_capacity_raises(symbolic_runner, bad_len, kernels
 
 def test_empty_cache(symbolic_runner, kernels):
     """No blocks at all and every context empty: zeros, and nothing read from the empty cache."""
-    inputs = _paged_inputs(np.random.default_rng(9), [0, 0], num_blocks=1)
+    inputs = paged_inputs(np.random.default_rng(9), [0, 0], num_blocks=1)
     inputs["k_cache"], inputs["v_cache"] = inputs["k_cache"][:0], inputs["v_cache"][:0]
     inputs["block_table"][:] = -1
     (out,) = symbolic_runner(*inputs.values())
