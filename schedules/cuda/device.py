@@ -46,7 +46,9 @@ def shared_memory_per_block(target, arch: str) -> int:
     """Bytes of shared memory a block of ``target`` may use: its ``max_shared_memory_per_block``
     where the target gives it, else the architecture's opt-in maximum (the smallest known for an
     unknown architecture)."""
-    given = target.attrs.get("max_shared_memory_per_block") if target is not None and target.kind.name == "cuda" else None
+    given = None
+    if target is not None and target.kind.name == "cuda":
+        given = target.attrs.get("max_shared_memory_per_block")
     if given is not None and int(given) > 0:
         return int(given)
     return SHARED_MEMORY_LIMIT.get(arch, min(SHARED_MEMORY_LIMIT.values()))

@@ -231,6 +231,12 @@ class WarpTiles:
                                       weights[self.slot(w, lane), (mt * inner // 8 + nt) * 4 + half * 2 + e2], picked)
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), picked, src, WARP, WARP)
 
+        def column(li, tx, dt, e):  # acc column of C element half * 2 + e of the lane's n-tile dt
+            return dt * 8 + 2 * (self.lane_of(li, tx) % 4) + e
+
+        def acc_at(mt, dt, half, e):
+            return (mt * DT + dt) * 4 + half * 2 + e
+
         @T.macro
         def nonfinite_terms(acc, weights, value, valid, w, tx):
             for li in self.lanes():
@@ -240,12 +246,12 @@ class WarpTiles:
                             weight: T.float32 = weight_of(weights, mt, half, i, w, self.lane_of(li, tx))
                             for dt in own(DT):
                                 for e in own(2):
-                                    if tirx.all(valid(w, i), dt * 8 + 2 * (self.lane_of(li, tx) % 4) + e < head_dim,
-                                                weight != T.float32(0)):
-                                        x: T.float32 = T.Cast(F32, value(w, i, dt * 8 + 2 * (self.lane_of(li, tx) % 4) + e))
+                                    if tirx.all(valid(w, i), column(li, tx, dt, e) < head_dim, weight != T.float32(0)):
+                                        x: T.float32 = T.Cast(F32, value(w, i, column(li, tx, dt, e)))
                                         if not T.isfinite(x):
-                                            acc[self.slot(w, self.lane_of(li, tx)), (mt * DT + dt) * 4 + half * 2 + e] = (
-                                                acc[self.slot(w, self.lane_of(li, tx)), (mt * DT + dt) * 4 + half * 2 + e] + weight * x)
+                                            acc[self.slot(w, self.lane_of(li, tx)), acc_at(mt, dt, half, e)] = (
+                                                acc[self.slot(w, self.lane_of(li, tx)), acc_at(mt, dt, half, e)]
+                                                + weight * x)
 
         return nonfinite_terms
 

@@ -136,4 +136,5 @@ def streaming_multiprocessors(arch: str) -> int:
     return {"sm_80": 108, "sm_90": 132}.get(arch, 80)
 
 
-__all__ = ["CudaTiles", "WarpLayout", "backward_strips", "backward_registers", "forward_smem", "backward_smem", "streaming_multiprocessors"]
+__all__ = ["CudaTiles", "WarpLayout", "backward_strips", "backward_registers", "forward_smem", "backward_smem",
+           "streaming_multiprocessors"]
