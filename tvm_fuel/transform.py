@@ -8,6 +8,8 @@ Contents:
     UseSoftmaxBackward -- the softmax gradient Gradient writes out -> one softmax_backward
     gradient          -- ShareForwardState, relax.transform.Gradient, then UseSoftmaxBackward
     LegalizeFuel      -- the fuel ops alone lowered to kernels or the floor (``tvm_fuel.build``)
+    ExpandAttention   -- the fuel ops as Relax primitives, which Gradient differentiates to any
+                         order (``tvm_fuel.expand``)
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from . import op
 from .build import LegalizeFuel  # noqa: F401 (the pass is built there; a pass is looked for here)
 from .config import finite_nonzero_float32, FLOAT_DTYPES
+from .expand import ExpandAttention  # noqa: F401 (a pass users look for here)
 from .grad import bound_value
-from .op import options_of
-from .op import SPECS
+from .op import options_of, SPECS
+from .rewrite import rewrite_functions
 
 
 def _static(expr: relax.Expr) -> list[int | None]:
@@ -435,14 +438,6 @@ class FuseAttention:
         return relax.transform.DeadCodeElimination()(fused)
 
 
-def _rewrite(mod: tvm.IRModule, mutator_class) -> tvm.IRModule:
-    rewriter = mutator_class(mod)
-    for gvar, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
-    return rewriter.builder_.get()
-
-
 @mutator
 class _ReturnLse(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 (the visitor's name)
@@ -465,7 +460,7 @@ class ShareForwardState:
     """
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return _rewrite(mod, _ReturnLse)
+        return rewrite_functions(mod, _ReturnLse)
 
 
 @mutator
@@ -508,7 +503,7 @@ class UseSoftmaxBackward:
     ``gradient`` runs it after ``Gradient``."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return relax.transform.DeadCodeElimination()(_rewrite(mod, _SoftmaxBackward))
+        return relax.transform.DeadCodeElimination()(rewrite_functions(mod, _SoftmaxBackward))
 
 
 def gradient(mod: tvm.IRModule, func_name: str = "main", require_grads: Sequence[relax.Var] | None = None,
