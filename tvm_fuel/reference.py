@@ -10,6 +10,7 @@ additive mask drops its key whatever the score.
 
 Contents:
     flash_attn, flash_attn_backward, paged_attn, gather_pages, softmax_backward, visible_keys
+    flash_attn_jvp, flash_attn_double_backward -- forward mode and the backward's VJP (issue 16)
 """
 
 from __future__ import annotations
@@ -126,6 +127,84 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, *, softm
         return x.reshape(B, Hkv, group, *x.shape[2:]).sum(axis=2)
 
     return dq, per_kv_head(dk), per_kv_head(dv)
+
+
+def _zeros_or(x, like):
+    return np.zeros(np.shape(like)) if x is None else _f64(x)
+
+
+def _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_scale, causal, window_size,
+              softcap) -> dict:
+    """The forward's values and their directional derivatives along (q_dot, k_dot, v_dot), per
+    query head (K, V and their tangents repeated over the GQA group), float64, finite inputs.
+
+    A dropped key has no logit tangent; a fully masked row keeps P = 0, out = 0 and its tangents 0.
+    """
+    Hq, D = q.shape[1], q.shape[3]
+    group = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
+    p, lse = _softmax(logits)
+    kr, vr = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1)
+    kr_dot, vr_dot = np.repeat(_zeros_or(k_dot, k), group, axis=1), np.repeat(_zeros_or(v_dot, v), group, axis=1)
+    s_dot = scale * (np.einsum("bhid,bhjd->bhij", _zeros_or(q_dot, q), kr)
+                     + np.einsum("bhid,bhjd->bhij", _f64(q), kr_dot))
+    slope = 1.0 - (capped / softcap) ** 2 if softcap > 0 else np.ones_like(capped)  # d capped / d s
+    capped_dot = slope * s_dot
+    logit_dot = np.where(p == 0, 0.0, capped_dot)  # ALiBi and masks are constants
+    lse_dot = (p * logit_dot).sum(axis=-1, keepdims=True)
+    p_dot = p * (logit_dot - lse_dot)
+    out = np.einsum("bhij,bhjd->bhid", p, vr)
+    out_dot = np.einsum("bhij,bhjd->bhid", p_dot, vr) + np.einsum("bhij,bhjd->bhid", p, vr_dot)
+    return dict(scale=scale, group=group, capped=capped, capped_dot=capped_dot, slope=slope, p=p, p_dot=p_dot,
+                lse=lse, lse_dot=lse_dot[..., 0], out=out, out_dot=out_dot, kr=kr, vr=vr, kr_dot=kr_dot,
+                vr_dot=vr_dot)
+
+
+def flash_attn_jvp(q, k, v, q_dot, k_dot, v_dot, alibi_slopes=None, attn_mask=None, *, softmax_scale=None,
+                   causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Forward mode: (out, out_dot[, lse]) float64, ``out_dot`` the derivative of ``flash_attn``'s
+    out along (q_dot [B, Hq, Sq, D], k_dot, v_dot [B, Hkv, Sk, D]; None counts as 0). Finite
+    inputs (the NaN rule is not modelled for tangents)."""
+    t = _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_scale, causal, window_size,
+                  softcap)
+    return (t["out"], t["out_dot"], t["lse"]) if return_lse else (t["out"], t["out_dot"])
+
+
+def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=None, alibi_slopes=None,
+                               attn_mask=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                               softcap=0.0):
+    """(q_grad, k_grad, v_grad, do_grad) float64: the vector-Jacobian product of
+    ``(dq, dk, dv) = flash_attn_backward(q, k, v, do)`` with cotangents (dq_bar [B, Hq, Sq, D],
+    dk_bar, dv_bar [B, Hkv, Sk, D]; None counts as 0). Finite inputs.
+
+    The backward is the gradient of L = sum(out * do), so its VJP in (q, k, v) is the Hessian of
+    L times the cotangents (symmetric): the backward's derivative along (dq_bar, dk_bar, dv_bar)
+    with do held; in do it is the forward's derivative along the same direction (out_dot).
+    """
+    B, Hkv = q.shape[0], k.shape[1]
+    t = _tangents(q, k, v, dq_bar, dk_bar, dv_bar, alibi_slopes, attn_mask, softmax_scale, causal, window_size,
+                  softcap)
+    p, p_dot, scale, slope = t["p"], t["p_dot"], t["scale"], t["slope"]
+    q64, q_bar, do = _f64(q), _zeros_or(dq_bar, q), _f64(do)
+    dp = np.einsum("bhid,bhjd->bhij", do, t["vr"])
+    dp_dot = np.einsum("bhid,bhjd->bhij", do, t["vr_dot"])
+    row = (p * dp).sum(axis=-1, keepdims=True)  # D = rowsum(dO * O)
+    row_dot = (p_dot * dp + p * dp_dot).sum(axis=-1, keepdims=True)
+    d_logits = p * (dp - row)
+    d_logits_dot = p_dot * (dp - row) + p * (dp_dot - row_dot)
+    # softcap: ds = dlogits * (1 - (capped / c)^2), whose derivative brings -2 capped capped_dot / c^2
+    slope_dot = -2.0 * t["capped"] * t["capped_dot"] / softcap ** 2 if softcap > 0 else 0.0
+    ds = d_logits * slope
+    ds_dot = np.where(p == 0, 0.0, d_logits_dot * slope + d_logits * slope_dot)
+    q_grad = scale * (np.einsum("bhij,bhjd->bhid", ds_dot, t["kr"]) + np.einsum("bhij,bhjd->bhid", ds, t["kr_dot"]))
+    k_grad = scale * (np.einsum("bhij,bhid->bhjd", ds_dot, q64) + np.einsum("bhij,bhid->bhjd", ds, q_bar))
+    v_grad = np.einsum("bhij,bhid->bhjd", p_dot, do)
+
+    def per_kv_head(x):  # sum the query heads of each GQA group
+        return x.reshape(B, Hkv, t["group"], *x.shape[2:]).sum(axis=2)
+
+    return q_grad, per_kv_head(k_grad), per_kv_head(v_grad), t["out_dot"]
 
 
 def gather_pages(cache, block_table_row, kv_len: int) -> np.ndarray:
