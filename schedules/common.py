@@ -132,6 +132,11 @@ def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
     return capped
 
 
+# the parameters shaped [B, Hq, Sq, D] and [B, Hkv, Sk, D] (tangents, cotangents and gradients included)
+_QUERY_LIKE = ("q", "do", "out", "dq", "q_dot", "out_dot", "dq_bar", "q_grad", "do_grad")
+_KEY_LIKE = ("k", "v", "dk", "dv", "k_dot", "v_dot", "dk_bar", "dv_bar", "k_grad", "v_grad")
+
+
 def param_buffers(spec: KernelSpec, dims: dict, **handles) -> tuple:
     """The buffers of a kernel's parameters, in the order of ``handles`` (name -> handle), for
     the runtime ``dims`` (B, Sq and Sk; paged: B, Sq, num_blocks, max_blocks). Called inside a
@@ -139,14 +144,13 @@ def param_buffers(spec: KernelSpec, dims: dict, **handles) -> tuple:
     dtype, Hq, Hkv, D = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim
     B, Sq = dims["B"], dims["Sq"]
     has_mask = len(spec.mask_broadcast) > 0
-    layouts = {
-        "q": ((B, Hq, Sq, D), dtype), "do": ((B, Hq, Sq, D), dtype), "out": ((B, Hq, Sq, D), dtype),
-        "dq": ((B, Hq, Sq, D), dtype), "lse": ((B, Hq, Sq), F32), "alibi": ((Hq,), F32),
-    }
+    query_like = ((B, Hq, Sq, D), dtype)
+    layouts = {name: query_like for name in _QUERY_LIKE}
+    layouts.update(lse=((B, Hq, Sq), F32), alibi=((Hq,), F32))
     if "Sk" in dims:
         kv = ((B, Hkv, dims["Sk"], D), dtype)
-        layouts.update(k=kv, v=kv, dk=kv, dv=kv, mask=(mask_shape(spec, B, Sq, dims["Sk"]) if has_mask else (1,),
-                                                     spec.mask_dtype or "bool"))
+        layouts.update({name: kv for name in _KEY_LIKE})
+        layouts.update(mask=(mask_shape(spec, B, Sq, dims["Sk"]) if has_mask else (1,), spec.mask_dtype or "bool"))
     else:
         cache = ((dims["num_blocks"], spec.block_size, Hkv, D), dtype)
         layouts.update(k_cache=cache, v_cache=cache, table=((B, dims["max_blocks"]), spec.table_dtype),

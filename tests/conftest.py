@@ -14,7 +14,8 @@ _TIERS = {
     "unit": ("test_infer", "test_misuse", "test_threads", "test_packaging"),
     "numerics": ("test_flash_attn", "test_backward", "test_paged_attn", "test_hardening", "test_cpu_kernels",
                  "test_cuda_kernels", "test_reference_vs_torch", "test_gradient", "test_log_hardening",
-                 "test_knob_paths", "test_expand", "test_reference_higher_order"),
+                 "test_knob_paths", "test_expand", "test_reference_higher_order", "test_higher_order",
+                 "test_second_order"),
     "integration": ("test_models", "test_deploy", "test_cli", "test_tuning", "test_tuning_rpc", "test_fuse_attention",
                     "test_nn", "test_kv_cache", "test_script_and_compile", "test_log_portability"),
 }

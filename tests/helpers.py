@@ -83,7 +83,8 @@ def paged_inputs(rng, lens, *, Hq=6, Hkv=2, Sq=1, D=40, dtype="float32", num_blo
 HOST = tvm_fuel.build.host_target()
 # the floor's PrimFunc names of the ops the CPU rules serve (softmax_backward has no kernel)
 FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_attn_backward",
-                           "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v"}
+                           "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v",
+                           "fuel_flash_attn_jvp", "fuel_flash_attn_double_backward"}
 
 
 CUDA_EMULATED = "cuda-emulated"  # the CUDA kernels' one-thread emulation, built for llvm

@@ -7,7 +7,8 @@ thread pool to the physical cores where the user set neither ``TVM_NUM_THREADS``
 
 Contents:
     op         -- Relax constructors: flash_attn, flash_attn_backward(_q/_k/_v), paged_attn,
-                  softmax_backward
+                  softmax_backward, flash_attn_jvp (forward mode), flash_attn_double_backward
+                  (the backward's vector-Jacobian product)
     reference  -- numpy references of every op (the oracle)
     compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
                   with the knobs of matching tuning records)

@@ -7,6 +7,8 @@ the input dtype. The masking and softmax rules come from ``tvm_fuel.semantics``.
 Contents:
     flash_attn             -- out (and lse) of dense attention
     flash_attn_backward    -- dq, dk, dv (any subset) of dense attention
+    flash_attn_jvp         -- out and its directional derivative (forward mode), lse
+    flash_attn_double_backward -- the VJP of the backward: gradients of q, k, v and do
     paged_attn             -- attention over a paged KV cache read through a block table
     sanitize_block_table   -- live block ids clamped in range, dead entries zeroed (no OOB reads)
     softmax_backward       -- probs * (dprobs - sum(probs * dprobs))
@@ -141,24 +143,9 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
     capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
     if lse is None:
         _, _, lse = _softmax_stats(logits)
-    # a dropped key weighs exactly 0 even where the row's lse is NaN (exp(-inf - NaN) is NaN): its
-    # dk and dv must not see the row
-    p = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: tirx.Select(
-        logits[b, h, i, j] == sem.NEG_INF, tirx.const(0.0, F32), sem.probability(logits[b, h, i, j], lse[b, h, i])),
-        name="p")
-    d = te.reduce_axis((0, D), name="d_dp")
-    dp = te.compute(
-        (B, Hq, Sq, Sk),
-        lambda b, h, i, j: te.sum(do[b, h, i, d].astype(F32) * v[b, sem.kv_head(h, group), j, d].astype(F32), axis=d),
-        name="dp")
-    if out is not None:  # FlashAttention-2's D = rowsum(dO * O)
-        e = te.reduce_axis((0, D), name="d_row")
-        row_dot = te.compute((B, Hq, Sq), lambda b, h, i: te.sum(
-            do[b, h, i, e].astype(F32) * out[b, h, i, e].astype(F32), axis=e), name="do_dot_o")
-    else:
-        jr = te.reduce_axis((0, Sk), name="j_row")
-        row_dot = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]), axis=jr),
-                                       name="do_dot_o_acc"), Sk, 0.0, "do_dot_o")
+    p = _probabilities(logits, lse)
+    dp = _row_times_values(do, v, group, "dp")
+    row_dot = _do_dot_out(do, out, p, dp)
     ds = te.compute(
         (B, Hq, Sq, Sk),
         lambda b, h, i, j: sem.weighted(p[b, h, i, j], (dp[b, h, i, j] - row_dot[b, h, i])
@@ -185,6 +172,204 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
         else:
             raise ValueError(f"flash_attn_backward: unknown gradient {grad!r}")
     return results if len(results) > 1 else results[0]
+
+
+def _probabilities(logits, lse):
+    """P [B, Hq, Sq, Sk] float32 from the logits and the rows' lse."""
+    # a dropped key weighs exactly 0 even where the row's lse is NaN (exp(-inf - NaN) is NaN): its
+    # dk and dv must not see the row
+    return te.compute(logits.shape, lambda b, h, i, j: tirx.Select(
+        logits[b, h, i, j] == sem.NEG_INF, tirx.const(0.0, F32), sem.probability(logits[b, h, i, j], lse[b, h, i])),
+        name="p")
+
+
+def _row_times_values(rows, kv, group, name):
+    """``rows[b, h, i, :] . kv[b, kv_head(h), j, :]`` [B, Hq, Sq, Sk] float32 (dP = dO V^T and its kin)."""
+    B, Hq, Sq, D = rows.shape
+    d = te.reduce_axis((0, D), name=f"d_{name}")
+    return te.compute(
+        (B, Hq, Sq, kv.shape[2]),
+        lambda b, h, i, j: te.sum(rows[b, h, i, d].astype(F32) * kv[b, sem.kv_head(h, group), j, d].astype(F32),
+                                  axis=d),
+        name=name)
+
+
+def _do_dot_out(do, out, p, dp):
+    """D = rowsum(dO * O) [B, Hq, Sq]: from ``out`` when given (FlashAttention-2), else rowsum(P * dP)."""
+    B, Hq, Sq, D = do.shape
+    if out is not None:
+        e = te.reduce_axis((0, D), name="d_row")
+        return te.compute((B, Hq, Sq), lambda b, h, i: te.sum(
+            do[b, h, i, e].astype(F32) * out[b, h, i, e].astype(F32), axis=e), name="do_dot_o")
+    Sk = p.shape[3]
+    jr = te.reduce_axis((0, Sk), name="j_row")
+    return _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]),
+                                                                     axis=jr),
+                                name="do_dot_o_acc"), Sk, 0.0, "do_dot_o")
+
+
+def _zeros(shape, dtype, name):
+    return te.compute(shape, lambda *idx: tirx.const(0.0, str(dtype)), name=name)
+
+
+def _sum_terms(shape, extent, terms, name):
+    """``sum_r`` of the present ``terms`` over ``extent`` (float32, 0 where the reduction is
+    empty); ``terms(idx, r)`` lists expressions (None where a term is absent: no zeros built)."""
+
+    r = te.reduce_axis((0, extent), name=f"r_{name}")
+
+    def body(*idx):
+        present = [t for t in terms(idx, r) if t is not None]
+        return te.sum(present[0] if len(present) == 1 else sum(present[1:], present[0]), axis=r)
+
+    return _nonempty(te.compute(shape, body, name=f"{name}_acc"), extent, 0.0, name)
+
+
+@dataclass
+class _Tangent:
+    """The forward's state along one direction (q_dot, k_dot, v_dot), float32; None where a
+    quantity is identically 0 (its direction absent)."""
+
+    capped: te.Tensor
+    lse: te.Tensor
+    p: te.Tensor
+    logit_dot: te.Tensor | None
+    p_dot: te.Tensor | None
+    out_dot: te.Tensor  # [B, Hq, Sq, D], zeros when the whole direction is absent
+
+
+def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=None) -> _Tangent:
+    """Scores, P and their derivatives along (q_dot, k_dot, v_dot):
+
+    ``S_dot = scale (q_dot K^T + Q k_dot^T)``, ``logit_dot = softcap'(capped) S_dot``,
+    ``lse_dot = rowsum(P logit_dot)``, ``P_dot = P (logit_dot - lse_dot)``, ``out_dot = P_dot V + P v_dot``."""
+    B, Hq, Sq, D = q.shape
+    Sk = k.shape[2]
+    layout = _dense_layout(q, k)
+    group = layout.group
+    scale = _scale(cfg, D)
+    capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
+    if lse is None:
+        _, _, lse = _softmax_stats(logits)
+    p = _probabilities(logits, lse)
+    logit_dot = p_dot = None
+    if q_dot is not None or k_dot is not None:
+        d = te.reduce_axis((0, D), name="d_sdot")
+
+        def score_dot(b, h, i, j):
+            g = sem.kv_head(h, group)
+            terms = []
+            if q_dot is not None:
+                terms.append(q_dot[b, h, i, d].astype(F32) * k[b, g, j, d].astype(F32))
+            if k_dot is not None:
+                terms.append(q[b, h, i, d].astype(F32) * k_dot[b, g, j, d].astype(F32))
+            return te.sum(terms[0] if len(terms) == 1 else terms[0] + terms[1], axis=d)
+
+        s_dot = te.compute((B, Hq, Sq, Sk), score_dot, name="s_dot")
+        logit_dot = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.logit_tangent(
+            cfg, capped[b, h, i, j], s_dot[b, h, i, j] * scale), name="logit_dot")
+        jl = te.reduce_axis((0, Sk), name="j_lse_dot")
+        lse_dot = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(
+            sem.weighted(p[b, h, i, jl], logit_dot[b, h, i, jl]), axis=jl), name="lse_dot_acc"), Sk, 0.0, "lse_dot")
+        p_dot = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.prob_tangent(
+            p[b, h, i, j], logit_dot[b, h, i, j], lse_dot[b, h, i]), name="p_dot")
+    if p_dot is None and v_dot is None:
+        out_dot = _zeros((B, Hq, Sq, D), F32, "out_dot")
+    else:
+        out_dot = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [
+            None if p_dot is None else sem.weighted(
+                p_dot[idx[0], idx[1], idx[2], j], v[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)),
+            None if v_dot is None else sem.weighted(
+                p[idx[0], idx[1], idx[2], j], v_dot[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)),
+        ], "out_dot")
+    return _Tangent(capped, lse, p, logit_dot, p_dot, out_dot)
+
+
+def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=None, attn_mask=None, *,
+                   cfg: AttnConfig, return_lse: bool = False):
+    """Forward mode of dense attention: [out, out_dot] (+ lse), out and out_dot [B, Hq, Sq, D] in
+    q's dtype, lse [B, Hq, Sq] float32 (-inf on rows without a visible key). Absent tangents are 0."""
+    B, Hq, Sq, D = q.shape
+    Sk = k.shape[2]
+    group = _dense_layout(q, k).group
+    t = _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask)
+    out = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [sem.weighted(
+        t.p[idx[0], idx[1], idx[2], j], v[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32))], "out_f32")
+    results = [_cast(out, q.dtype, "out"), _cast(t.out_dot, q.dtype, "out_dot")]
+    return results + [t.lse] if return_lse else results
+
+
+def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=None, alibi_slopes=None,
+                               attn_mask=None, out=None, lse=None, *, cfg: AttnConfig):
+    """The VJP of ``flash_attn_backward`` with (dq_bar, dk_bar, dv_bar): [q_grad, k_grad, v_grad,
+    do_grad] typed like (q, k, v, do). Absent cotangents are 0; ``out``/``lse`` as for the backward.
+
+    With ``do`` held, along the bars: ``dS_dot`` (``semantics.score_grad_tangent``),
+    ``q_grad = dS_dot K + dS k_bar``, ``k_grad = dS_dot^T Q + dS^T q_bar``, ``v_grad = P_dot^T dO``
+    (both summed over the GQA group) and ``do_grad = out_dot``.
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = _dense_layout(q, k).group
+    scale = _scale(cfg, D)
+    t = _tangent(q, k, v, dq_bar, dk_bar, dv_bar, cfg, alibi_slopes, attn_mask, lse)
+    p, capped = t.p, t.capped
+    dp = _row_times_values(do, v, group, "dp")
+    row_dot = _do_dot_out(do, out, p, dp)
+    ds = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.score_grad(
+        cfg, p[b, h, i, j], dp[b, h, i, j], row_dot[b, h, i], capped[b, h, i, j], factor=scale), name="ds")
+    zero = tirx.const(0.0, F32)
+    ds_dot = None
+    if t.p_dot is not None or dv_bar is not None:
+        dp_dot = None if dv_bar is None else _row_times_values(do, dv_bar, group, "dp_dot")
+        e = te.reduce_axis((0, D), name="d_row_dot")  # D_dot = rowsum(dO * out_dot)
+        row_dot_dot = te.compute((B, Hq, Sq), lambda b, h, i: te.sum(
+            do[b, h, i, e].astype(F32) * t.out_dot[b, h, i, e], axis=e), name="do_dot_o_dot")
+
+        def at(x, idx):
+            return zero if x is None else x[idx]
+
+        ds_dot = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.score_grad_tangent(
+            cfg, p[b, h, i, j], at(t.p_dot, (b, h, i, j)), dp[b, h, i, j], at(dp_dot, (b, h, i, j)), row_dot[b, h, i],
+            row_dot_dot[b, h, i], capped[b, h, i, j], at(t.logit_dot, (b, h, i, j)), factor=scale), name="ds_dot")
+
+    def kv(x, idx, j):  # a k-shaped tensor read by query head idx[1]
+        return x[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)
+
+    def q_terms(idx, j):
+        b, h, i, _ = idx
+        return [None if ds_dot is None else sem.weighted(ds_dot[b, h, i, j], kv(k, idx, j)),
+                None if dk_bar is None else sem.weighted(ds[b, h, i, j], kv(dk_bar, idx, j))]
+
+    def grouped(weight, rhs):
+        """``sum_{r, i} weight[b, g group + r, i, j] rhs[b, g group + r, i, e]`` (k/v-shaped)."""
+        if weight is None or rhs is None:
+            return None
+
+        def term(b, g, j, e, r, i):
+            return sem.weighted(weight[b, g * group + r, i, j], rhs[b, g * group + r, i, e].astype(F32))
+
+        return term
+
+    def kv_grad(terms, like, name):
+        terms = [t_ for t_ in terms if t_ is not None]
+        if not terms:
+            return _zeros(like.shape, like.dtype, name)
+        r = te.reduce_axis((0, group), name=f"r_{name}")
+        i = te.reduce_axis((0, Sq), name=f"i_{name}")
+        acc = _nonempty(te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
+            sum((f(b, g, j, e, r, i) for f in terms[1:]), terms[0](b, g, j, e, r, i)), axis=[r, i]),
+            name=f"{name}_sum"), Sq, 0.0, f"{name}_acc")
+        return _cast(acc, like.dtype, name)
+
+    if ds_dot is None and dk_bar is None:
+        q_grad = _zeros(q.shape, q.dtype, "q_grad")
+    else:
+        q_grad = _cast(_sum_terms((B, Hq, Sq, D), Sk, q_terms, "q_grad_f32"), q.dtype, "q_grad")
+    k_grad = kv_grad([grouped(ds_dot, q), grouped(ds, dq_bar)], k, "k_grad")
+    v_grad = kv_grad([grouped(t.p_dot, do)], v, "v_grad")
+    do_grad = _cast(t.out_dot, do.dtype, "do_grad")
+    return [q_grad, k_grad, v_grad, do_grad]
 
 
 def _cast(t, dtype, name):

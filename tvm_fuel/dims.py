@@ -3,7 +3,8 @@ can and the run-time check (``tvm_fuel.legalize``) enforces where it cannot.
 
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; do, out [B, Hq, Sq, D]; lse [B, Hq, Sq];
 alibi_slopes [Hq]; paged caches [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
-context_lens [B].
+context_lens [B]; the tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar
+like k.
 
 Contents:
     DimRule       -- ``arg.shape[axis] == ref.shape[ref_axis]``
@@ -43,6 +44,10 @@ _DENSE = (
     DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
 )
 _BACKWARD = _DENSE + _same("do", "q", _QUERY) + _same("out", "q", _QUERY) + _same("lse", "q", _QUERY[:3])
+_KEY = ((0, "batch B"), (1, "head count Hkv"), (2, "key length Sk"), (3, "head dim D"))
+_JVP = _DENSE + _same("q_dot", "q", _QUERY) + _same("k_dot", "k", _KEY) + _same("v_dot", "k", _KEY)
+_DOUBLE_BACKWARD = (_BACKWARD + _same("dq_bar", "q", _QUERY) + _same("dk_bar", "k", _KEY)
+                    + _same("dv_bar", "k", _KEY))
 _PAGED = (
     *_same("v_cache", "k_cache", ((0, "block count num_blocks"), (1, "block size"), (2, "head count Hkv"),
                                   (3, "head dim D"))),
@@ -53,7 +58,8 @@ _PAGED = (
 )
 
 _RULES = {"flash_attn": _DENSE, "flash_attn_backward": _BACKWARD, "flash_attn_backward_q": _BACKWARD,
-          "flash_attn_backward_k": _BACKWARD, "flash_attn_backward_v": _BACKWARD, "paged_attn": _PAGED}
+          "flash_attn_backward_k": _BACKWARD, "flash_attn_backward_v": _BACKWARD, "paged_attn": _PAGED,
+          "flash_attn_jvp": _JVP, "flash_attn_double_backward": _DOUBLE_BACKWARD}
 
 
 def dim_rules(op: str, ndim: int = 0) -> tuple[DimRule, ...]:

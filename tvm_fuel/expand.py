@@ -31,7 +31,8 @@ in q, k, v reaches every row of its head group (``matmul``'s gradient cannot ski
 Only ops with a registered ``FPrimalGradient`` sit on differentiable paths (``max``, ``arange``,
 ``isfinite``, ``take``'s indices and the comparisons only build conditions).
 
-Left as the fused op (which still runs): calls with an empty dim (B, Sq, Sk, num_blocks or
+Left as the fused op (which still runs): ``flash_attn_jvp`` and ``flash_attn_double_backward``
+(already the fused derivatives), and calls with an empty dim (B, Sq, Sk, num_blocks or
 max_blocks = 0; the primitives' reductions have no empty case). Refused with a ``ValueError``
 naming the op and argument: an input of unknown shape, and a symbolic head dim without
 ``softmax_scale``. ``paged_attn`` clamps live block ids where the CPU floor raises on them (no
@@ -319,7 +320,10 @@ class _Expand(PyExprMutator):
             return call
         spec = SPECS[call.op.name[len(_FUEL):]]
         cfg = AttnConfig.create(spec.label, **options_of(call)) if spec.attention else None
-        expanded = _EXPANSIONS[spec.name](_Expander(self.builder_, self.skip_zero_weights), call, spec, cfg)
+        expand = _EXPANSIONS.get(spec.name)
+        if expand is None:  # flash_attn_jvp, flash_attn_double_backward: already the fused derivatives
+            return call
+        expanded = expand(_Expander(self.builder_, self.skip_zero_weights), call, spec, cfg)
         return call if expanded is None else expanded
 
 
@@ -328,6 +332,8 @@ class ExpandAttention:
     """Rewrite every fuel op (``flash_attn``, the four backward ops, ``paged_attn``,
     ``softmax_backward``) into Relax primitives with the same semantics (module docstring), so
     ``relax.transform.Gradient`` differentiates through them and any Relax backend runs them.
+    flash_attn_jvp and flash_attn_double_backward are kept: they are already the fused derivatives
+    (they still run, through their own legalization).
 
     Parameters
     ----------

@@ -4,8 +4,11 @@
 forward returns it, ``lse``: the backward kernels then neither recompute the forward nor its
 softmax statistics. Run ``tvm_fuel.transform.ShareForwardState()`` before ``Gradient`` so a
 ``flash_attn`` without ``return_lse`` returns it too (its users see the same output). ALiBi
-slopes and masks get no gradient. ``paged_attn`` (inference over a cache) and ``softmax_backward``
-have no gradient: ``Gradient`` reports the op by name.
+slopes and masks get no gradient. The backward ops' gradient is ``flash_attn_double_backward``
+(the VJP of the backward, fused), so ``Gradient`` of an adjoint, or ``tvm_fuel.transform.gradient``
+applied twice, gives second derivatives through fused ops. ``paged_attn`` (inference over a cache),
+``softmax_backward``, ``flash_attn_jvp`` and the double backward itself have no gradient:
+``Gradient`` reports the op by name.
 
 Contents:
     GRADIENTS -- op name -> its ``FPrimalGradient`` (registered on ``import tvm_fuel``)
@@ -59,6 +62,38 @@ def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad
     return result
 
 
+def _cotangent(ctx: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr | None:
+    """An output's adjoint, None where it is Gradient's zero (the double backward skips its terms)."""
+    return None if _is_zeros(ctx, expr) else expr
+
+
+def _backward_gradient(name: str):
+    """The gradient of a backward op: its VJP with the adjoints of its outputs, fused
+    (``flash_attn_double_backward``). The out and lse it takes are the forward's of the same
+    q, k, v, so they get no gradient: the double backward's result is already the total derivative
+    through them."""
+    grads = SPECS[name].grads
+
+    def gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                 ctx: relax.BlockBuilder) -> list[relax.Expr]:
+        args = SPECS[name].split_args(orig_call)
+        if len(grads) > 1:
+            bound = bound_value(ctx, output_grad)
+            adjoints = (bound.fields if isinstance(bound, relax.Tuple)
+                        else [relax.TupleGetItem(output_grad, i) for i in range(len(grads))])
+        else:
+            adjoints = [output_grad]
+        bars = {f"{grad}_bar": _cotangent(ctx, adjoint) for grad, adjoint in zip(grads, adjoints)}
+        result = ctx.emit(op.flash_attn_double_backward(
+            args["q"], args["k"], args["v"], args["do"], alibi_slopes=args["alibi_slopes"],
+            attn_mask=args["attn_mask"], out=args["out"], lse=args["lse"], **bars, **op.options_of(orig_call)))
+        differentiated = [relax.TupleGetItem(result, i) for i in range(4)]
+        constants = ("alibi_slopes", "attn_mask", "out", "lse")
+        return differentiated + [no_grad(args[n]) for n in constants if args[n] is not None]
+
+    return gradient
+
+
 def _not_differentiable(why: str):
     def gradient(orig_var, orig_call, output_grad, ctx):
         raise ValueError(why)
@@ -72,7 +107,12 @@ GRADIENTS = {
     "paged_attn": _not_differentiable(
         "fuel.paged_attn is not differentiable: it attends over an inference KV cache; differentiate "
         "flash_attn (training) instead"),
-    **{name: _not_differentiable(f"fuel.{name} has no gradient (no double backward)")
+    **{name: _backward_gradient(name)
        for name in ("flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")},
     "softmax_backward": _not_differentiable("fuel.softmax_backward has no gradient (no double backward)"),
+    "flash_attn_jvp": _not_differentiable(
+        "fuel.flash_attn_jvp has no gradient (forward mode); differentiate flash_attn instead"),
+    "flash_attn_double_backward": _not_differentiable(
+        "fuel.flash_attn_double_backward has no gradient (third derivatives are not fused); run "
+        "tvm_fuel.transform.ExpandAttention() before Gradient for them"),
 }

@@ -160,24 +160,69 @@ def _infer_flash_attn(call, ctx):
     return TupleType([out, _tensor(qd[:3] if qd is not None else None, "float32", 3)])
 
 
+_Q_LAYOUT = ("B", "Hq", "Sq", "D")
+_K_LAYOUT = ("B", "Hkv", "Sk", "D")
+
+
+def _like(c: _Checker, names: Sequence[str], q, ref):
+    """Checks the tensors ``names`` (those present): the dtype of q, the shape of ``ref`` (q or k)."""
+    is_q = ref is q
+    layout = _Q_LAYOUT if is_q else _K_LAYOUT
+    meaning = "[B, Hq, Sq, D] of q" if is_q else "[B, Hkv, Sk, D] of k"
+    ref_dims = c.dims(ref)
+    types = []
+    for name in names:
+        ty = c.tensor(name, layout=layout, dtypes=FLOAT_DTYPES)
+        c.same_dtype(name, ty, "q", q)
+        if ty is not None and ref_dims is not None:
+            c.expect_shape(name, ty, ref_dims, meaning)
+        types.append(ty)
+    return types
+
+
+def _forward_state(c: _Checker, q):
+    """Checks the backward's optional ``out`` (like q) and ``lse`` ([B, Hq, Sq] float32)."""
+    _like(c, ("out",), q, q)
+    qd = c.dims(q)
+    lse = c.tensor("lse", layout=("B", "Hq", "Sq"), dtypes=("float32",))
+    if lse is not None and qd is not None:
+        c.expect_shape("lse", lse, qd[:3], "[B, Hq, Sq] of q")
+
+
 def _backward_infer(name: str):
     def infer(call, ctx):
         c = _Checker(SPECS[name], call)
         q, k, v = _dense_qkv(c)
-        qd = c.dims(q)
-        for extra in ("do", "out"):
-            ty = c.tensor(extra, layout=("B", "Hq", "Sq", "D"), dtypes=FLOAT_DTYPES)
-            c.same_dtype(extra, ty, "q", q)
-            if ty is not None and qd is not None:
-                c.expect_shape(extra, ty, qd, "[B, Hq, Sq, D] of q")
-        lse = c.tensor("lse", layout=("B", "Hq", "Sq"), dtypes=("float32",))
-        if lse is not None and qd is not None:
-            c.expect_shape("lse", lse, qd[:3], "[B, Hq, Sq] of q")
+        _like(c, ("do",), q, q)
+        _forward_state(c, q)
         types = dict(zip(("dq", "dk", "dv"), (_tensor(c.dims(t), t.dtype, 4) for t in (q, k, v))))
         grads = [types[g] for g in SPECS[name].grads]
         return TupleType(grads) if len(grads) > 1 else grads[0]
 
     return infer
+
+
+def _infer_flash_attn_jvp(call, ctx):
+    c = _Checker(SPECS["flash_attn_jvp"], call)
+    q, k, _ = _dense_qkv(c)
+    _like(c, ("q_dot",), q, q)
+    _like(c, ("k_dot", "v_dot"), q, k)
+    qd = c.dims(q)
+    out = _tensor(qd, q.dtype, 4)
+    fields = [out, out]
+    if bool(call.attrs["return_lse"]):
+        fields.append(_tensor(qd[:3] if qd is not None else None, "float32", 3))
+    return TupleType(fields)
+
+
+def _infer_flash_attn_double_backward(call, ctx):
+    c = _Checker(SPECS["flash_attn_double_backward"], call)
+    q, k, v = _dense_qkv(c)
+    (do,) = _like(c, ("do",), q, q)
+    _like(c, ("dq_bar",), q, q)
+    _like(c, ("dk_bar", "dv_bar"), q, k)
+    _forward_state(c, q)
+    return TupleType([_tensor(c.dims(t), t.dtype, 4) for t in (q, k, v, do)])
 
 
 def _infer_paged_attn(call, ctx):
@@ -230,4 +275,6 @@ INFER = {
     "flash_attn_backward_v": _backward_infer("flash_attn_backward_v"),
     "paged_attn": _infer_paged_attn,
     "softmax_backward": _infer_softmax_backward,
+    "flash_attn_jvp": _infer_flash_attn_jvp,
+    "flash_attn_double_backward": _infer_flash_attn_double_backward,
 }

@@ -177,6 +177,22 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
     return relax.call_tir(gvar, inputs, out_ty=out_ty)
 
 
+def _flash_attn_jvp(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_dims(bb, "flash_attn_jvp", SPECS["flash_attn_jvp"].split_args(call))
+    fn = functools.partial(decompose.flash_attn_jvp, cfg=_config("flash_attn_jvp", call),
+                           return_lse=bool(call.attrs["return_lse"]))
+    return bb.call_te(fn, a["q"], a["k"], a["v"], a["q_dot"], a["k_dot"], a["v_dot"], a["alibi_slopes"],
+                      a["attn_mask"], primfunc_name_hint="fuel_flash_attn_jvp")
+
+
+def _flash_attn_double_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    name = "flash_attn_double_backward"
+    a = checked_dims(bb, name, SPECS[name].split_args(call))
+    fn = functools.partial(decompose.flash_attn_double_backward, cfg=_config(name, call))
+    return bb.call_te(fn, *(a[n] for n in SPECS[name].required + SPECS[name].optional),
+                      primfunc_name_hint=f"fuel_{name}")
+
+
 def _softmax_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     a = checked_dims(bb, "softmax_backward", SPECS["softmax_backward"].split_args(call))
     fn = functools.partial(decompose.softmax_backward, axis=int(call.attrs["axis"]))
@@ -191,4 +207,6 @@ LEGALIZE = {
     "flash_attn_backward_v": _backward("flash_attn_backward_v"),
     "paged_attn": _paged_attn,
     "softmax_backward": _softmax_backward,
+    "flash_attn_jvp": _flash_attn_jvp,
+    "flash_attn_double_backward": _flash_attn_double_backward,
 }

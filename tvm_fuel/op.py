@@ -14,6 +14,7 @@ attribute records which are present, so a printed call parses back unambiguously
 Contents:
     flash_attn, flash_attn_backward, flash_attn_backward_q, flash_attn_backward_k,
     flash_attn_backward_v, paged_attn, softmax_backward, OpSpec, SPECS, options_of
+    flash_attn_jvp, flash_attn_double_backward -- forward mode, and the VJP of the backward
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ SPECS: dict[str, OpSpec] = {
         OpSpec("flash_attn_backward_v", **_BWD_ARGS),
         OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"), ("alibi_slopes",)),
         OpSpec("softmax_backward", ("probs", "dprobs"), attention=False),
+        # kernels take the present arguments in exactly this order, then the outputs
+        OpSpec("flash_attn_jvp", ("q", "k", "v"), ("q_dot", "k_dot", "v_dot", "alibi_slopes", "attn_mask")),
+        OpSpec("flash_attn_double_backward", ("q", "k", "v", "do"),
+               ("dq_bar", "dk_bar", "dv_bar", "alibi_slopes", "attn_mask", "out", "lse")),
     )
 }
 
@@ -272,3 +277,88 @@ def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:
     """
     axis = as_int("fuel.softmax_backward", "axis", axis)  # numpy integers qualify, bools do not
     return SPECS["softmax_backward"].make_call(dict(probs=probs, dprobs=dprobs), {"axis": axis})
+
+
+def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=None, attn_mask=None, *,
+                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                   return_lse=False) -> relax.Call:
+    """Forward mode: ``flash_attn``'s output and its directional derivative along a tangent.
+
+    ``out_dot = P_dot V + P v_dot`` with ``P_dot = P * (logit_dot - rowsum(P * logit_dot))`` and
+    ``logit_dot = softcap'(capped) * scale * (q_dot K^T + Q k_dot^T)`` (ALiBi and masks are constants).
+
+    Parameters
+    ----------
+    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, return_lse :
+        As for ``flash_attn``.
+    q_dot : relax.Expr, optional
+        shape: [B, Hq, Sq, D], dtype: as q. The tangent of q; absent means 0.
+    k_dot, v_dot : relax.Expr, optional
+        shape: [B, Hkv, Sk, D], dtype: as q. The tangents of k and v; absent means 0.
+
+    Returns
+    -------
+    result : relax.Call
+        The tuple ``(out, out_dot)``, both shape: [B, Hq, Sq, D], dtype: as q; with ``return_lse``
+        ``(out, out_dot, lse)``, lse shape: [B, Hq, Sq], dtype: float32. A row with no visible key
+        has out = out_dot = 0 and lse = ``-inf``.
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> t = relax.TensorType((1, 8, 17, 64), "float32")
+    >>> kv = relax.TensorType((1, 2, 97, 64), "float32")
+    >>> q, q_dot = relax.Var("q", t), relax.Var("q_dot", t)
+    >>> k, v = relax.Var("k", kv), relax.Var("v", kv)
+    >>> out_and_tangent = op.flash_attn_jvp(q, k, v, q_dot, causal=True)
+    """
+    attrs = _attn_attrs("flash_attn_jvp", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap)
+    attrs["return_lse"] = as_bool("fuel.flash_attn_jvp", "return_lse", return_lse)
+    return SPECS["flash_attn_jvp"].make_call(
+        dict(q=q, k=k, v=v, q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, alibi_slopes=alibi_slopes, attn_mask=attn_mask),
+        attrs)
+
+
+def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=None, alibi_slopes=None,
+                               attn_mask=None, *, out=None, lse=None, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0) -> relax.Call:
+    """The vector-Jacobian product of ``(dq, dk, dv) = flash_attn_backward(q, k, v, do)`` with the
+    cotangents ``(dq_bar, dk_bar, dv_bar)``: the gradients a second-order loss sends to q, k, v, do.
+
+    Since the backward is the gradient of ``sum(out * do)``, this is its directional derivative
+    along ``(dq_bar, dk_bar, dv_bar)`` with ``do`` held, and ``do_grad = out_dot`` along the same
+    direction (``flash_attn_jvp``).
+
+    Parameters
+    ----------
+    q, k, v, do, alibi_slopes, attn_mask, out, lse, softmax_scale, causal, window_size, softcap :
+        As for ``flash_attn_backward``.
+    dq_bar : relax.Expr, optional
+        shape: [B, Hq, Sq, D], dtype: as q. The cotangent of dq; absent means 0.
+    dk_bar, dv_bar : relax.Expr, optional
+        shape: [B, Hkv, Sk, D], dtype: as q. The cotangents of dk and dv; absent means 0.
+
+    Returns
+    -------
+    grads : relax.Call
+        The tuple ``(q_grad, k_grad, v_grad, do_grad)`` shaped and typed like ``(q, k, v, do)``.
+        For GQA, k_grad and v_grad sum over the query heads of each group. Masks and ALiBi get no
+        gradient; rows with no visible key contribute 0.
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> t = relax.TensorType((2, 6, 17, 40), "float32")
+    >>> kv = relax.TensorType((2, 2, 33, 40), "float32")
+    >>> q, do, dq_bar = relax.Var("q", t), relax.Var("do", t), relax.Var("dq_bar", t)
+    >>> k, v = relax.Var("k", kv), relax.Var("v", kv)
+    >>> grads = op.flash_attn_double_backward(q, k, v, do, dq_bar, causal=True)
+    """
+    attrs = _attn_attrs("flash_attn_double_backward", softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap)
+    return SPECS["flash_attn_double_backward"].make_call(
+        dict(q=q, k=k, v=v, do=do, dq_bar=dq_bar, dk_bar=dk_bar, dv_bar=dv_bar, alibi_slopes=alibi_slopes,
+             attn_mask=attn_mask, out=out, lse=lse), attrs)

@@ -26,6 +26,8 @@ Contents:
     kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask, masked, mask_index, NEG_INF,
     safe_row_max, normalize, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
     fast_exp2 (LOG2E, LN2), fast_tanh
+    logit_tangent, prob_tangent, score_grad_tangent -- forward-mode pieces of the JVP and the
+        double backward (the derivatives of the lines above along a tangent direction)
 """
 
 from __future__ import annotations
@@ -126,6 +128,35 @@ def score_grad(cfg: AttnConfig, p, dp, d_row, capped, *, factor=None):
     if factor is not None:
         ds = ds * factor
     return tirx.Select(p == _ZERO, _ZERO, ds)
+
+
+def logit_tangent(cfg: AttnConfig, capped, score_dot):
+    """The directional derivative of a logit from that of its scaled score ``s``: ``softcap'(capped)
+    * s_dot`` (ALiBi and masks are constants). Callers weigh it by P, so a dropped key's tangent
+    never counts."""
+    return score_dot * softcap_grad(cfg, capped) if cfg.softcap > 0 else score_dot
+
+
+def prob_tangent(p, logit_dot, lse_dot):
+    """P's directional derivative ``P * (logit_dot - lse_dot)``, exactly 0 where P is 0 (with
+    ``lse_dot = sum_j P * logit_dot`` of the row)."""
+    return tirx.Select(p == _ZERO, _ZERO, p * (logit_dot - lse_dot))
+
+
+def score_grad_tangent(cfg: AttnConfig, p, p_dot, dp, dp_dot, d_row, d_row_dot, capped, logit_dot, *, factor=None):
+    """The directional derivative of ``score_grad`` (dS) with ``do`` held, 0 where P is 0:
+
+    ``[P_dot (dP - D) + P (dP_dot - D_dot)] softcap'(capped) + P (dP - D) softcap''`` where
+    ``softcap'' = -2 capped logit_dot / c^2`` (the derivative of ``1 - (capped / c)^2``), ``D_dot``
+    the row's ``rowsum(do * out_dot)`` and ``logit_dot`` the capped score's tangent."""
+    ds_dot = p_dot * (dp - d_row) + p * (dp_dot - d_row_dot)
+    if cfg.softcap > 0:
+        c = tirx.const(cfg.softcap, "float32")
+        slope_dot = tirx.const(-2.0, "float32") * capped * logit_dot / (c * c)
+        ds_dot = ds_dot * softcap_grad(cfg, capped) + p * (dp - d_row) * slope_dot
+    if factor is not None:
+        ds_dot = ds_dot * factor
+    return tirx.Select(p == _ZERO, _ZERO, ds_dot)
 
 
 def masked(visible, logit):

@@ -7,6 +7,8 @@ Contents:
     ShareForwardState -- flash_attn returns its lse too, so its gradient reuses out and lse
     UseSoftmaxBackward -- the softmax gradient Gradient writes out -> one softmax_backward
     gradient          -- ShareForwardState, relax.transform.Gradient, then UseSoftmaxBackward
+    with_objective    -- a function's computation with a new scalar result (a gradient penalty on an
+                         adjoint), for a second ``gradient``: second derivatives through fused ops
     LegalizeFuel      -- the fuel ops alone lowered to kernels or the floor (``tvm_fuel.build``)
     ExpandAttention   -- the fuel ops as Relax primitives, which Gradient differentiates to any
                          order (``tvm_fuel.expand``)
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tvm
@@ -522,3 +524,36 @@ def gradient(mod: tvm.IRModule, func_name: str = "main", require_grads: Sequence
         require_grads = [shared[func_name].params[params.index(var)] for var in require_grads]
     adjoint = relax.transform.Gradient(func_name, require_grads=require_grads, target_index=target_index)(shared)
     return UseSoftmaxBackward()(adjoint)
+
+
+def with_objective(mod: tvm.IRModule, func_name: str, new_name: str,
+                   objective: Callable[[relax.Expr], relax.Expr]) -> tvm.IRModule:
+    """``mod`` with ``new_name`` added: ``func_name``'s computation (one dataflow block, as
+    ``gradient`` makes) whose result is ``objective(result)``, a scalar built from the function's
+    result expression (for an adjoint, the tuple ``(loss, (grads...))``). Differentiating it is the
+    second application of ``gradient``: a gradient penalty on attention inputs or a
+    Hessian-vector product, through ``flash_attn_double_backward``.
+
+    Example
+    -------
+    >>> adjoint = tvm_fuel.transform.gradient(mod)                              # doctest: +SKIP
+    >>> def penalized(result):  # loss + 0.1 * |dloss/dq|^2
+    ...     loss, grads = result.fields
+    ...     dq = grads.fields[0]
+    ...     return R.add(loss, R.multiply(R.const(0.1), R.sum(R.multiply(dq, dq))))
+    >>> mod = tvm_fuel.transform.with_objective(adjoint, "main_adjoint", "penalty", penalized)  # doctest: +SKIP
+    >>> second = tvm_fuel.transform.gradient(mod, "penalty")                    # doctest: +SKIP
+    """
+    func = relax.utils.copy_with_new_vars(mod[func_name])  # fresh vars: the two functions share none
+    blocks = func.body.blocks
+    if len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock):
+        raise ValueError(f"with_objective: {func_name!r} must be one dataflow block (as gradient makes it), "
+                         f"got {len(blocks)} blocks")
+    bb = relax.BlockBuilder(mod)
+    with bb.function(new_name, list(func.params)):
+        with bb.dataflow():
+            for binding in blocks[0].bindings:
+                bb.emit_normalized(binding)
+            result = bb.emit_output(objective(func.body.body))
+        bb.emit_func_output(result)
+    return bb.get()

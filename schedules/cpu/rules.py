@@ -15,7 +15,8 @@ record left at its machine's hand-picked value outside the candidates (e.g. deco
 derived from the KV heads per task) takes this machine's hand-picked value.
 
 Contents:
-    FlashForward, FlashBackward, PagedAttention -- one rule per kernel pattern (dlight style)
+    FlashForward, FlashBackward, PagedAttention, FlashJvp, FlashDoubleBackward -- one rule per
+        kernel pattern (dlight style)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
 from .backward import flash_backward
 from .forward import dense_forward, paged_forward
+from .higher_order import COTANGENTS, flash_double_backward, flash_jvp, JVP_TANGENTS
 from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
 
 
@@ -174,5 +176,52 @@ class PagedAttention(_CpuRule):
         return paged_forward(workload.spec, CpuTiles(**knobs), dims=workload.dim if static else None)
 
 
+def _present(call: relax.Call, op: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of the optional arguments ``names`` (tangents or cotangents) the call passes."""
+    args = SPECS[op].split_args(call)
+    return tuple(name for name in names if args[name] is not None)
+
+
+class FlashJvp(_DenseRule):
+    """flash_attn_jvp on llvm: one online-softmax pass per query tile carrying the tangent's sums;
+    the kernel is specialised on which tangents the call passes (``Workload.grads``)."""
+
+    op = "flash_attn_jvp"
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return self._dense_workload(call, target, grads=_present(call, self.op, JVP_TANGENTS))
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        tiles = tiles_for(target, head_dim=workload.spec.head_dim, rows=None)
+        sq = workload.dim["Sq"]
+        if sq is not None and sq < tiles.block_q:  # a task holds one head's rows: no taller than Sq
+            tiles = replace(tiles, block_q=-(-sq // tiles.micro_rows) * tiles.micro_rows)
+        return asdict(tiles)
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return tile_space(target, rows=workload.dim["Sq"])
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return flash_jvp(workload.spec, CpuTiles(**knobs), tangents=workload.grads,
+                         dims=workload.dim if static else None)
+
+
+class FlashDoubleBackward(FlashBackward):
+    """flash_attn_double_backward on llvm: a tangent pass per query tile (row statistics and
+    do_grad), then the backward's pass over the key tiles differentiated; specialised on which
+    cotangents the call passes. Takes the forward's out and lse like the backward."""
+
+    def __init__(self):
+        super().__init__("flash_attn_double_backward")
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return self._dense_workload(call, target, grads=_present(call, self.op, COTANGENTS))
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return flash_double_backward(workload.spec, CpuTiles(**knobs), cotangents=workload.grads,
+                                     dims=workload.dim if static else None)
+
+
 RULES = (FlashForward(), PagedAttention(), *(FlashBackward(op) for op in (
-    "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")))
+    "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")),
+    FlashJvp(), FlashDoubleBackward())

@@ -1,0 +1,651 @@
+"""CPU kernels of the higher-order ops: forward mode (``flash_attn_jvp``) and the backward's
+vector-Jacobian product (``flash_attn_double_backward``). Both stream key tiles: nothing is
+[Sq, Sk]; scratch per task is O((block_q + block_k) * D).
+
+Both carry a tangent direction through the attention of a query tile (JVP: q_dot, k_dot, v_dot;
+double backward: the cotangents dq_bar, dk_bar, dv_bar, the direction along which the backward
+is differentiated, ``tvm_fuel.reference.flash_attn_double_backward``):
+
+    S_dot = scale (q_dot k^T + q k_dot^T),  logit_dot = softcap'(capped) S_dot,
+    lse_dot = rowsum(P logit_dot),  out_dot = (P logit_dot) V + P v_dot - lse_dot out
+
+``_TangentPass`` runs that over the key tiles of one query tile, either with the online softmax
+(the JVP: out, lse and out_dot in one pass, the tangent's sums rescaled with the output's) or with
+the forward's lse (the double backward's first stage, which also takes D = rowsum(do out) and
+D_dot = rowsum(do out_dot), the row statistics of its second stage).
+
+The double backward's second stage is the backward's key-tile task (``schedules.cpu.backward``)
+differentiated along the cotangents with ``do`` held: per (batch, KV head, split of the key
+tiles), for every query tile that sees a key tile, P, P_dot, dS and dS_dot are recomputed
+(``semantics.prob_tangent`` / ``score_grad_tangent``) and
+
+    v_grad += P_dot^T do,  k_grad += dS_dot^T q + dS^T dq_bar,  q_grad += dS_dot k + dS dk_bar
+
+with q_grad in per-split partials summed at the end (no races, as the backward's dq); do_grad is
+out_dot. Terms of an absent tangent or cotangent are not computed.
+
+Finite inputs: the GEMMs do not skip zero weights (the NaN rule is not modelled for tangents, as in
+``tvm_fuel.reference``); a dropped key still weighs exactly 0.
+
+Contents:
+    flash_jvp             -- PrimFunc(q, k, v, [q_dot], [k_dot], [v_dot], [alibi], [mask], out, out_dot, [lse])
+    flash_double_backward -- PrimFunc(q, k, v, do, [dq_bar], [dk_bar], [dv_bar], [alibi], [mask], out, lse,
+                             q_grad, k_grad, v_grad, do_grad)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ... import semantics as sem
+from ..common import (F32, balanced_order, biased, drop_params, finish, key_tile_range, KernelSpec, masked_logit,
+                      param_buffers, query_tile_range, shape_vars, visible)
+from .common import absent_inputs, Buffers
+from .micro import lane_tree, Micro
+from .tiles import CpuTiles
+
+JVP_TANGENTS = ("q_dot", "k_dot", "v_dot")
+COTANGENTS = ("dq_bar", "dk_bar", "dv_bar")
+
+
+def _add(a, b):
+    return a + b
+
+
+@dataclass(frozen=True)
+class _Params(Buffers):
+    """The parameter buffers the macros read; the direction (``q_t``, ``k_t``, ``v_t``: the JVP's
+    tangents or the double backward's cotangents) is None where absent, as are ALiBi, the mask
+    and ``lse`` / ``do`` / ``out`` where the kernel has none."""
+
+    q: tirx.Buffer
+    k: tirx.Buffer
+    v: tirx.Buffer
+    q_t: tirx.Buffer | None = None
+    k_t: tirx.Buffer | None = None
+    v_t: tirx.Buffer | None = None
+    alibi: tirx.Buffer | None = None
+    mask: tirx.Buffer | None = None
+    do: tirx.Buffer | None = None
+    out: tirx.Buffer | None = None
+    lse: tirx.Buffer | None = None
+
+
+@dataclass(frozen=True)
+class _Direction:
+    """Which parts of the direction are present (Python flags: absent terms are not emitted)."""
+
+    q: bool
+    k: bool
+    v: bool
+
+    @staticmethod
+    def of(names: tuple[str, ...], present: tuple[str, ...]) -> _Direction:
+        return _Direction(*(name in present for name in names))
+
+    @property
+    def scores(self) -> bool:
+        """Whether S_dot is not identically 0."""
+        return self.q or self.k
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A row task's float32 scratch: the query tile (q, its tangent) [block_q, DP]; per row the
+    softmax state (m, l, alpha, or the forward's lse), the tangent's lse_dot accumulator
+    [block_q]; the output and tangent accumulators [block_q, DP]."""
+
+    Qs: tirx.Buffer
+    Qt: tirx.Buffer
+    m: tirx.Buffer
+    l: tirx.Buffer
+    alpha: tirx.Buffer
+    lse_dot: tirx.Buffer
+    O: tirx.Buffer
+    Ot: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """One key tile, float32: K^T and its tangent [D, block_k] (score GEMMs vectorize over keys), V
+    and its tangent [block_k, DP]; the score tiles S, S_dot and the capped scores [block_q, block_k]."""
+
+    Kt: tirx.Buffer
+    Ktt: tirx.Buffer
+    Vn: tirx.Buffer
+    Vtn: tirx.Buffer
+    S: tirx.Buffer
+    St: tirx.Buffer
+    Cap: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _RowTile:
+    """The query tile of a row task: batch ``b``, query head ``h``, first position ``i0``."""
+
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    i0: tirx.PrimExpr
+
+
+class _TangentPass:
+    """The macros of the tangent pass over the key tiles of one query tile (module docstring).
+
+    ``online``: the JVP's online softmax (S in log2 units, exponentials exp2); otherwise P comes
+    from the forward's lse held in ``rows.m``.
+    """
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: _Direction, Sq, Sk, *, online: bool):
+        micro = Micro(tiles)
+        cfg, D = spec.cfg, spec.head_dim
+        BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
+        DP = tiles.padded_dim(D)
+        KV, DV = tiles.key_vecs, tiles.dim_vecs
+        scale = spec.scale
+        group = spec.group
+        softcapped = cfg.softcap > 0
+        dead_weight = float("-inf") if online else 0.0  # a row past Sq: a logit (online) or P
+
+        def capped(keys, r, c):
+            # the softcapped scaled score, kept in Cap only where softcap' needs it
+            return keys.Cap[r, c] if softcapped else keys.S[r, c] * T.float32(scale)
+
+        @T.macro
+        def load_rows(rows, params, tile):
+            for r in range(BQ):
+                if tile.i0 + r < Sq:
+                    for d in range(D):
+                        rows.Qs[r, d] = params.q[tile.b, tile.h, tile.i0 + r, d].astype(F32)
+                        if direction.q:
+                            rows.Qt[r, d] = params.q_t[tile.b, tile.h, tile.i0 + r, d].astype(F32)
+                    if not online:
+                        rows.m[r] = params.lse[tile.b, tile.h, tile.i0 + r]
+                else:
+                    for d in range(D):
+                        rows.Qs[r, d] = T.float32(0)
+                        if direction.q:
+                            rows.Qt[r, d] = T.float32(0)
+                    if not online:
+                        rows.m[r] = T.float32(float("-inf"))
+                for d in range(D, DP):
+                    rows.Qs[r, d] = T.float32(0)
+                    if direction.q:
+                        rows.Qt[r, d] = T.float32(0)
+                if online:
+                    rows.m[r] = T.float32(float("-inf"))
+                    rows.l[r] = T.float32(0)
+                rows.lse_dot[r] = T.float32(0)
+                for d in T.vectorized(DP):
+                    rows.O[r, d] = T.float32(0)
+                    rows.Ot[r, d] = T.float32(0)
+
+        @T.macro
+        def load_keys(keys, params, b, g, kt):
+            for c in range(BK):
+                if kt * BK + c < Sk:
+                    for d in range(D):
+                        keys.Kt[d, c] = params.k[b, g, kt * BK + c, d].astype(F32)
+                        keys.Vn[c, d] = params.v[b, g, kt * BK + c, d].astype(F32)
+                        if direction.k:
+                            keys.Ktt[d, c] = params.k_t[b, g, kt * BK + c, d].astype(F32)
+                        if direction.v:
+                            keys.Vtn[c, d] = params.v_t[b, g, kt * BK + c, d].astype(F32)
+                else:
+                    for d in range(D):
+                        keys.Kt[d, c] = T.float32(0)
+                        keys.Vn[c, d] = T.float32(0)
+                        if direction.k:
+                            keys.Ktt[d, c] = T.float32(0)
+                        if direction.v:
+                            keys.Vtn[c, d] = T.float32(0)
+                for d in range(D, DP):
+                    keys.Vn[c, d] = T.float32(0)
+                    if direction.v:
+                        keys.Vtn[c, d] = T.float32(0)
+
+        @T.macro
+        def weights(rows, keys, params, tile, key_start):
+            # S -> the softmax weights (online: log2-unit logits, exponentiated by the online
+            # softmax after; else P from lse); S_dot -> logit_dot
+            for r in range(BQ):
+                if tile.i0 + r < Sq:
+                    for c in T.vectorized(BK):
+                        if softcapped:
+                            keys.Cap[r, c] = sem.softcap(cfg, keys.S[r, c] * T.float32(scale), fast=True)
+                        if direction.scores:
+                            keys.St[r, c] = sem.logit_tangent(cfg, capped(keys, r, c),
+                                                              keys.St[r, c] * T.float32(scale))
+                        if online:
+                            keys.S[r, c] = masked_logit(spec, capped(keys, r, c), params.alibi, params.mask, tile.b,
+                                                        tile.h, tile.i0 + r, key_start + c, Sk,
+                                                        Sk - Sq) * T.float32(sem.LOG2E)
+                        else:
+                            keys.S[r, c] = T.Select(
+                                visible(spec, params.mask, tile.b, tile.h, tile.i0 + r, key_start + c, Sk, Sk - Sq),
+                                sem.probability(biased(spec, capped(keys, r, c), params.alibi, params.mask, tile.b,
+                                                       tile.h, tile.i0 + r, key_start + c, Sk - Sq), rows.m[r],
+                                                fast=True),
+                                T.float32(0))
+                else:  # rows past Sq weigh nothing
+                    for c in T.vectorized(BK):
+                        keys.S[r, c] = T.float32(dead_weight)
+                        if direction.scores:
+                            keys.St[r, c] = T.float32(0)
+
+        @T.macro
+        def tangent_sums(rows, keys):
+            # St <- W = P * logit_dot (exactly 0 where P is); lse_dot (* alpha) += rowsum(W)
+            for r in range(BQ):
+                part = T.alloc_buffer((L,), F32, scope="local")
+                for v in T.vectorized(L):
+                    part[v] = T.float32(0)
+                for c0 in range(BK // L):
+                    for v in T.vectorized(L):
+                        keys.St[r, c0 * L + v] = sem.weighted(keys.S[r, c0 * L + v], keys.St[r, c0 * L + v])
+                        part[v] = part[v] + keys.St[r, c0 * L + v]
+                if online:
+                    rows.lse_dot[r] = rows.lse_dot[r] * rows.alpha[r] + lane_tree(_add, part, L)
+                else:
+                    rows.lse_dot[r] = rows.lse_dot[r] + lane_tree(_add, part, L)
+
+        @T.macro
+        def key_tile(rows, keys, params, tile, kt):
+            g = T.meta_var(sem.kv_head(tile.h, group))
+            load_keys(keys, params, tile.b, g, kt)
+            micro.gemm(keys.S, rows.Qs, keys.Kt, BQ, BK, D, KV)
+            if direction.q:
+                micro.gemm(keys.St, rows.Qt, keys.Kt, BQ, BK, D, KV)
+            if direction.k:
+                micro.gemm(keys.St, rows.Qs, keys.Ktt, BQ, BK, D, KV, accumulate=direction.q)
+            weights(rows, keys, params, tile, kt * BK)
+            if online:
+                micro.online_softmax(keys.S, rows.m, rows.l, rows.alpha, BQ, BK)
+                micro.gemm(rows.O, keys.S, keys.Vn, BQ, DP, BK, DV, accumulate=True, row_scale=rows.alpha)
+            if direction.scores:
+                tangent_sums(rows, keys)
+                if online:
+                    micro.gemm(rows.Ot, keys.St, keys.Vn, BQ, DP, BK, DV, accumulate=True, row_scale=rows.alpha)
+                else:
+                    micro.gemm(rows.Ot, keys.St, keys.Vn, BQ, DP, BK, DV, accumulate=True)
+            elif online:  # no score tangent: the accumulator still follows the running max
+                micro.scale_rows(rows.Ot, rows.alpha, BQ, DP)
+            if direction.v:
+                micro.gemm(rows.Ot, keys.S, keys.Vtn, BQ, DP, BK, DV, accumulate=True)
+
+        @T.macro
+        def run(rows, keys, params, tile):
+            load_rows(rows, params, tile)
+            lo, hi = key_tile_range(cfg, first_pos=tile.i0, last_pos=T.min(tile.i0 + BQ, Sq) - 1, kv_len=Sk,
+                                    delta=Sk - Sq, block_k=BK)
+            for kt in range(lo, hi):
+                key_tile(rows, keys, params, tile, kt)
+
+        self.run = run
+
+
+def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
+              dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """The JVP kernel along the present ``tangents`` (of q_dot, k_dot, v_dot): out, out_dot (and lse
+    with ``spec.return_lse``) in one online-softmax pass per (batch, query head, query tile)."""
+    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    direction = _Direction.of(JVP_TANGENTS, tangents)
+    tangent_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=True)
+    dtype, Hq, D = spec.dtype, spec.num_q_heads, spec.head_dim
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    unused = absent_inputs(spec) | {t for t in JVP_TANGENTS if t not in tangents} | (
+        set() if spec.return_lse else {"lse"})
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_jvp_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_dot_h: T.handle, k_dot_h: T.handle,
+                                v_dot_h: T.handle, alibi_h: T.handle, mask_h: T.handle, out_h: T.handle,
+                                out_dot_h: T.handle, lse_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q, k, v, q_dot, k_dot, v_dot, alibi, mask, out, out_dot, lse = param_buffers(
+            spec, dict(B=B, Sq=Sq, Sk=Sk), q=q_h, k=k_h, v=v_h, q_dot=q_dot_h, k_dot=k_dot_h, v_dot=v_dot_h,
+            alibi=alibi_h, mask=mask_h, out=out_h, out_dot=out_dot_h, lse=lse_h)
+        params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, q_t=q_dot, k_t=k_dot, v_t=v_dot, alibi=alibi,
+                                       mask=mask))
+        n_query_tiles = (Sq + BQ - 1) // BQ
+        for task in T.parallel(B * Hq * n_query_tiles):
+            b: T.int64 = task // (Hq * n_query_tiles)
+            h: T.int64 = task // n_query_tiles % Hq
+            i0: T.int64 = balanced_order(task % n_query_tiles, n_query_tiles) * BQ
+            Qs = T.alloc_buffer((BQ, DP), F32)
+            Qt = T.alloc_buffer((BQ, DP), F32)
+            m = T.alloc_buffer((BQ,), F32)
+            l = T.alloc_buffer((BQ,), F32)
+            alpha = T.alloc_buffer((BQ,), F32)
+            lse_dot_r = T.alloc_buffer((BQ,), F32)
+            O = T.alloc_buffer((BQ, DP), F32)
+            Ot = T.alloc_buffer((BQ, DP), F32)
+            Kt = T.alloc_buffer((D, BK), F32)
+            Ktt = T.alloc_buffer((D, BK), F32)
+            Vn = T.alloc_buffer((BK, DP), F32)
+            Vtn = T.alloc_buffer((BK, DP), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            St = T.alloc_buffer((BQ, BK), F32)
+            Cap = T.alloc_buffer((BQ, BK), F32)
+            rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot_r, O, Ot))
+            keys = T.meta_var(_Keys(Kt, Ktt, Vn, Vtn, S, St, Cap))
+            tile = T.meta_var(_RowTile(b, h, i0))
+            tangent_pass.run(rows, keys, params, tile)
+            for r in range(BQ):
+                if i0 + r < Sq:
+                    lse_dot: T.float32 = sem.normalize(rows.lse_dot[r], rows.l[r])
+                    for d in range(D):
+                        o: T.float32 = sem.normalize(rows.O[r, d], rows.l[r])
+                        out[b, h, i0 + r, d] = o.astype(dtype)
+                        out_dot[b, h, i0 + r, d] = (sem.normalize(rows.Ot[r, d], rows.l[r]) - lse_dot * o).astype(dtype)
+                    if spec.return_lse:
+                        lse[b, h, i0 + r] = sem.log_sum_exp(sem.safe_row_max(rows.m[r]) * T.float32(sem.LN2), rows.l[r])
+    # fmt: on
+
+    return finish(drop_params(fuel_flash_attn_jvp_cpu, unused))
+
+
+@dataclass(frozen=True)
+class _RowStats:
+    """The double backward's per-row statistics [B, Hq, Sq] float32 from its first stage: lse_dot,
+    D = rowsum(do out) and D_dot = rowsum(do out_dot)."""
+
+    lse_dot: tirx.Buffer
+    d_row: tirx.Buffer
+    d_row_dot: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _KeyTask:
+    """A second-stage task's float32 scratch: the key tile (K [block_k, DP] and K^T [D, block_k],
+    V^T [D, block_k], and the cotangents' alike), its k_grad, v_grad accumulators [block_k, DP]; a
+    query tile (q, dq_bar, do [block_q, DP]; lse, lse_dot, D, D_dot [block_q]); the score tiles
+    S, S_dot, dP, dP_dot and the capped scores [block_q, block_k]."""
+
+    Kn: tirx.Buffer
+    Kt: tirx.Buffer
+    Vt: tirx.Buffer
+    Kbn: tirx.Buffer
+    Kbt: tirx.Buffer
+    Vbt: tirx.Buffer
+    kG: tirx.Buffer
+    vG: tirx.Buffer
+    Qs: tirx.Buffer
+    Qbs: tirx.Buffer
+    dOs: tirx.Buffer
+    lse_r: tirx.Buffer
+    lsed_r: tirx.Buffer
+    D_r: tirx.Buffer
+    Dd_r: tirx.Buffer
+    S: tirx.Buffer
+    St: tirx.Buffer
+    dP: tirx.Buffer
+    dPt: tirx.Buffer
+    Cap: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """The (query tile, key tile) pair of a second-stage step."""
+
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    i0: tirx.PrimExpr
+    key_start: tirx.PrimExpr
+
+
+class _KeyPass:
+    """The macros of the double backward's second stage (module docstring)."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: _Direction, Sq, Sk):
+        micro = Micro(tiles)
+        cfg, D, dtype = spec.cfg, spec.head_dim, spec.dtype
+        BQ, BK = tiles.block_q, tiles.block_k
+        DP = tiles.padded_dim(D)
+        KV, DV = tiles.key_vecs, tiles.dim_vecs
+        scale = spec.scale
+        softcapped = cfg.softcap > 0
+
+        @T.macro
+        def load_keys(t, params, b, g, kt):
+            for c in range(BK):
+                for d in range(D):
+                    # keys past Sk are 0 (clamped reads keep them in bounds)
+                    live = T.meta_var(kt * BK + c < Sk)
+                    j = T.meta_var(T.min(kt * BK + c, Sk - 1))
+                    t.Kn[c, d] = T.if_then_else(live, params.k[b, g, j, d].astype(F32), T.float32(0))
+                    t.Kt[d, c] = t.Kn[c, d]
+                    t.Vt[d, c] = T.if_then_else(live, params.v[b, g, j, d].astype(F32), T.float32(0))
+                    if direction.k:
+                        t.Kbn[c, d] = T.if_then_else(live, params.k_t[b, g, j, d].astype(F32), T.float32(0))
+                        t.Kbt[d, c] = t.Kbn[c, d]
+                    if direction.v:
+                        t.Vbt[d, c] = T.if_then_else(live, params.v_t[b, g, j, d].astype(F32), T.float32(0))
+                for d in range(D, DP):
+                    t.Kn[c, d] = T.float32(0)
+                    if direction.k:
+                        t.Kbn[c, d] = T.float32(0)
+                for d in T.vectorized(DP):
+                    t.kG[c, d] = T.float32(0)
+                    t.vG[c, d] = T.float32(0)
+
+        @T.macro
+        def load_rows(t, params, stats, pair):
+            for r in range(BQ):
+                live = T.meta_var(pair.i0 + r < Sq)
+                i = T.meta_var(T.min(pair.i0 + r, Sq - 1))
+                for d in range(D):
+                    t.Qs[r, d] = T.if_then_else(live, params.q[pair.b, pair.h, i, d].astype(F32), T.float32(0))
+                    t.dOs[r, d] = T.if_then_else(live, params.do[pair.b, pair.h, i, d].astype(F32), T.float32(0))
+                    if direction.q:
+                        t.Qbs[r, d] = T.if_then_else(live, params.q_t[pair.b, pair.h, i, d].astype(F32),
+                                                     T.float32(0))
+                for d in range(D, DP):
+                    t.Qs[r, d] = T.float32(0)
+                    t.dOs[r, d] = T.float32(0)
+                    if direction.q:
+                        t.Qbs[r, d] = T.float32(0)
+                t.lse_r[r] = T.if_then_else(live, params.lse[pair.b, pair.h, i], T.float32(float("-inf")))
+                t.lsed_r[r] = T.if_then_else(live, stats.lse_dot[pair.b, pair.h, i], T.float32(0))
+                t.D_r[r] = T.if_then_else(live, stats.d_row[pair.b, pair.h, i], T.float32(0))
+                t.Dd_r[r] = T.if_then_else(live, stats.d_row_dot[pair.b, pair.h, i], T.float32(0))
+
+        def capped(t, r, c):
+            return t.Cap[r, c] if softcapped else t.S[r, c] * T.float32(scale)
+
+        def logit_dot(t, r, c):  # S_dot holds it (0 when no cotangent moves the scores)
+            return t.St[r, c] if direction.scores else T.float32(0)
+
+        def dp_dot(t, r, c):  # do dv_bar^T
+            return t.dPt[r, c] if direction.v else T.float32(0)
+
+        @T.macro
+        def score_terms(t, params, pair):
+            # S -> P, S_dot -> logit_dot, dP_dot -> dS_dot, dP -> dS, then S_dot -> P_dot (each line
+            # reads what the lines before left; P, dS, dS_dot are 0 where the key is dropped)
+            for r in range(BQ):
+                if pair.i0 + r >= Sq:  # rows past Sq weigh nothing (and must not read the mask)
+                    for c in T.vectorized(BK):
+                        t.S[r, c] = T.float32(0)
+                        t.St[r, c] = T.float32(0)
+                        t.dP[r, c] = T.float32(0)
+                        t.dPt[r, c] = T.float32(0)
+                        t.Cap[r, c] = T.float32(0)
+                    continue
+                for c in T.vectorized(BK):
+                    if softcapped:
+                        t.Cap[r, c] = sem.softcap(cfg, t.S[r, c] * T.float32(scale), fast=True)
+                    if direction.scores:
+                        t.St[r, c] = sem.logit_tangent(cfg, capped(t, r, c), t.St[r, c] * T.float32(scale))
+                    t.S[r, c] = T.Select(
+                        visible(spec, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c, Sk, Sk - Sq),
+                        sem.probability(biased(spec, capped(t, r, c), params.alibi, params.mask, pair.b, pair.h,
+                                               pair.i0 + r, pair.key_start + c, Sk - Sq), t.lse_r[r], fast=True),
+                        T.float32(0))
+                    t.dPt[r, c] = sem.score_grad_tangent(
+                        cfg, t.S[r, c], sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), t.lsed_r[r]), t.dP[r, c],
+                        dp_dot(t, r, c), t.D_r[r], t.Dd_r[r], capped(t, r, c), logit_dot(t, r, c),
+                        factor=T.float32(scale))
+                    t.dP[r, c] = sem.score_grad(cfg, t.S[r, c], t.dP[r, c], t.D_r[r], capped(t, r, c),
+                                                factor=T.float32(scale))
+                    t.St[r, c] = sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), t.lsed_r[r])
+
+        @T.macro
+        def step(t, params, stats, pair, q_grad):
+            load_rows(t, params, stats, pair)
+            micro.gemm(t.S, t.Qs, t.Kt, BQ, BK, D, KV)
+            if direction.q:
+                micro.gemm(t.St, t.Qbs, t.Kt, BQ, BK, D, KV)
+            if direction.k:
+                micro.gemm(t.St, t.Qs, t.Kbt, BQ, BK, D, KV, accumulate=direction.q)
+            micro.gemm(t.dP, t.dOs, t.Vt, BQ, BK, D, KV)
+            if direction.v:
+                micro.gemm(t.dPt, t.dOs, t.Vbt, BQ, BK, D, KV)
+            score_terms(t, params, pair)
+            micro.gemm(t.vG, t.St, t.dOs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
+            micro.gemm(t.kG, t.dPt, t.Qs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
+            if direction.q:
+                micro.gemm(t.kG, t.dP, t.Qbs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
+            micro.gemm(q_grad, t.dPt, t.Kn, BQ, DP, BK, DV, accumulate=True)
+            if direction.k:
+                micro.gemm(q_grad, t.dP, t.Kbn, BQ, DP, BK, DV, accumulate=True)
+
+        @T.macro
+        def store_keys(t, params, k_grad, v_grad, b, g, kt):
+            for c in range(BK):
+                if kt * BK + c < Sk:
+                    for d in range(D):
+                        k_grad[b, g, kt * BK + c, d] = t.kG[c, d].astype(dtype)
+                        v_grad[b, g, kt * BK + c, d] = t.vG[c, d].astype(dtype)
+
+        self.load_keys, self.step, self.store_keys = load_keys, step, store_keys
+
+
+def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tuple[str, ...],
+                          dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """The double backward kernel for the present ``cotangents`` (of dq_bar, dk_bar, dv_bar), with
+    ``tiles.splits`` second-stage tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk."""
+    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    direction = _Direction.of(COTANGENTS, cotangents)
+    rows_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=False)
+    key_pass = _KeyPass(spec, tiles, direction, Sq, Sk)
+    dtype, Hq, Hkv, D, group, cfg = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.cfg
+    BQ, BK, DP, splits = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim), tiles.splits
+    unused = absent_inputs(spec) | {name for name in COTANGENTS if name not in cotangents}
+    padded_sq = (Sq + BQ - 1) // BQ * BQ  # whole query tiles in the q_grad partials
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_double_backward_cpu(
+            q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, dq_bar_h: T.handle, dk_bar_h: T.handle,
+            dv_bar_h: T.handle, alibi_h: T.handle, mask_h: T.handle, out_h: T.handle, lse_h: T.handle,
+            q_grad_h: T.handle, k_grad_h: T.handle, v_grad_h: T.handle, do_grad_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q, k, v, do, dq_bar, dk_bar, dv_bar, alibi, mask, out, lse, q_grad, k_grad, v_grad, do_grad = param_buffers(
+            spec, dict(B=B, Sq=Sq, Sk=Sk), q=q_h, k=k_h, v=v_h, do=do_h, dq_bar=dq_bar_h, dk_bar=dk_bar_h,
+            dv_bar=dv_bar_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, q_grad=q_grad_h, k_grad=k_grad_h,
+            v_grad=v_grad_h, do_grad=do_grad_h)
+        params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, q_t=dq_bar, k_t=dk_bar, v_t=dv_bar, alibi=alibi,
+                                       mask=mask, do=do, out=out, lse=lse))
+        lse_dot = T.alloc_buffer((B, Hq, Sq), F32)
+        d_row = T.alloc_buffer((B, Hq, Sq), F32)
+        d_row_dot = T.alloc_buffer((B, Hq, Sq), F32)
+        stats = T.meta_var(_RowStats(lse_dot, d_row, d_row_dot))
+        q_part = T.alloc_buffer((splits, B, Hq, padded_sq, DP), F32)
+        n_query_tiles = (Sq + BQ - 1) // BQ
+        # 1. per query tile: lse_dot, out_dot (= do_grad), D and D_dot; q_grad partials zeroed
+        for task in T.parallel(B * Hq * n_query_tiles):
+            b: T.int64 = task // (Hq * n_query_tiles)
+            h: T.int64 = task // n_query_tiles % Hq
+            i0: T.int64 = balanced_order(task % n_query_tiles, n_query_tiles) * BQ
+            Qs = T.alloc_buffer((BQ, DP), F32)
+            Qt = T.alloc_buffer((BQ, DP), F32)
+            m = T.alloc_buffer((BQ,), F32)
+            l = T.alloc_buffer((BQ,), F32)
+            alpha = T.alloc_buffer((BQ,), F32)
+            lse_dot_r = T.alloc_buffer((BQ,), F32)
+            O = T.alloc_buffer((BQ, DP), F32)
+            Ot = T.alloc_buffer((BQ, DP), F32)
+            Kt = T.alloc_buffer((D, BK), F32)
+            Ktt = T.alloc_buffer((D, BK), F32)
+            Vn = T.alloc_buffer((BK, DP), F32)
+            Vtn = T.alloc_buffer((BK, DP), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            St = T.alloc_buffer((BQ, BK), F32)
+            Cap = T.alloc_buffer((BQ, BK), F32)
+            rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot_r, O, Ot))
+            keys = T.meta_var(_Keys(Kt, Ktt, Vn, Vtn, S, St, Cap))
+            tile = T.meta_var(_RowTile(b, h, i0))
+            rows_pass.run(rows, keys, params, tile)
+            for r in range(BQ):
+                if i0 + r < Sq:
+                    acc = T.alloc_buffer((2,), F32, scope="local")
+                    acc[0] = T.float32(0)
+                    acc[1] = T.float32(0)
+                    for d in range(D):
+                        o: T.float32 = out[b, h, i0 + r, d].astype(F32)
+                        o_dot: T.float32 = rows.Ot[r, d] - rows.lse_dot[r] * o
+                        do_grad[b, h, i0 + r, d] = o_dot.astype(dtype)
+                        acc[0] = acc[0] + do[b, h, i0 + r, d].astype(F32) * o
+                        acc[1] = acc[1] + do[b, h, i0 + r, d].astype(F32) * o_dot
+                    lse_dot[b, h, i0 + r] = rows.lse_dot[r]
+                    d_row[b, h, i0 + r] = acc[0]
+                    d_row_dot[b, h, i0 + r] = acc[1]
+                for c in range(splits):
+                    for d in T.vectorized(DP):
+                        q_part[c, b, h, i0 + r, d] = T.float32(0)
+        # 2. per (batch, KV head, split): k_grad, v_grad of each key tile; q_grad partials
+        n_key_tiles = (Sk + BK - 1) // BK
+        per_split = (n_key_tiles + splits - 1) // splits
+        for task in T.parallel(B * Hkv * splits):
+            b: T.int64 = task // (Hkv * splits)
+            g: T.int64 = task // splits % Hkv
+            split: T.int64 = task % splits
+            Kn = T.alloc_buffer((BK, DP), F32)
+            Kt2 = T.alloc_buffer((D, BK), F32)
+            Vt2 = T.alloc_buffer((D, BK), F32)
+            Kbn = T.alloc_buffer((BK, DP), F32)
+            Kbt = T.alloc_buffer((D, BK), F32)
+            Vbt = T.alloc_buffer((D, BK), F32)
+            kG = T.alloc_buffer((BK, DP), F32)
+            vG = T.alloc_buffer((BK, DP), F32)
+            Qs2 = T.alloc_buffer((BQ, DP), F32)
+            Qbs = T.alloc_buffer((BQ, DP), F32)
+            dOs = T.alloc_buffer((BQ, DP), F32)
+            lse_r = T.alloc_buffer((BQ,), F32)
+            lsed_r = T.alloc_buffer((BQ,), F32)
+            D_r = T.alloc_buffer((BQ,), F32)
+            Dd_r = T.alloc_buffer((BQ,), F32)
+            S2 = T.alloc_buffer((BQ, BK), F32)
+            St2 = T.alloc_buffer((BQ, BK), F32)
+            dP = T.alloc_buffer((BQ, BK), F32)
+            dPt = T.alloc_buffer((BQ, BK), F32)
+            Cap2 = T.alloc_buffer((BQ, BK), F32)
+            t = T.meta_var(_KeyTask(Kn, Kt2, Vt2, Kbn, Kbt, Vbt, kG, vG, Qs2, Qbs, dOs, lse_r, lsed_r, D_r, Dd_r, S2,
+                                    St2, dP, dPt, Cap2))
+            for n in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
+                kt: T.int64 = balanced_order(n, n_key_tiles)  # causal work falls with kt: pair them
+                key_pass.load_keys(t, params, b, g, kt)
+                for hr in range(group):
+                    qlo, qhi = query_tile_range(cfg, key_first=kt * BK, key_last=T.min(kt * BK + BK, Sk) - 1,
+                                                num_queries=Sq, delta=Sk - Sq, block_q=BQ)
+                    for qt in range(qlo, qhi):
+                        q_grad_tile = T.decl_buffer((BQ, DP), F32, data=q_part.data, elem_offset=(
+                            ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
+                        pair = T.meta_var(_Pair(b, g * group + hr, qt * BQ, kt * BK))
+                        key_pass.step(t, params, stats, pair, q_grad_tile)
+                key_pass.store_keys(t, params, k_grad, v_grad, b, g, kt)
+        # 3. q_grad = the sum of the splits' partials
+        for bh in T.parallel(B * Hq):
+            for i, d in T.grid(Sq, D):
+                total = T.alloc_buffer((1,), F32, scope="local")
+                total[0] = T.float32(0)
+                for c in range(splits):
+                    total[0] = total[0] + q_part[c, bh // Hq, bh % Hq, i, d]
+                q_grad[bh // Hq, bh % Hq, i, d] = total[0].astype(dtype)
+    # fmt: on
+
+    return finish(drop_params(fuel_flash_attn_double_backward_cpu, unused))
