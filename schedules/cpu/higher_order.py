@@ -110,14 +110,21 @@ class _Rows:
 
 
 @dataclass(frozen=True)
-class _Keys:
+class _KeyTile:
     """One key tile, float32: K^T and its tangent [D, block_k] (score GEMMs vectorize over keys), V
-    and its tangent [block_k, DP]; the score tiles S, S_dot and the capped scores [block_q, block_k]."""
+    and its tangent [block_k, DP]. Packed once per KV head for every query tile's task (packing per
+    task had cost the JVP ~30 %); an absent tangent's tile is a placeholder never read."""
 
     Kt: tirx.Buffer
     Ktt: tirx.Buffer
     Vn: tirx.Buffer
     Vtn: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _Scores:
+    """A row task's score tiles [block_q, block_k]: S, S_dot and the capped scores."""
+
     S: tirx.Buffer
     St: tirx.Buffer
     Cap: tirx.Buffer
@@ -146,13 +153,15 @@ class _TangentPass:
         DP = tiles.padded_dim(D)
         KV, DV = tiles.key_vecs, tiles.dim_vecs
         scale = spec.scale
-        group = spec.group
+        group, Hkv = spec.group, spec.num_kv_heads
+        n_key_tiles = (Sk + BK - 1) // BK
+        self.Hkv = Hkv
         softcapped = cfg.softcap > 0
         dead_weight = float("-inf") if online else 0.0  # a row past Sq: a logit (online) or P
 
-        def capped(keys, r, c):
+        def capped(scores, r, c):
             # the softcapped scaled score, kept in Cap only where softcap' needs it
-            return keys.Cap[r, c] if softcapped else keys.S[r, c] * T.float32(scale)
+            return scores.Cap[r, c] if softcapped else scores.S[r, c] * T.float32(scale)
 
         @T.macro
         def load_rows(rows, params, tile):
@@ -208,36 +217,36 @@ class _TangentPass:
                         keys.Vtn[c, d] = T.float32(0)
 
         @T.macro
-        def weights(rows, keys, params, tile, key_start):
+        def weights(rows, scores, params, tile, key_start):
             # S -> the softmax weights (online: log2-unit logits, exponentiated by the online
             # softmax after; else P from lse); S_dot -> logit_dot
             for r in range(BQ):
                 if tile.i0 + r < Sq:
                     for c in T.vectorized(BK):
                         if softcapped:
-                            keys.Cap[r, c] = sem.softcap(cfg, keys.S[r, c] * T.float32(scale), fast=True)
+                            scores.Cap[r, c] = sem.softcap(cfg, scores.S[r, c] * T.float32(scale), fast=True)
                         if direction.scores:
-                            keys.St[r, c] = sem.logit_tangent(cfg, capped(keys, r, c),
-                                                              keys.St[r, c] * T.float32(scale))
+                            scores.St[r, c] = sem.logit_tangent(cfg, capped(scores, r, c),
+                                                              scores.St[r, c] * T.float32(scale))
                         if online:
-                            keys.S[r, c] = masked_logit(spec, capped(keys, r, c), params.alibi, params.mask, tile.b,
+                            scores.S[r, c] = masked_logit(spec, capped(scores, r, c), params.alibi, params.mask, tile.b,
                                                         tile.h, tile.i0 + r, key_start + c, Sk,
                                                         Sk - Sq) * T.float32(sem.LOG2E)
                         else:
-                            keys.S[r, c] = T.Select(
+                            scores.S[r, c] = T.Select(
                                 visible(spec, params.mask, tile.b, tile.h, tile.i0 + r, key_start + c, Sk, Sk - Sq),
-                                sem.probability(biased(spec, capped(keys, r, c), params.alibi, params.mask, tile.b,
+                                sem.probability(biased(spec, capped(scores, r, c), params.alibi, params.mask, tile.b,
                                                        tile.h, tile.i0 + r, key_start + c, Sk - Sq), rows.m[r],
                                                 fast=True),
                                 T.float32(0))
                 else:  # rows past Sq weigh nothing
                     for c in T.vectorized(BK):
-                        keys.S[r, c] = T.float32(dead_weight)
+                        scores.S[r, c] = T.float32(dead_weight)
                         if direction.scores:
-                            keys.St[r, c] = T.float32(0)
+                            scores.St[r, c] = T.float32(0)
 
         @T.macro
-        def tangent_sums(rows, keys):
+        def tangent_sums(rows, scores):
             # St <- W = P * logit_dot (exactly 0 where P is); lse_dot (* alpha) += rowsum(W)
             for r in range(BQ):
                 part = T.alloc_buffer((L,), F32, scope="local")
@@ -245,46 +254,84 @@ class _TangentPass:
                     part[v] = T.float32(0)
                 for c0 in range(BK // L):
                     for v in T.vectorized(L):
-                        keys.St[r, c0 * L + v] = sem.weighted(keys.S[r, c0 * L + v], keys.St[r, c0 * L + v])
-                        part[v] = part[v] + keys.St[r, c0 * L + v]
+                        scores.St[r, c0 * L + v] = sem.weighted(scores.S[r, c0 * L + v], scores.St[r, c0 * L + v])
+                        part[v] = part[v] + scores.St[r, c0 * L + v]
                 if online:
                     rows.lse_dot[r] = rows.lse_dot[r] * rows.alpha[r] + lane_tree(_add, part, L)
                 else:
                     rows.lse_dot[r] = rows.lse_dot[r] + lane_tree(_add, part, L)
 
+        def tile_offset(b, g, kt, size: int):
+            # element offset of packed tile (b, g, kt)
+            return ((b * Hkv + g) * n_key_tiles + kt) * size
+
+        def data(packed, name: str, present: bool = True):
+            # the packed buffer's data; an absent tangent's view aliases its primal's (never read)
+            return getattr(packed, name if present else {"Ktt": "Kt", "Vtn": "Vn"}[name]).data
+
         @T.macro
-        def key_tile(rows, keys, params, tile, kt):
+        def pack(packed, params, index):
+            # key tile ``index`` (of B x Hkv x key tiles) into the packed buffers
+            b = T.meta_var(index // (Hkv * n_key_tiles))
+            g = T.meta_var(index // n_key_tiles % Hkv)
+            kt = T.meta_var(index % n_key_tiles)
+            Kt = T.decl_buffer((D, BK), F32, data=data(packed, "Kt"), elem_offset=tile_offset(b, g, kt, D * BK))
+            Ktt = T.decl_buffer((D, BK), F32, data=data(packed, "Ktt", direction.k),
+                                elem_offset=tile_offset(b, g, kt, D * BK))
+            Vn = T.decl_buffer((BK, DP), F32, data=data(packed, "Vn"), elem_offset=tile_offset(b, g, kt, BK * DP))
+            Vtn = T.decl_buffer((BK, DP), F32, data=data(packed, "Vtn", direction.v),
+                                elem_offset=tile_offset(b, g, kt, BK * DP))
+            keys = T.meta_var(_KeyTile(Kt, Ktt, Vn, Vtn))
+            load_keys(keys, params, b, g, kt)
+
+        @T.macro
+        def key_tile(rows, scores, packed, params, tile, kt):
             g = T.meta_var(sem.kv_head(tile.h, group))
-            load_keys(keys, params, tile.b, g, kt)
-            micro.gemm(keys.S, rows.Qs, keys.Kt, BQ, BK, D, KV)
+            Kt = T.decl_buffer((D, BK), F32, data=data(packed, "Kt"), elem_offset=tile_offset(tile.b, g, kt, D * BK))
+            Ktt = T.decl_buffer((D, BK), F32, data=data(packed, "Ktt", direction.k),
+                                elem_offset=tile_offset(tile.b, g, kt, D * BK))
+            Vn = T.decl_buffer((BK, DP), F32, data=data(packed, "Vn"),
+                               elem_offset=tile_offset(tile.b, g, kt, BK * DP))
+            Vtn = T.decl_buffer((BK, DP), F32, data=data(packed, "Vtn", direction.v),
+                                elem_offset=tile_offset(tile.b, g, kt, BK * DP))
+            micro.gemm(scores.S, rows.Qs, Kt, BQ, BK, D, KV)
             if direction.q:
-                micro.gemm(keys.St, rows.Qt, keys.Kt, BQ, BK, D, KV)
+                micro.gemm(scores.St, rows.Qt, Kt, BQ, BK, D, KV)
             if direction.k:
-                micro.gemm(keys.St, rows.Qs, keys.Ktt, BQ, BK, D, KV, accumulate=direction.q)
-            weights(rows, keys, params, tile, kt * BK)
+                micro.gemm(scores.St, rows.Qs, Ktt, BQ, BK, D, KV, accumulate=direction.q)
+            weights(rows, scores, params, tile, kt * BK)
             if online:
-                micro.online_softmax(keys.S, rows.m, rows.l, rows.alpha, BQ, BK)
-                micro.gemm(rows.O, keys.S, keys.Vn, BQ, DP, BK, DV, accumulate=True, row_scale=rows.alpha)
+                micro.online_softmax(scores.S, rows.m, rows.l, rows.alpha, BQ, BK)
+                micro.gemm(rows.O, scores.S, Vn, BQ, DP, BK, DV, accumulate=True, row_scale=rows.alpha)
             if direction.scores:
-                tangent_sums(rows, keys)
+                tangent_sums(rows, scores)
                 if online:
-                    micro.gemm(rows.Ot, keys.St, keys.Vn, BQ, DP, BK, DV, accumulate=True, row_scale=rows.alpha)
+                    micro.gemm(rows.Ot, scores.St, Vn, BQ, DP, BK, DV, accumulate=True, row_scale=rows.alpha)
                 else:
-                    micro.gemm(rows.Ot, keys.St, keys.Vn, BQ, DP, BK, DV, accumulate=True)
+                    micro.gemm(rows.Ot, scores.St, Vn, BQ, DP, BK, DV, accumulate=True)
             elif online:  # no score tangent: the accumulator still follows the running max
                 micro.scale_rows(rows.Ot, rows.alpha, BQ, DP)
             if direction.v:
-                micro.gemm(rows.Ot, keys.S, keys.Vtn, BQ, DP, BK, DV, accumulate=True)
+                micro.gemm(rows.Ot, scores.S, Vtn, BQ, DP, BK, DV, accumulate=True)
 
         @T.macro
-        def run(rows, keys, params, tile):
+        def run(rows, scores, packed, params, tile):
             load_rows(rows, params, tile)
             lo, hi = key_tile_range(cfg, first_pos=tile.i0, last_pos=T.min(tile.i0 + BQ, Sq) - 1, kv_len=Sk,
                                     delta=Sk - Sq, block_k=BK)
             for kt in range(lo, hi):
-                key_tile(rows, keys, params, tile, kt)
+                key_tile(rows, scores, packed, params, tile, kt)
 
-        self.run = run
+        self.pack, self.run = pack, run
+        self.n_key_tiles = n_key_tiles
+        tile_t, tile_n = (D, BK), (BK, DP)
+        self._tile_shapes = (tile_t, tile_t if direction.k else None, tile_n, tile_n if direction.v else None)
+
+    def packed_shapes(self, B) -> list[tuple]:
+        """Shapes of the packed buffers (K^T, K_dot^T, V, V_dot): [B, Hkv, key tiles, tile]; (1,)
+        for an absent tangent (its views alias the primal's)."""
+        first = (B, self.Hkv, self.n_key_tiles)
+        return [(*first, *shape) if shape is not None else (1,) for shape in self._tile_shapes]
 
 
 def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
@@ -294,6 +341,7 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     direction = _Direction.of(JVP_TANGENTS, tangents)
     tangent_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=True)
+    packed_shapes, n_key_tiles, Hkv = tangent_pass.packed_shapes(B), tangent_pass.n_key_tiles, spec.num_kv_heads
     dtype, Hq, D = spec.dtype, spec.num_q_heads, spec.head_dim
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     unused = absent_inputs(spec) | {t for t in JVP_TANGENTS if t not in tangents} | (
@@ -310,6 +358,13 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
             alibi=alibi_h, mask=mask_h, out=out_h, out_dot=out_dot_h, lse=lse_h)
         params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, q_t=q_dot, k_t=k_dot, v_t=v_dot, alibi=alibi,
                                        mask=mask))
+        packed_kt = T.alloc_buffer(packed_shapes[0], F32)
+        packed_ktt = T.alloc_buffer(packed_shapes[1], F32)
+        packed_vn = T.alloc_buffer(packed_shapes[2], F32)
+        packed_vtn = T.alloc_buffer(packed_shapes[3], F32)
+        packed = T.meta_var(_KeyTile(packed_kt, packed_ktt, packed_vn, packed_vtn))
+        for index in T.parallel(B * Hkv * n_key_tiles):
+            tangent_pass.pack(packed, params, index)
         n_query_tiles = (Sq + BQ - 1) // BQ
         for task in T.parallel(B * Hq * n_query_tiles):
             b: T.int64 = task // (Hq * n_query_tiles)
@@ -323,17 +378,13 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
             lse_dot_r = T.alloc_buffer((BQ,), F32)
             O = T.alloc_buffer((BQ, DP), F32)
             Ot = T.alloc_buffer((BQ, DP), F32)
-            Kt = T.alloc_buffer((D, BK), F32)
-            Ktt = T.alloc_buffer((D, BK), F32)
-            Vn = T.alloc_buffer((BK, DP), F32)
-            Vtn = T.alloc_buffer((BK, DP), F32)
             S = T.alloc_buffer((BQ, BK), F32)
             St = T.alloc_buffer((BQ, BK), F32)
             Cap = T.alloc_buffer((BQ, BK), F32)
             rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot_r, O, Ot))
-            keys = T.meta_var(_Keys(Kt, Ktt, Vn, Vtn, S, St, Cap))
+            scores = T.meta_var(_Scores(S, St, Cap))
             tile = T.meta_var(_RowTile(b, h, i0))
-            tangent_pass.run(rows, keys, params, tile)
+            tangent_pass.run(rows, scores, packed, params, tile)
             for r in range(BQ):
                 if i0 + r < Sq:
                     lse_dot: T.float32 = sem.normalize(rows.lse_dot[r], rows.l[r])
@@ -531,6 +582,7 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     direction = _Direction.of(COTANGENTS, cotangents)
     rows_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=False)
+    packed_shapes, n_key_tiles = rows_pass.packed_shapes(B), rows_pass.n_key_tiles
     key_pass = _KeyPass(spec, tiles, direction, Sq, Sk)
     dtype, Hq, Hkv, D, group, cfg = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.cfg
     BQ, BK, DP, splits = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim), tiles.splits
@@ -555,6 +607,13 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
         d_row_dot = T.alloc_buffer((B, Hq, Sq), F32)
         stats = T.meta_var(_RowStats(lse_dot, d_row, d_row_dot))
         q_part = T.alloc_buffer((splits, B, Hq, padded_sq, DP), F32)
+        packed_kt = T.alloc_buffer(packed_shapes[0], F32)
+        packed_ktt = T.alloc_buffer(packed_shapes[1], F32)
+        packed_vn = T.alloc_buffer(packed_shapes[2], F32)
+        packed_vtn = T.alloc_buffer(packed_shapes[3], F32)
+        packed = T.meta_var(_KeyTile(packed_kt, packed_ktt, packed_vn, packed_vtn))
+        for index in T.parallel(B * Hkv * n_key_tiles):
+            rows_pass.pack(packed, params, index)
         n_query_tiles = (Sq + BQ - 1) // BQ
         # 1. per query tile: lse_dot, out_dot (= do_grad), D and D_dot; q_grad partials zeroed
         for task in T.parallel(B * Hq * n_query_tiles):
@@ -569,17 +628,13 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             lse_dot_r = T.alloc_buffer((BQ,), F32)
             O = T.alloc_buffer((BQ, DP), F32)
             Ot = T.alloc_buffer((BQ, DP), F32)
-            Kt = T.alloc_buffer((D, BK), F32)
-            Ktt = T.alloc_buffer((D, BK), F32)
-            Vn = T.alloc_buffer((BK, DP), F32)
-            Vtn = T.alloc_buffer((BK, DP), F32)
             S = T.alloc_buffer((BQ, BK), F32)
             St = T.alloc_buffer((BQ, BK), F32)
             Cap = T.alloc_buffer((BQ, BK), F32)
             rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot_r, O, Ot))
-            keys = T.meta_var(_Keys(Kt, Ktt, Vn, Vtn, S, St, Cap))
+            scores = T.meta_var(_Scores(S, St, Cap))
             tile = T.meta_var(_RowTile(b, h, i0))
-            rows_pass.run(rows, keys, params, tile)
+            rows_pass.run(rows, scores, packed, params, tile)
             for r in range(BQ):
                 if i0 + r < Sq:
                     acc = T.alloc_buffer((2,), F32, scope="local")
@@ -598,7 +653,6 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
                     for d in T.vectorized(DP):
                         q_part[c, b, h, i0 + r, d] = T.float32(0)
         # 2. per (batch, KV head, split): k_grad, v_grad of each key tile; q_grad partials
-        n_key_tiles = (Sk + BK - 1) // BK
         per_split = (n_key_tiles + splits - 1) // splits
         for task in T.parallel(B * Hkv * splits):
             b: T.int64 = task // (Hkv * splits)
