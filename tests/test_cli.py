@@ -7,12 +7,13 @@ import pytest
 from tvm_fuel.cli import main
 
 
-def test_demo_runs_the_ops_the_decoder_and_training(capsys):
+def test_demo_runs_the_ops_the_decoder_training_and_second_order(capsys):
     assert main(["demo"]) == 0
     printed = capsys.readouterr().out
     for name in ("flash_attn out", "flash_attn lse", "flash_attn_backward dq", "flash_attn_backward_q",
                  "flash_attn_backward_k", "flash_attn_backward_v", "paged_attn", "softmax_backward",
-                 "paged decode vs no-cache full sequence", "tuned vs floor logits", "final loss / first loss"):
+                 "paged decode vs no-cache full sequence", "tuned vs floor logits", "final loss / first loss",
+                 "fused vs expanded penalized loss", "Hessian-vector product vs reference"):
         assert name in printed
     assert "decomposed built in" in printed and "tokens/s" in printed and "loss: " in printed
     assert "MISMATCH" not in printed and "checks hold" in printed

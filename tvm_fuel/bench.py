@@ -13,6 +13,8 @@ Contents:
     read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
     measure, measure_side_by_side -- median timings (side by side: in turns)
+    peak_rss_mib         -- this process's peak resident memory
+    build_vm             -- a VirtualMachine of a module built one of the BUILDS ways
     run_bench            -- run the default suite, write JSON and PNG, return the report
 """
 
@@ -78,12 +80,12 @@ def _timed_builds(mod, target, tensors, *, with_floor: bool = True, floor_skip: 
                   alongside: dict | None = None) -> dict:
     """Tuned and hand-picked kernels timed side by side (with the ``alongside`` callables, e.g. the
     read-bandwidth probe); then the floor (or why it is skipped)."""
-    vms = {impl: _vm(mod, target, **BUILDS[impl]) for impl in ("tuned", "hand_picked")}
+    vms = {impl: build_vm(mod, target, **BUILDS[impl]) for impl in ("tuned", "hand_picked")}
     timed = measure_side_by_side({**{impl: (lambda vm=vm: vm["main"](*tensors)) for impl, vm in vms.items()},
                                   **(alongside or {})})
     results = {impl: {"ms": seconds * 1e3, "runs": runs} for impl, (seconds, runs) in timed.items()}
     if with_floor:
-        vm = _vm(mod, target, **BUILDS["floor"])
+        vm = build_vm(mod, target, **BUILDS["floor"])
         seconds, runs = measure(lambda: vm["main"](*tensors), max_runs=3)
         results["floor"] = {"ms": seconds * 1e3, "runs": runs}
     else:
@@ -180,7 +182,8 @@ BUILDS = {"tuned": dict(kernels="tuned"), "hand_picked": dict(kernels="tuned", s
           "floor": dict(kernels="decomposed")}
 
 
-def _vm(mod, target, kernels, **options):
+def build_vm(mod, target, kernels, **options):
+    """A VirtualMachine over ``mod`` built by ``tvm_fuel.compile`` (``kernels``: one of BUILDS' ways)."""
     return relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels, **options), tvm.cpu())
 
 
@@ -209,7 +212,7 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
     args = [q, k, v]
     if case.backward:  # the forward's state, as a training step has it
         forward = FlashCase(case.B, case.H, case.S, case.D, case.causal)
-        vm_fwd = _vm(_flash_module(forward, return_lse=True), target, "tuned")
+        vm_fwd = build_vm(_flash_module(forward, return_lse=True), target, "tuned")
         out, lse = (t.numpy() for t in vm_fwd["main"](*map(tvm.runtime.tensor, (q, k, v))))
         args = [q, k, v, do, out, lse]
     tensors = [tvm.runtime.tensor(a) for a in args]
@@ -282,20 +285,20 @@ def long_context_probe(S: int = 16384, H: int = 8, D: int = 64) -> dict:
     case = FlashCase(1, H, S, D, causal=True)
     rng = np.random.default_rng(0)
     q, k, v, do = (tvm.runtime.tensor(rng.standard_normal((1, H, S, D)).astype(np.float32)) for _ in range(4))
-    fwd = _vm(_flash_module(case, return_lse=True), target, "tuned")
-    bwd = _vm(_flash_module(FlashCase(1, H, S, D, True, backward=True)), target, "tuned")
-    baseline = _peak_rss_mib()
+    fwd = build_vm(_flash_module(case, return_lse=True), target, "tuned")
+    bwd = build_vm(_flash_module(FlashCase(1, H, S, D, True, backward=True)), target, "tuned")
+    baseline = peak_rss_mib()
     start = time.perf_counter()
     out, lse = fwd["main"](q, k, v)
     bwd["main"](q, k, v, do, out, lse)
     seconds = time.perf_counter() - start
-    peak = _peak_rss_mib()
+    peak = peak_rss_mib()
     floor_gib = 6 * H * S * S * 4 / 2**30
     return {"S": S, "H": H, "D": D, "causal": True, "fwd_bwd_s": seconds, "peak_rss_mib": peak,
             "rss_before_run_mib": baseline, "floor_estimate_gib": floor_gib}
 
 
-def _peak_rss_mib() -> float:
+def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM; unlike ru_maxrss it does not carry over exec)."""
     with open("/proc/self/status") as status:
         for line in status:

@@ -15,10 +15,12 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 import sys
+from pathlib import Path
 
 _MAX_DIM = 2**31 - 1  # a larger dim is no workload to tune: it would only fail deep in the build
 
@@ -126,8 +128,17 @@ def _bench(args: argparse.Namespace) -> int:
         return run_gpucheck(out_dir=args.out, suite="bench")
     from .bench import run_bench
 
-    run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
-              sweep=not args.no_sweep)
+    if not args.higher_order_only:
+        run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
+                  sweep=not args.no_sweep)
+    if not args.no_higher_order:
+        from .bench_higher_order import higher_order_rows, print_rows
+
+        report = higher_order_rows(memory=not args.no_long_context)
+        print_rows(report)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "higher_order.json").write_text(json.dumps(report, indent=2))
+        print(f"wrote {Path(args.out) / 'higher_order.json'}")
     return 0
 
 
@@ -256,12 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m tvm_fuel", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="every op vs the reference, a decoder's serving loop, a training run")
+    demo = commands.add_parser("demo", help="every op vs the reference, a decoder's serving loop, a training run, "
+                                            "second-order training")
     demo.add_argument("--target", default="host", help="CPU target: host (this CPU's features, default), "
                                                          "llvm, or a target JSON")
     which = demo.add_mutually_exclusive_group()
-    which.add_argument("--parts", nargs="+", choices=["ops", "decoder", "training"],
-                       default=["ops", "decoder", "training"])
+    which.add_argument("--parts", nargs="+", choices=["ops", "decoder", "training", "second-order"],
+                       default=["ops", "decoder", "training", "second-order"])
     which.add_argument("--quick", action="store_const", const=["ops"], dest="parts",
                        help="the ops part only (every op vs the reference, under a minute): same as --parts ops")
     demo.add_argument("--seed", type=int, default=0)
@@ -271,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--floor-all", action="store_true", help="also time the floor on the large cases (slow)")
     bench.add_argument("--no-long-context", action="store_true", help="skip the S=16384 memory probe")
     bench.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep of the chart")
+    higher = bench.add_mutually_exclusive_group()
+    higher.add_argument("--no-higher-order", action="store_true",
+                        help="skip the forward-mode and double-backward rows (their expanded path takes minutes)")
+    higher.add_argument("--higher-order-only", action="store_true",
+                        help="only the forward-mode and double-backward rows (higher_order.json)")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)
