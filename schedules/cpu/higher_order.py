@@ -400,21 +400,44 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
 
 
 @dataclass(frozen=True)
-class _RowStats:
-    """The double backward's per-row statistics [B, Hq, Sq] float32 from its first stage: lse_dot,
-    D = rowsum(do out) and D_dot = rowsum(do out_dot)."""
+class _QueryTiles:
+    """What the double backward's first stage leaves for its second, per query row (rows padded to
+    whole query tiles, float32): q, dq_bar and do [B, Hq, padded Sq, DP] (dq_bar aliases q when
+    absent: never read), and lse, lse_dot, D = rowsum(do out), D_dot = rowsum(do out_dot)
+    [B, Hq, padded Sq]. The second stage's steps read views of them, packed once."""
 
+    q: tirx.Buffer
+    q_bar: tirx.Buffer
+    do: tirx.Buffer
+    lse: tirx.Buffer
     lse_dot: tirx.Buffer
     d_row: tirx.Buffer
     d_row_dot: tirx.Buffer
+
+    @staticmethod
+    def of(has_q_bar: bool, q, q_bar, *rest) -> _QueryTiles:
+        return _QueryTiles(q, q_bar if has_q_bar else q, *rest)
+
+
+@dataclass(frozen=True)
+class _QueryTile:
+    """Views of one query tile of ``_QueryTiles``: q, dq_bar, do [block_q, DP]; lse, lse_dot, D,
+    D_dot [block_q]."""
+
+    Qs: tirx.Buffer
+    Qbs: tirx.Buffer
+    dOs: tirx.Buffer
+    lse_r: tirx.Buffer
+    lsed_r: tirx.Buffer
+    D_r: tirx.Buffer
+    Dd_r: tirx.Buffer
 
 
 @dataclass(frozen=True)
 class _KeyTask:
     """A second-stage task's float32 scratch: the key tile (K [block_k, DP] and K^T [D, block_k],
-    V^T [D, block_k], and the cotangents' alike), its k_grad, v_grad accumulators [block_k, DP]; a
-    query tile (q, dq_bar, do [block_q, DP]; lse, lse_dot, D, D_dot [block_q]); the score tiles
-    S, S_dot, dP, dP_dot and the capped scores [block_q, block_k]."""
+    V^T [D, block_k], and the cotangents' alike), its k_grad, v_grad accumulators [block_k, DP];
+    the score tiles S, S_dot, dP, dP_dot and the capped scores [block_q, block_k]."""
 
     Kn: tirx.Buffer
     Kt: tirx.Buffer
@@ -424,13 +447,6 @@ class _KeyTask:
     Vbt: tirx.Buffer
     kG: tirx.Buffer
     vG: tirx.Buffer
-    Qs: tirx.Buffer
-    Qbs: tirx.Buffer
-    dOs: tirx.Buffer
-    lse_r: tirx.Buffer
-    lsed_r: tirx.Buffer
-    D_r: tirx.Buffer
-    Dd_r: tirx.Buffer
     S: tirx.Buffer
     St: tirx.Buffer
     dP: tirx.Buffer
@@ -451,9 +467,9 @@ class _Pair:
 class _KeyPass:
     """The macros of the double backward's second stage (module docstring)."""
 
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: _Direction, Sq, Sk):
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: _Direction, Sq, Sk, padded_sq):
         micro = Micro(tiles)
-        cfg, D, dtype = spec.cfg, spec.head_dim, spec.dtype
+        cfg, D, dtype, Hq = spec.cfg, spec.head_dim, spec.dtype, spec.num_q_heads
         BQ, BK = tiles.block_q, tiles.block_k
         DP = tiles.padded_dim(D)
         KV, DV = tiles.key_vecs, tiles.dim_vecs
@@ -483,27 +499,6 @@ class _KeyPass:
                     t.kG[c, d] = T.float32(0)
                     t.vG[c, d] = T.float32(0)
 
-        @T.macro
-        def load_rows(t, params, stats, pair):
-            for r in range(BQ):
-                live = T.meta_var(pair.i0 + r < Sq)
-                i = T.meta_var(T.min(pair.i0 + r, Sq - 1))
-                for d in range(D):
-                    t.Qs[r, d] = T.if_then_else(live, params.q[pair.b, pair.h, i, d].astype(F32), T.float32(0))
-                    t.dOs[r, d] = T.if_then_else(live, params.do[pair.b, pair.h, i, d].astype(F32), T.float32(0))
-                    if direction.q:
-                        t.Qbs[r, d] = T.if_then_else(live, params.q_t[pair.b, pair.h, i, d].astype(F32),
-                                                     T.float32(0))
-                for d in range(D, DP):
-                    t.Qs[r, d] = T.float32(0)
-                    t.dOs[r, d] = T.float32(0)
-                    if direction.q:
-                        t.Qbs[r, d] = T.float32(0)
-                t.lse_r[r] = T.if_then_else(live, params.lse[pair.b, pair.h, i], T.float32(float("-inf")))
-                t.lsed_r[r] = T.if_then_else(live, stats.lse_dot[pair.b, pair.h, i], T.float32(0))
-                t.D_r[r] = T.if_then_else(live, stats.d_row[pair.b, pair.h, i], T.float32(0))
-                t.Dd_r[r] = T.if_then_else(live, stats.d_row_dot[pair.b, pair.h, i], T.float32(0))
-
         def capped(t, r, c):
             return t.Cap[r, c] if softcapped else t.S[r, c] * T.float32(scale)
 
@@ -514,7 +509,7 @@ class _KeyPass:
             return t.dPt[r, c] if direction.v else T.float32(0)
 
         @T.macro
-        def score_terms(t, params, pair):
+        def score_terms(t, rows, params, pair):
             # S -> P, S_dot -> logit_dot, dP_dot -> dS_dot, dP -> dS, then S_dot -> P_dot (each line
             # reads what the lines before left; P, dS, dS_dot are 0 where the key is dropped)
             for r in range(BQ):
@@ -534,32 +529,40 @@ class _KeyPass:
                     t.S[r, c] = T.Select(
                         visible(spec, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c, Sk, Sk - Sq),
                         sem.probability(biased(spec, capped(t, r, c), params.alibi, params.mask, pair.b, pair.h,
-                                               pair.i0 + r, pair.key_start + c, Sk - Sq), t.lse_r[r], fast=True),
+                                               pair.i0 + r, pair.key_start + c, Sk - Sq), rows.lse_r[r], fast=True),
                         T.float32(0))
                     t.dPt[r, c] = sem.score_grad_tangent(
-                        cfg, t.S[r, c], sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), t.lsed_r[r]), t.dP[r, c],
-                        dp_dot(t, r, c), t.D_r[r], t.Dd_r[r], capped(t, r, c), logit_dot(t, r, c),
+                        cfg, t.S[r, c], sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), rows.lsed_r[r]), t.dP[r, c],
+                        dp_dot(t, r, c), rows.D_r[r], rows.Dd_r[r], capped(t, r, c), logit_dot(t, r, c),
                         factor=T.float32(scale))
-                    t.dP[r, c] = sem.score_grad(cfg, t.S[r, c], t.dP[r, c], t.D_r[r], capped(t, r, c),
+                    t.dP[r, c] = sem.score_grad(cfg, t.S[r, c], t.dP[r, c], rows.D_r[r], capped(t, r, c),
                                                 factor=T.float32(scale))
-                    t.St[r, c] = sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), t.lsed_r[r])
+                    t.St[r, c] = sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), rows.lsed_r[r])
 
         @T.macro
-        def step(t, params, stats, pair, q_grad):
-            load_rows(t, params, stats, pair)
-            micro.gemm(t.S, t.Qs, t.Kt, BQ, BK, D, KV)
+        def step(t, query, params, pair, q_grad):
+            row0 = T.meta_var((pair.b * Hq + pair.h) * padded_sq + pair.i0)  # the tile's first padded row
+            Qs = T.decl_buffer((BQ, DP), F32, data=query.q.data, elem_offset=row0 * DP)
+            Qbs = T.decl_buffer((BQ, DP), F32, data=query.q_bar.data, elem_offset=row0 * DP)
+            dOs = T.decl_buffer((BQ, DP), F32, data=query.do.data, elem_offset=row0 * DP)
+            lse_r = T.decl_buffer((BQ,), F32, data=query.lse.data, elem_offset=row0)
+            lsed_r = T.decl_buffer((BQ,), F32, data=query.lse_dot.data, elem_offset=row0)
+            D_r = T.decl_buffer((BQ,), F32, data=query.d_row.data, elem_offset=row0)
+            Dd_r = T.decl_buffer((BQ,), F32, data=query.d_row_dot.data, elem_offset=row0)
+            rows = T.meta_var(_QueryTile(Qs, Qbs, dOs, lse_r, lsed_r, D_r, Dd_r))
+            micro.gemm(t.S, rows.Qs, t.Kt, BQ, BK, D, KV)
             if direction.q:
-                micro.gemm(t.St, t.Qbs, t.Kt, BQ, BK, D, KV)
+                micro.gemm(t.St, rows.Qbs, t.Kt, BQ, BK, D, KV)
             if direction.k:
-                micro.gemm(t.St, t.Qs, t.Kbt, BQ, BK, D, KV, accumulate=direction.q)
-            micro.gemm(t.dP, t.dOs, t.Vt, BQ, BK, D, KV)
+                micro.gemm(t.St, rows.Qs, t.Kbt, BQ, BK, D, KV, accumulate=direction.q)
+            micro.gemm(t.dP, rows.dOs, t.Vt, BQ, BK, D, KV)
             if direction.v:
-                micro.gemm(t.dPt, t.dOs, t.Vbt, BQ, BK, D, KV)
-            score_terms(t, params, pair)
-            micro.gemm(t.vG, t.St, t.dOs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
-            micro.gemm(t.kG, t.dPt, t.Qs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
+                micro.gemm(t.dPt, rows.dOs, t.Vbt, BQ, BK, D, KV)
+            score_terms(t, rows, params, pair)
+            micro.gemm(t.vG, t.St, rows.dOs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
+            micro.gemm(t.kG, t.dPt, rows.Qs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
             if direction.q:
-                micro.gemm(t.kG, t.dP, t.Qbs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
+                micro.gemm(t.kG, t.dP, rows.Qbs, BK, DP, BQ, DV, a_transposed=True, accumulate=True)
             micro.gemm(q_grad, t.dPt, t.Kn, BQ, DP, BK, DV, accumulate=True)
             if direction.k:
                 micro.gemm(q_grad, t.dP, t.Kbn, BQ, DP, BK, DV, accumulate=True)
@@ -583,11 +586,11 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
     direction = _Direction.of(COTANGENTS, cotangents)
     rows_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=False)
     packed_shapes, n_key_tiles = rows_pass.packed_shapes(B), rows_pass.n_key_tiles
-    key_pass = _KeyPass(spec, tiles, direction, Sq, Sk)
+    padded_sq = (Sq + tiles.block_q - 1) // tiles.block_q * tiles.block_q  # rows in whole query tiles
+    key_pass = _KeyPass(spec, tiles, direction, Sq, Sk, padded_sq)
     dtype, Hq, Hkv, D, group, cfg = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.cfg
     BQ, BK, DP, splits = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim), tiles.splits
     unused = absent_inputs(spec) | {name for name in COTANGENTS if name not in cotangents}
-    padded_sq = (Sq + BQ - 1) // BQ * BQ  # whole query tiles in the q_grad partials
 
     # fmt: off
     @T.prim_func
@@ -602,10 +605,15 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             v_grad=v_grad_h, do_grad=do_grad_h)
         params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, q_t=dq_bar, k_t=dk_bar, v_t=dv_bar, alibi=alibi,
                                        mask=mask, do=do, out=out, lse=lse))
-        lse_dot = T.alloc_buffer((B, Hq, Sq), F32)
-        d_row = T.alloc_buffer((B, Hq, Sq), F32)
-        d_row_dot = T.alloc_buffer((B, Hq, Sq), F32)
-        stats = T.meta_var(_RowStats(lse_dot, d_row, d_row_dot))
+        q_tiles = T.alloc_buffer((B, Hq, padded_sq, DP), F32)
+        q_bar_tiles = T.alloc_buffer((B, Hq, padded_sq, DP) if direction.q else (1,), F32)
+        do_tiles = T.alloc_buffer((B, Hq, padded_sq, DP), F32)
+        lse_rows = T.alloc_buffer((B, Hq, padded_sq), F32)
+        lse_dot = T.alloc_buffer((B, Hq, padded_sq), F32)
+        d_row = T.alloc_buffer((B, Hq, padded_sq), F32)
+        d_row_dot = T.alloc_buffer((B, Hq, padded_sq), F32)
+        query = T.meta_var(_QueryTiles.of(direction.q, q_tiles, q_bar_tiles, do_tiles, lse_rows, lse_dot, d_row,
+                                          d_row_dot))
         q_part = T.alloc_buffer((splits, B, Hq, padded_sq, DP), F32)
         packed_kt = T.alloc_buffer(packed_shapes[0], F32)
         packed_ktt = T.alloc_buffer(packed_shapes[1], F32)
@@ -615,13 +623,15 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
         for index in T.parallel(B * Hkv * n_key_tiles):
             rows_pass.pack(packed, params, index)
         n_query_tiles = (Sq + BQ - 1) // BQ
-        # 1. per query tile: lse_dot, out_dot (= do_grad), D and D_dot; q_grad partials zeroed
+        # 1. per query tile: lse_dot, out_dot (= do_grad), D and D_dot; the tile's q, dq_bar, do and
+        # row statistics packed for stage 2; q_grad partials zeroed
         for task in T.parallel(B * Hq * n_query_tiles):
             b: T.int64 = task // (Hq * n_query_tiles)
             h: T.int64 = task // n_query_tiles % Hq
             i0: T.int64 = balanced_order(task % n_query_tiles, n_query_tiles) * BQ
-            Qs = T.alloc_buffer((BQ, DP), F32)
-            Qt = T.alloc_buffer((BQ, DP), F32)
+            row0: T.int64 = (b * Hq + h) * padded_sq + i0
+            Qs = T.decl_buffer((BQ, DP), F32, data=query.q.data, elem_offset=row0 * DP)
+            Qt = T.decl_buffer((BQ, DP), F32, data=query.q_bar.data, elem_offset=row0 * DP)
             m = T.alloc_buffer((BQ,), F32)
             l = T.alloc_buffer((BQ,), F32)
             alpha = T.alloc_buffer((BQ,), F32)
@@ -644,11 +654,21 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
                         o: T.float32 = out[b, h, i0 + r, d].astype(F32)
                         o_dot: T.float32 = rows.Ot[r, d] - rows.lse_dot[r] * o
                         do_grad[b, h, i0 + r, d] = o_dot.astype(dtype)
-                        acc[0] = acc[0] + do[b, h, i0 + r, d].astype(F32) * o
-                        acc[1] = acc[1] + do[b, h, i0 + r, d].astype(F32) * o_dot
+                        do_tiles[b, h, i0 + r, d] = do[b, h, i0 + r, d].astype(F32)
+                        acc[0] = acc[0] + do_tiles[b, h, i0 + r, d] * o
+                        acc[1] = acc[1] + do_tiles[b, h, i0 + r, d] * o_dot
                     lse_dot[b, h, i0 + r] = rows.lse_dot[r]
                     d_row[b, h, i0 + r] = acc[0]
                     d_row_dot[b, h, i0 + r] = acc[1]
+                else:  # rows past Sq: weights 0 (lse -inf), nothing to add
+                    for d in range(D):
+                        do_tiles[b, h, i0 + r, d] = T.float32(0)
+                    lse_dot[b, h, i0 + r] = T.float32(0)
+                    d_row[b, h, i0 + r] = T.float32(0)
+                    d_row_dot[b, h, i0 + r] = T.float32(0)
+                lse_rows[b, h, i0 + r] = rows.m[r]  # the forward's lse, -inf past Sq (load_rows)
+                for d in range(D, DP):
+                    do_tiles[b, h, i0 + r, d] = T.float32(0)
                 for c in range(splits):
                     for d in T.vectorized(DP):
                         q_part[c, b, h, i0 + r, d] = T.float32(0)
@@ -666,20 +686,12 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             Vbt = T.alloc_buffer((D, BK), F32)
             kG = T.alloc_buffer((BK, DP), F32)
             vG = T.alloc_buffer((BK, DP), F32)
-            Qs2 = T.alloc_buffer((BQ, DP), F32)
-            Qbs = T.alloc_buffer((BQ, DP), F32)
-            dOs = T.alloc_buffer((BQ, DP), F32)
-            lse_r = T.alloc_buffer((BQ,), F32)
-            lsed_r = T.alloc_buffer((BQ,), F32)
-            D_r = T.alloc_buffer((BQ,), F32)
-            Dd_r = T.alloc_buffer((BQ,), F32)
             S2 = T.alloc_buffer((BQ, BK), F32)
             St2 = T.alloc_buffer((BQ, BK), F32)
             dP = T.alloc_buffer((BQ, BK), F32)
             dPt = T.alloc_buffer((BQ, BK), F32)
             Cap2 = T.alloc_buffer((BQ, BK), F32)
-            t = T.meta_var(_KeyTask(Kn, Kt2, Vt2, Kbn, Kbt, Vbt, kG, vG, Qs2, Qbs, dOs, lse_r, lsed_r, D_r, Dd_r, S2,
-                                    St2, dP, dPt, Cap2))
+            t = T.meta_var(_KeyTask(Kn, Kt2, Vt2, Kbn, Kbt, Vbt, kG, vG, S2, St2, dP, dPt, Cap2))
             for n in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
                 kt: T.int64 = balanced_order(n, n_key_tiles)  # causal work falls with kt: pair them
                 key_pass.load_keys(t, params, b, g, kt)
@@ -690,7 +702,7 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
                         q_grad_tile = T.decl_buffer((BQ, DP), F32, data=q_part.data, elem_offset=(
                             ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
                         pair = T.meta_var(_Pair(b, g * group + hr, qt * BQ, kt * BK))
-                        key_pass.step(t, params, stats, pair, q_grad_tile)
+                        key_pass.step(t, query, params, pair, q_grad_tile)
                 key_pass.store_keys(t, params, k_grad, v_grad, b, g, kt)
         # 3. q_grad = the sum of the splits' partials
         for bh in T.parallel(B * Hq):
