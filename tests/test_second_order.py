@@ -171,3 +171,34 @@ def test_with_objective_refuses_a_function_of_several_blocks():
         bb.emit_func_output(y)
     with pytest.raises(ValueError, match="with_objective: 'main' must be one dataflow block"):
         tvm_fuel.transform.with_objective(bb.get(), "main", "f", lambda result: result)
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax_backward_differentiates(axis):
+    """tvm_fuel.transform.gradient writes softmax gradients as softmax_backward; a second gradient
+    differentiates it (its registered VJP) and matches Relax's own second derivative of softmax."""
+    rng = np.random.default_rng(axis + 5)
+    x_np, w_np, u_np = (rng.standard_normal((2, 3, 5, 7)).astype("float32") for _ in range(3))
+    bb = relax.BlockBuilder()
+    x, w = (relax.Var(n, relax.TensorType(a.shape, "float32")) for n, a in (("x", x_np), ("w", w_np)))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(relax.op.nn.softmax(x, axis=axis), w)))
+        bb.emit_func_output(loss)
+    mod = bb.get()
+
+    def objective(result):
+        return relax.op.sum(relax.op.multiply(result.fields[1].fields[0], relax.const(u_np)))
+
+    results = {}
+    for name, first_gradient in (("fuel", tvm_fuel.transform.gradient), ("relax", None)):
+        if first_gradient is None:
+            adjoint = relax.transform.Gradient("main", require_grads=mod["main"].params[:1])(mod)
+        else:
+            adjoint = first_gradient(mod, require_grads=mod["main"].params[:1])
+            assert "relax.fuel.softmax_backward" in _fused_calls(adjoint, "main_adjoint")
+        second = tvm_fuel.transform.with_objective(adjoint, "main_adjoint", "directional", objective)
+        second = tvm_fuel.transform.gradient(second, "directional", require_grads=second["directional"].params)
+        results[name], _ = _run(second, "directional_adjoint", [x_np, w_np], "decomposed")
+    for got, want in zip(results["fuel"], results["relax"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -132,7 +132,8 @@ def _torch_double_backward(arrays: dict, causal: bool) -> dict:
 def _double_backward_row(target) -> dict:
     B, H, S, D, causal = DOUBLE_BACKWARD_SHAPE
     arrays = _arrays(_ARGS["double_backward"], B, H, S, D, causal, target)
-    vms = {kind: build_vm(_module(kind, B, H, S, D, causal), target, "tuned") for kind in ("backward", "double_backward")}
+    vms = {kind: build_vm(_module(kind, B, H, S, D, causal), target, "tuned")
+           for kind in ("backward", "double_backward")}
     args = {kind: _tensors(arrays, kind) for kind in vms}
     timed = measure_side_by_side({kind: (lambda kind=kind: vms[kind]["main"](*args[kind])) for kind in vms})
     row = {"name": f"double backward B{B} H{H} S{S} D{D}{' causal' if causal else ''} float32",
@@ -218,8 +219,8 @@ def print_rows(report: dict) -> None:
         print(f"  PyTorch: {torch_math['skipped']}")
     memory = report.get("double_backward_memory")
     if memory and "peak_rss_mib" in memory:
-        print(f"double backward S={memory['S']} H={memory['H']} D={memory['D']} causal: {memory['seconds']:.2f} s, peak "
-              f"RSS {memory['peak_rss_mib']:.0f} MiB; the expansion binds {memory['expansion_score_tensors']} "
+        print(f"double backward S={memory['S']} H={memory['H']} D={memory['D']} causal: {memory['seconds']:.2f} s, "
+              f"peak RSS {memory['peak_rss_mib']:.0f} MiB; the expansion binds {memory['expansion_score_tensors']} "
               f"[H, S, S] float32 tensors of {memory['expansion_score_tensor_gib']:.0f} GiB each")
     elif memory:
         print(f"double backward memory probe failed: {memory.get('error', '')[-300:]}")

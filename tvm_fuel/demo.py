@@ -235,7 +235,7 @@ def run_training(*, target="llvm", seed: int = 0, steps: int = 10) -> list[Check
     return checks
 
 
-PENALTY = dict(B=1, Hq=4, Hkv=2, S=33, D=32, lam=0.5, lr=0.05, causal=True)
+PENALTY = dict(B=1, Hq=4, Hkv=2, S=33, D=32, lam=0.5, lr=20.0, causal=True)
 
 
 def _penalty_model(p: dict) -> tvm.IRModule:

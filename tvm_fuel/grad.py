@@ -6,9 +6,9 @@ softmax statistics. Run ``tvm_fuel.transform.ShareForwardState()`` before ``Grad
 ``flash_attn`` without ``return_lse`` returns it too (its users see the same output). ALiBi
 slopes and masks get no gradient. The backward ops' gradient is ``flash_attn_double_backward``
 (the VJP of the backward, fused), so ``Gradient`` of an adjoint, or ``tvm_fuel.transform.gradient``
-applied twice, gives second derivatives through fused ops. ``paged_attn`` (inference over a cache),
-``softmax_backward``, ``flash_attn_jvp`` and the double backward itself have no gradient:
-``Gradient`` reports the op by name.
+applied twice, gives second derivatives through fused ops; ``softmax_backward`` differentiates in
+Relax primitives and itself. ``paged_attn`` (inference over a cache), ``flash_attn_jvp`` and the
+double backward itself have no gradient: ``Gradient`` reports the op by name.
 
 Contents:
     GRADIENTS -- op name -> its ``FPrimalGradient`` (registered on ``import tvm_fuel``)
@@ -94,6 +94,23 @@ def _backward_gradient(name: str):
     return gradient
 
 
+def _softmax_backward_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                               ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """The VJP of ``y = p * (dp - sum(p * dp))`` with cotangent g: ``p_bar = g * (dp - sum(p * dp))
+    - dp * sum(g * p)`` and ``dp_bar = softmax_backward(p, g)``. ``UseSoftmaxBackward`` puts the op
+    into adjoints, so a second ``gradient`` meets it."""
+    args = SPECS["softmax_backward"].split_args(orig_call)
+    p, dp, axis = args["probs"], args["dprobs"], int(orig_call.attrs["axis"])
+    R = relax.op
+
+    def row_sum(x):
+        return R.sum(x, axis=[axis], keepdims=True)
+
+    probs_grad = R.subtract(R.multiply(output_grad, R.subtract(dp, row_sum(R.multiply(p, dp)))),
+                            R.multiply(dp, row_sum(R.multiply(output_grad, p))))
+    return [ctx.emit(probs_grad), ctx.emit(op.softmax_backward(p, output_grad, axis=axis))]
+
+
 def _not_differentiable(why: str):
     def gradient(orig_var, orig_call, output_grad, ctx):
         raise ValueError(why)
@@ -109,7 +126,7 @@ GRADIENTS = {
         "flash_attn (training) instead"),
     **{name: _backward_gradient(name)
        for name in ("flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")},
-    "softmax_backward": _not_differentiable("fuel.softmax_backward has no gradient (no double backward)"),
+    "softmax_backward": _softmax_backward_gradient,
     "flash_attn_jvp": _not_differentiable(
         "fuel.flash_attn_jvp has no gradient (forward mode); differentiate flash_attn instead"),
     "flash_attn_double_backward": _not_differentiable(

@@ -1,6 +1,8 @@
 """CPU kernels of the higher-order ops: forward mode (``flash_attn_jvp``) and the backward's
 vector-Jacobian product (``flash_attn_double_backward``). Both stream key tiles: nothing is
-[Sq, Sk]; scratch per task is O((block_q + block_k) * D).
+[Sq, Sk]; scratch per task is O((block_q + block_k) * D), and K, V and their tangents are packed
+once per KV head into float32 tiles (O(Sk * D)); the double backward also packs its query rows and
+their statistics between its stages (O(Sq * D)).
 
 Both carry a tangent direction through the attention of a query tile (JVP: q_dot, k_dot, v_dot;
 double backward: the cotangents dq_bar, dk_bar, dv_bar, the direction along which the backward
