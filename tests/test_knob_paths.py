@@ -41,6 +41,20 @@ def _case(name: str, rng: np.random.Generator):
         out, lse = ref.flash_attn(inputs["q"], inputs["k"], inputs["v"], return_lse=True, **OPTIONS)
         inputs.update(out=out.astype("float32"), lse=lse.astype("float32"))
         return lambda **a: op.flash_attn_backward(**a, **OPTIONS), inputs, expected
+    if name == "flash_attn_jvp":
+        inputs = dense_inputs(rng, 1, 3, 1, 17, 130, 40, "float32")
+        inputs.update(q_dot=rng.standard_normal(inputs["q"].shape).astype("float32"),
+                      k_dot=rng.standard_normal(inputs["k"].shape).astype("float32"),
+                      v_dot=rng.standard_normal(inputs["v"].shape).astype("float32"))
+        return (lambda **a: op.flash_attn_jvp(**a, return_lse=True, **OPTIONS), inputs,
+                ref.flash_attn_jvp(*inputs.values(), return_lse=True, **OPTIONS))
+    if name == "flash_attn_double_backward":
+        inputs = dense_inputs(rng, 1, 3, 1, 97, 130, 40, "float32", with_do=True)
+        bars = {f"d{x}_bar": rng.standard_normal(inputs[x].shape).astype("float32") for x in "qkv"}
+        expected = ref.flash_attn_double_backward(*inputs.values(), *bars.values(), **OPTIONS)
+        out, lse = ref.flash_attn(inputs["q"], inputs["k"], inputs["v"], return_lse=True, **OPTIONS)
+        inputs.update(bars, out=out.astype("float32"), lse=lse.astype("float32"))  # its kernel alone is built
+        return lambda **a: op.flash_attn_double_backward(**a, **OPTIONS), inputs, expected
     inputs = paged_inputs(rng, [0, 1, 97, 160], Hq=3, Hkv=1, Sq=1 if name == "decode" else 5, num_blocks=40,
                           max_blocks=10)
     return (lambda **a: op.paged_attn(**a, causal=True, softcap=4.0), inputs,
@@ -80,8 +94,13 @@ def _rule_and_workload(mod, family: str):
     raise AssertionError(f"no {family} rule serves {call.op.name}")
 
 
-@pytest.mark.parametrize("family", ["cpu", "cuda-emulated"])
-@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_backward", "decode", "paged_multi_query"])
+# the higher-order ops have CPU kernels only (the CUDA rules leave them to the floor)
+CASES = [(name, family) for family in ("cpu", "cuda-emulated")
+         for name in ("flash_attn", "flash_attn_backward", "decode", "paged_multi_query")]
+CASES += [("flash_attn_jvp", "cpu"), ("flash_attn_double_backward", "cpu")]
+
+
+@pytest.mark.parametrize("name,family", CASES, ids=[f"{name}-{family}" for name, family in CASES])
 def test_every_knob_value_computes_the_reference(name, family):
     rng = np.random.default_rng(len(name))
     make, inputs, expected = _case(name, rng)
