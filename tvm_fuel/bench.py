@@ -13,7 +13,7 @@ Contents:
     read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
     measure, measure_side_by_side -- median timings (side by side: in turns)
-    peak_rss_mib         -- this process's peak resident memory
+    peak_rss_mib, child_probe -- this process's peak resident memory; a probe run in a child process
     build_vm             -- a VirtualMachine of a module built one of the BUILDS ways
     run_bench            -- run the default suite, write JSON and PNG, return the report
 """
@@ -298,6 +298,15 @@ def long_context_probe(S: int = 16384, H: int = 8, D: int = 64) -> dict:
             "rss_before_run_mib": baseline, "floor_estimate_gib": floor_gib}
 
 
+def child_probe(module: str, flag: str) -> dict:
+    """Run ``python -m module flag`` in a child process (its own peak memory) and return the JSON of
+    its last output line, or ``{"error": ...}``."""
+    child = subprocess.run([sys.executable, "-m", module, flag], capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        return {"error": child.stderr[-2000:]}
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM; unlike ru_maxrss it does not carry over exec)."""
     with open("/proc/self/status") as status:
@@ -372,10 +381,7 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
                 results = _flash_timings(case, target, with_floor=s <= 1024)
                 report["sweep"].append({"S": s, "causal": causal, "results": results})
     if long_context:
-        child = subprocess.run([sys.executable, "-m", "tvm_fuel.bench", "--long-context-probe"], capture_output=True,
-                               text=True, check=False)
-        report["long_context"] = (json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0
-                                  else {"error": child.stderr[-2000:]})
+        report["long_context"] = child_probe("tvm_fuel.bench", "--long-context-probe")
     _print(report)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
     try:

@@ -20,7 +20,6 @@ Contents:
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
@@ -29,10 +28,10 @@ import tvm
 from tvm import relax
 
 from . import op
-from .bench import build_vm, measure, measure_side_by_side, peak_rss_mib
+from .bench import build_vm, child_probe, measure, measure_side_by_side, peak_rss_mib
 from .build import host_target
 from .shapes import default_suite
-from .transform import ExpandAttention, gradient, with_objective
+from .transform import ExpandAttention
 
 # the double backward's benchmark shape (issue 16): B, H, S, D, causal
 DOUBLE_BACKWARD_SHAPE = (1, 8, 2048, 128, True)
@@ -194,10 +193,7 @@ def higher_order_rows(*, memory: bool = True) -> dict:
     target = host_target()
     report = {"jvp": _jvp_rows(target), "double_backward": _double_backward_row(target)}
     if memory:
-        child = subprocess.run([sys.executable, "-m", "tvm_fuel.bench_higher_order", "--memory-probe"],
-                               capture_output=True, text=True, check=False)
-        report["double_backward_memory"] = (json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0
-                                            else {"error": child.stderr[-2000:]})
+        report["double_backward_memory"] = child_probe("tvm_fuel.bench_higher_order", "--memory-probe")
     return report
 
 

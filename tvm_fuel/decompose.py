@@ -128,6 +128,16 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, cfg: AttnConfig, r
     return _attend(q, k, v, cfg, _dense_layout(q, k), alibi_slopes, attn_mask, return_lse)
 
 
+def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=None):
+    """(group, scale, capped scores, lse, P) of dense attention: P from the given lse (the
+    forward's) or from one recomputed."""
+    layout = _dense_layout(q, k)
+    capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
+    if lse is None:
+        _, _, lse = _softmax_stats(logits)
+    return layout.group, _scale(cfg, q.shape[3]), capped, lse, _probabilities(logits, lse)
+
+
 def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None, lse=None, *,
                         cfg: AttnConfig, grads: Sequence[str] = ("dq", "dk", "dv")):
     """Gradients of ``flash_attn`` w.r.t. the requested subset of (q, k, v), in that order.
@@ -137,13 +147,7 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
     """
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    layout = _dense_layout(q, k)
-    group = layout.group
-    scale = _scale(cfg, D)
-    capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
-    if lse is None:
-        _, _, lse = _softmax_stats(logits)
-    p = _probabilities(logits, lse)
+    group, scale, capped, lse, p = _dense_probabilities(q, k, cfg, alibi_slopes, attn_mask, lse)
     dp = _row_times_values(do, v, group, "dp")
     row_dot = _do_dot_out(do, out, p, dp)
     ds = te.compute(
@@ -245,13 +249,7 @@ def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=Non
     ``lse_dot = rowsum(P logit_dot)``, ``P_dot = P (logit_dot - lse_dot)``, ``out_dot = P_dot V + P v_dot``."""
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
-    layout = _dense_layout(q, k)
-    group = layout.group
-    scale = _scale(cfg, D)
-    capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
-    if lse is None:
-        _, _, lse = _softmax_stats(logits)
-    p = _probabilities(logits, lse)
+    group, scale, capped, lse, p = _dense_probabilities(q, k, cfg, alibi_slopes, attn_mask, lse)
     logit_dot = p_dot = None
     if q_dot is not None or k_dot is not None:
         d = te.reduce_axis((0, D), name="d_sdot")

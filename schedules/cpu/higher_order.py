@@ -148,7 +148,7 @@ class _TangentPass:
     from the forward's lse held in ``rows.m``.
     """
 
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: _Direction, Sq, Sk, *, online: bool):
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: _Direction, B, Sq, Sk, *, online: bool):
         micro = Micro(tiles)
         cfg, D = spec.cfg, spec.head_dim
         BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
@@ -157,7 +157,6 @@ class _TangentPass:
         scale = spec.scale
         group, Hkv = spec.group, spec.num_kv_heads
         n_key_tiles = (Sk + BK - 1) // BK
-        self.Hkv = Hkv
         softcapped = cfg.softcap > 0
         dead_weight = float("-inf") if online else 0.0  # a row past Sq: a logit (online) or P
 
@@ -324,16 +323,50 @@ class _TangentPass:
             for kt in range(lo, hi):
                 key_tile(rows, scores, packed, params, tile, kt)
 
-        self.pack, self.run = pack, run
-        self.n_key_tiles = n_key_tiles
-        tile_t, tile_n = (D, BK), (BK, DP)
-        self._tile_shapes = (tile_t, tile_t if direction.k else None, tile_n, tile_n if direction.v else None)
+        @T.macro
+        def task(Qs, Qt, packed, params, tile, stores, outputs):
+            # one row task: its scratch (the query tile Qs, Qt comes from the kernel), the pass over
+            # the key tiles, then ``stores(rows, tile, outputs)``: the kernel's stores
+            m = T.alloc_buffer((BQ,), F32)
+            l = T.alloc_buffer((BQ,), F32)
+            alpha = T.alloc_buffer((BQ,), F32)
+            lse_dot = T.alloc_buffer((BQ,), F32)
+            O = T.alloc_buffer((BQ, DP), F32)
+            Ot = T.alloc_buffer((BQ, DP), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            St = T.alloc_buffer((BQ, BK), F32)
+            Cap = T.alloc_buffer((BQ, BK), F32)
+            rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot, O, Ot))
+            scores = T.meta_var(_Scores(S, St, Cap))
+            run(rows, scores, packed, params, tile)
+            stores(rows, tile, outputs)
 
-    def packed_shapes(self, B) -> list[tuple]:
-        """Shapes of the packed buffers (K^T, K_dot^T, V, V_dot): [B, Hkv, key tiles, tile]; (1,)
-        for an absent tangent (its views alias the primal's)."""
-        first = (B, self.Hkv, self.n_key_tiles)
-        return [(*first, *shape) if shape is not None else (1,) for shape in self._tile_shapes]
+        # the packed buffers: K^T, K_dot^T, V, V_dot [B, Hkv, key tiles, tile]; (1,) for an absent
+        # tangent (its views alias the primal's)
+        tiles_of = (B, Hkv, n_key_tiles)
+        packed_shapes = [(*tiles_of, D, BK), (*tiles_of, D, BK) if direction.k else (1,),
+                         (*tiles_of, BK, DP), (*tiles_of, BK, DP) if direction.v else (1,)]
+        Hq = spec.num_q_heads
+        n_query_tiles = (Sq + BQ - 1) // BQ
+
+        @T.macro
+        def stage(params, stores, outputs):
+            # K, V and their tangents packed once; then a task per (batch, query head, query tile)
+            packed_kt = T.alloc_buffer(packed_shapes[0], F32)
+            packed_ktt = T.alloc_buffer(packed_shapes[1], F32)
+            packed_vn = T.alloc_buffer(packed_shapes[2], F32)
+            packed_vtn = T.alloc_buffer(packed_shapes[3], F32)
+            packed = T.meta_var(_KeyTile(packed_kt, packed_ktt, packed_vn, packed_vtn))
+            for index in T.parallel(B * Hkv * n_key_tiles):
+                pack(packed, params, index)
+            for row_task in T.parallel(B * Hq * n_query_tiles):
+                Qs = T.alloc_buffer((BQ, DP), F32)
+                Qt = T.alloc_buffer((BQ, DP), F32)
+                tile = T.meta_var(_RowTile(row_task // (Hq * n_query_tiles), row_task // n_query_tiles % Hq,
+                                           balanced_order(row_task % n_query_tiles, n_query_tiles) * BQ))
+                task(Qs, Qt, packed, params, tile, stores, outputs)
+
+        self.stage = stage
 
 
 def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
@@ -342,12 +375,25 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
     with ``spec.return_lse``) in one online-softmax pass per (batch, query head, query tile)."""
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     direction = _Direction.of(JVP_TANGENTS, tangents)
-    tangent_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=True)
-    packed_shapes, n_key_tiles, Hkv = tangent_pass.packed_shapes(B), tangent_pass.n_key_tiles, spec.num_kv_heads
-    dtype, Hq, D = spec.dtype, spec.num_q_heads, spec.head_dim
-    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    tangent_pass = _TangentPass(spec, tiles, direction, B, Sq, Sk, online=True)
+    dtype, D, BQ = spec.dtype, spec.head_dim, tiles.block_q
     unused = absent_inputs(spec) | {t for t in JVP_TANGENTS if t not in tangents} | (
         set() if spec.return_lse else {"lse"})
+
+    @T.macro
+    def store(rows, tile, outputs):
+        # out = O / l, out_dot = Ot / l - lse_dot out (lse_dot = its sum / l), lse; 0 on empty rows
+        for r in range(BQ):
+            if tile.i0 + r < Sq:
+                lse_dot: T.float32 = sem.normalize(rows.lse_dot[r], rows.l[r])
+                for d in range(D):
+                    o: T.float32 = sem.normalize(rows.O[r, d], rows.l[r])
+                    outputs.out[tile.b, tile.h, tile.i0 + r, d] = o.astype(dtype)
+                    outputs.out_dot[tile.b, tile.h, tile.i0 + r, d] = (
+                        sem.normalize(rows.Ot[r, d], rows.l[r]) - lse_dot * o).astype(dtype)
+                if spec.return_lse:
+                    outputs.lse[tile.b, tile.h, tile.i0 + r] = sem.log_sum_exp(
+                        sem.safe_row_max(rows.m[r]) * T.float32(sem.LN2), rows.l[r])
 
     # fmt: off
     @T.prim_func
@@ -360,45 +406,32 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
             alibi=alibi_h, mask=mask_h, out=out_h, out_dot=out_dot_h, lse=lse_h)
         params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, q_t=q_dot, k_t=k_dot, v_t=v_dot, alibi=alibi,
                                        mask=mask))
-        packed_kt = T.alloc_buffer(packed_shapes[0], F32)
-        packed_ktt = T.alloc_buffer(packed_shapes[1], F32)
-        packed_vn = T.alloc_buffer(packed_shapes[2], F32)
-        packed_vtn = T.alloc_buffer(packed_shapes[3], F32)
-        packed = T.meta_var(_KeyTile(packed_kt, packed_ktt, packed_vn, packed_vtn))
-        for index in T.parallel(B * Hkv * n_key_tiles):
-            tangent_pass.pack(packed, params, index)
-        n_query_tiles = (Sq + BQ - 1) // BQ
-        for task in T.parallel(B * Hq * n_query_tiles):
-            b: T.int64 = task // (Hq * n_query_tiles)
-            h: T.int64 = task // n_query_tiles % Hq
-            i0: T.int64 = balanced_order(task % n_query_tiles, n_query_tiles) * BQ
-            Qs = T.alloc_buffer((BQ, DP), F32)
-            Qt = T.alloc_buffer((BQ, DP), F32)
-            m = T.alloc_buffer((BQ,), F32)
-            l = T.alloc_buffer((BQ,), F32)
-            alpha = T.alloc_buffer((BQ,), F32)
-            lse_dot_r = T.alloc_buffer((BQ,), F32)
-            O = T.alloc_buffer((BQ, DP), F32)
-            Ot = T.alloc_buffer((BQ, DP), F32)
-            S = T.alloc_buffer((BQ, BK), F32)
-            St = T.alloc_buffer((BQ, BK), F32)
-            Cap = T.alloc_buffer((BQ, BK), F32)
-            rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot_r, O, Ot))
-            scores = T.meta_var(_Scores(S, St, Cap))
-            tile = T.meta_var(_RowTile(b, h, i0))
-            tangent_pass.run(rows, scores, packed, params, tile)
-            for r in range(BQ):
-                if i0 + r < Sq:
-                    lse_dot: T.float32 = sem.normalize(rows.lse_dot[r], rows.l[r])
-                    for d in range(D):
-                        o: T.float32 = sem.normalize(rows.O[r, d], rows.l[r])
-                        out[b, h, i0 + r, d] = o.astype(dtype)
-                        out_dot[b, h, i0 + r, d] = (sem.normalize(rows.Ot[r, d], rows.l[r]) - lse_dot * o).astype(dtype)
-                    if spec.return_lse:
-                        lse[b, h, i0 + r] = sem.log_sum_exp(sem.safe_row_max(rows.m[r]) * T.float32(sem.LN2), rows.l[r])
+        outputs = T.meta_var(_JvpOutputs(out, out_dot, lse))
+        tangent_pass.stage(params, store, outputs)
     # fmt: on
 
     return finish(drop_params(fuel_flash_attn_jvp_cpu, unused))
+
+
+@dataclass(frozen=True)
+class _JvpOutputs:
+    """The JVP kernel's outputs: out, out_dot [B, Hq, Sq, D]; lse [B, Hq, Sq] (None without it)."""
+
+    out: tirx.Buffer
+    out_dot: tirx.Buffer
+    lse: tirx.Buffer | None
+
+
+@dataclass(frozen=True)
+class _FirstStage:
+    """What the double backward's first stage reads and writes besides the tangent pass: do and
+    the forward's out, do_grad, the packed query tiles and the q_grad partials it zeroes."""
+
+    do: tirx.Buffer
+    out: tirx.Buffer
+    do_grad: tirx.Buffer
+    query: _QueryTiles
+    q_part: tirx.Buffer
 
 
 @dataclass(frozen=True)
@@ -586,13 +619,53 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
     ``tiles.splits`` second-stage tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk."""
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     direction = _Direction.of(COTANGENTS, cotangents)
-    rows_pass = _TangentPass(spec, tiles, direction, Sq, Sk, online=False)
-    packed_shapes, n_key_tiles = rows_pass.packed_shapes(B), rows_pass.n_key_tiles
+    rows_pass = _TangentPass(spec, tiles, direction, B, Sq, Sk, online=False)
     padded_sq = (Sq + tiles.block_q - 1) // tiles.block_q * tiles.block_q  # rows in whole query tiles
     key_pass = _KeyPass(spec, tiles, direction, Sq, Sk, padded_sq)
     dtype, Hq, Hkv, D, group, cfg = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.cfg
     BQ, BK, DP, splits = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim), tiles.splits
     unused = absent_inputs(spec) | {name for name in COTANGENTS if name not in cotangents}
+
+    @T.macro
+    def first_stage(rows, tile, stage):
+        # per row: do_grad = out_dot = Ot - lse_dot out, D = rowsum(do out), D_dot = rowsum(do out_dot),
+        # the row's do and statistics packed for stage 2 (rows past Sq: weights 0, nothing to add);
+        # the q_grad partials zeroed; the tile's q and dq_bar kept for stage 2
+        query = T.meta_var(stage.query)
+        b = T.meta_var(tile.b)
+        h = T.meta_var(tile.h)
+        i0 = T.meta_var(tile.i0)
+        for r in range(BQ):
+            if i0 + r < Sq:
+                acc = T.alloc_buffer((2,), F32, scope="local")
+                acc[0] = T.float32(0)
+                acc[1] = T.float32(0)
+                for d in range(D):
+                    o: T.float32 = stage.out[b, h, i0 + r, d].astype(F32)
+                    o_dot: T.float32 = rows.Ot[r, d] - rows.lse_dot[r] * o
+                    stage.do_grad[b, h, i0 + r, d] = o_dot.astype(dtype)
+                    query.do[b, h, i0 + r, d] = stage.do[b, h, i0 + r, d].astype(F32)
+                    acc[0] = acc[0] + query.do[b, h, i0 + r, d] * o
+                    acc[1] = acc[1] + query.do[b, h, i0 + r, d] * o_dot
+                query.lse_dot[b, h, i0 + r] = rows.lse_dot[r]
+                query.d_row[b, h, i0 + r] = acc[0]
+                query.d_row_dot[b, h, i0 + r] = acc[1]
+            else:
+                for d in range(D):
+                    query.do[b, h, i0 + r, d] = T.float32(0)
+                query.lse_dot[b, h, i0 + r] = T.float32(0)
+                query.d_row[b, h, i0 + r] = T.float32(0)
+                query.d_row_dot[b, h, i0 + r] = T.float32(0)
+            query.lse[b, h, i0 + r] = rows.m[r]  # the forward's lse, -inf past Sq (load_rows)
+            for d in range(D, DP):
+                query.do[b, h, i0 + r, d] = T.float32(0)
+            for d in T.vectorized(DP):  # q and dq_bar as loaded (0 past Sq and D)
+                query.q[b, h, i0 + r, d] = rows.Qs[r, d]
+                if direction.q:
+                    query.q_bar[b, h, i0 + r, d] = rows.Qt[r, d]
+            for c in range(splits):
+                for d in T.vectorized(DP):
+                    stage.q_part[c, b, h, i0 + r, d] = T.float32(0)
 
     # fmt: off
     @T.prim_func
@@ -617,64 +690,12 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
         query = T.meta_var(_QueryTiles.of(direction.q, q_tiles, q_bar_tiles, do_tiles, lse_rows, lse_dot, d_row,
                                           d_row_dot))
         q_part = T.alloc_buffer((splits, B, Hq, padded_sq, DP), F32)
-        packed_kt = T.alloc_buffer(packed_shapes[0], F32)
-        packed_ktt = T.alloc_buffer(packed_shapes[1], F32)
-        packed_vn = T.alloc_buffer(packed_shapes[2], F32)
-        packed_vtn = T.alloc_buffer(packed_shapes[3], F32)
-        packed = T.meta_var(_KeyTile(packed_kt, packed_ktt, packed_vn, packed_vtn))
-        for index in T.parallel(B * Hkv * n_key_tiles):
-            rows_pass.pack(packed, params, index)
-        n_query_tiles = (Sq + BQ - 1) // BQ
+        stage = T.meta_var(_FirstStage(do, out, do_grad, query, q_part))
         # 1. per query tile: lse_dot, out_dot (= do_grad), D and D_dot; the tile's q, dq_bar, do and
         # row statistics packed for stage 2; q_grad partials zeroed
-        for task in T.parallel(B * Hq * n_query_tiles):
-            b: T.int64 = task // (Hq * n_query_tiles)
-            h: T.int64 = task // n_query_tiles % Hq
-            i0: T.int64 = balanced_order(task % n_query_tiles, n_query_tiles) * BQ
-            row0: T.int64 = (b * Hq + h) * padded_sq + i0
-            Qs = T.decl_buffer((BQ, DP), F32, data=query.q.data, elem_offset=row0 * DP)
-            Qt = T.decl_buffer((BQ, DP), F32, data=query.q_bar.data, elem_offset=row0 * DP)
-            m = T.alloc_buffer((BQ,), F32)
-            l = T.alloc_buffer((BQ,), F32)
-            alpha = T.alloc_buffer((BQ,), F32)
-            lse_dot_r = T.alloc_buffer((BQ,), F32)
-            O = T.alloc_buffer((BQ, DP), F32)
-            Ot = T.alloc_buffer((BQ, DP), F32)
-            S = T.alloc_buffer((BQ, BK), F32)
-            St = T.alloc_buffer((BQ, BK), F32)
-            Cap = T.alloc_buffer((BQ, BK), F32)
-            rows = T.meta_var(_Rows(Qs, Qt, m, l, alpha, lse_dot_r, O, Ot))
-            scores = T.meta_var(_Scores(S, St, Cap))
-            tile = T.meta_var(_RowTile(b, h, i0))
-            rows_pass.run(rows, scores, packed, params, tile)
-            for r in range(BQ):
-                if i0 + r < Sq:
-                    acc = T.alloc_buffer((2,), F32, scope="local")
-                    acc[0] = T.float32(0)
-                    acc[1] = T.float32(0)
-                    for d in range(D):
-                        o: T.float32 = out[b, h, i0 + r, d].astype(F32)
-                        o_dot: T.float32 = rows.Ot[r, d] - rows.lse_dot[r] * o
-                        do_grad[b, h, i0 + r, d] = o_dot.astype(dtype)
-                        do_tiles[b, h, i0 + r, d] = do[b, h, i0 + r, d].astype(F32)
-                        acc[0] = acc[0] + do_tiles[b, h, i0 + r, d] * o
-                        acc[1] = acc[1] + do_tiles[b, h, i0 + r, d] * o_dot
-                    lse_dot[b, h, i0 + r] = rows.lse_dot[r]
-                    d_row[b, h, i0 + r] = acc[0]
-                    d_row_dot[b, h, i0 + r] = acc[1]
-                else:  # rows past Sq: weights 0 (lse -inf), nothing to add
-                    for d in range(D):
-                        do_tiles[b, h, i0 + r, d] = T.float32(0)
-                    lse_dot[b, h, i0 + r] = T.float32(0)
-                    d_row[b, h, i0 + r] = T.float32(0)
-                    d_row_dot[b, h, i0 + r] = T.float32(0)
-                lse_rows[b, h, i0 + r] = rows.m[r]  # the forward's lse, -inf past Sq (load_rows)
-                for d in range(D, DP):
-                    do_tiles[b, h, i0 + r, d] = T.float32(0)
-                for c in range(splits):
-                    for d in T.vectorized(DP):
-                        q_part[c, b, h, i0 + r, d] = T.float32(0)
+        rows_pass.stage(params, first_stage, stage)
         # 2. per (batch, KV head, split): k_grad, v_grad of each key tile; q_grad partials
+        n_key_tiles = (Sk + BK - 1) // BK
         per_split = (n_key_tiles + splits - 1) // splits
         for task in T.parallel(B * Hkv * splits):
             b: T.int64 = task // (Hkv * splits)
