@@ -41,15 +41,20 @@ def _is_zeros(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:
         "relax.zeros", "relax.zeros_like")
 
 
+def _fields(ctx: relax.BlockBuilder, output_grad: relax.Expr, count: int) -> list[relax.Expr]:
+    """The adjoints of a tuple-valued op's outputs: the tuple Gradient bound, or items of it."""
+    bound = bound_value(ctx, output_grad)
+    if isinstance(bound, relax.Tuple):
+        return list(bound.fields)
+    return [relax.TupleGetItem(output_grad, i) for i in range(count)]
+
+
 def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
                          ctx: relax.BlockBuilder) -> list[relax.Expr]:
     args = SPECS["flash_attn"].split_args(orig_call)
     if bool(orig_call.attrs["return_lse"]):
         out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
-        dout, dlse = relax.TupleGetItem(output_grad, 0), relax.TupleGetItem(output_grad, 1)
-        bound = bound_value(ctx, output_grad)
-        if isinstance(bound, relax.Tuple):
-            dout, dlse = bound.fields
+        dout, dlse = _fields(ctx, output_grad, 2)
         if not _is_zeros(ctx, dlse):
             raise ValueError("fuel.flash_attn: the gradient through lse is not supported: the loss may use "
                              "out, not lse")
@@ -77,12 +82,7 @@ def _backward_gradient(name: str):
     def gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
                  ctx: relax.BlockBuilder) -> list[relax.Expr]:
         args = SPECS[name].split_args(orig_call)
-        if len(grads) > 1:
-            bound = bound_value(ctx, output_grad)
-            adjoints = (bound.fields if isinstance(bound, relax.Tuple)
-                        else [relax.TupleGetItem(output_grad, i) for i in range(len(grads))])
-        else:
-            adjoints = [output_grad]
+        adjoints = _fields(ctx, output_grad, len(grads)) if len(grads) > 1 else [output_grad]
         bars = {f"{grad}_bar": _cotangent(ctx, adjoint) for grad, adjoint in zip(grads, adjoints)}
         result = ctx.emit(op.flash_attn_double_backward(
             args["q"], args["k"], args["v"], args["do"], alibi_slopes=args["alibi_slopes"],
