@@ -2,7 +2,11 @@
 
 Contents:
     compile        -- tvm.compile with the kernel path chosen explicitly (``pipeline``)
-    pipeline       -- LegalizeFuel in front of TVM's default Relax pipeline for a target
+    pipeline       -- SpecializeAtTunedShapes and LegalizeFuel in front of default_pipeline
+    default_pipeline -- TVM's Relax pipeline with tuned records and default schedules for the rest
+    ApplyTunedFunctions, SpecializeAtTunedShapes -- the passes reading a model's tuning logs
+    fuse, unscheduled -- the TIR functions a build schedules (tuning's tasks)
+    log_roots      -- the log roots a build reads
     LegalizeFuel   -- the pass lowering the fuel ops alone (kernels or decomposition)
     legalize       -- LegalizeFuel applied to a module
     host_target    -- llvm with this machine's CPU features
@@ -90,17 +94,135 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
 
 def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, shipped_logs: bool = True,
              base: Any = "default") -> tvm.transform.Pass:
-    """``LegalizeFuel`` followed by ``base``: TVM's default Relax pipeline for ``target`` (what
-    ``tvm.compile`` picks for ``relax_pipeline="default"``), a pipeline name or a Pass.
+    """``SpecializeAtTunedShapes`` and ``LegalizeFuel`` followed by ``base``: ``"default"`` is
+    ``default_pipeline`` (TVM's Relax pipeline for the target with the tuned records of the
+    model's other functions and default schedules), else a pipeline name or a Pass.
 
     >>> ex = tvm.compile(mod, target, relax_pipeline=tvm_fuel.pipeline(target, kernels="tuned"))  # doctest: +SKIP
     """
     target = as_target(target)
+    lower = LegalizeFuel(target, kernels=kernels, database=database, shipped_logs=shipped_logs)
+    roots = log_roots(database, shipped_logs)
     if isinstance(base, str):
-        gpu = "gpu" in [str(key) for key in target.keys]
-        base = relax.get_default_pipeline(target) if gpu and base == "default" else relax.get_pipeline(base)
-    return tvm.transform.Sequential([LegalizeFuel(target, kernels=kernels, database=database,
-                                                  shipped_logs=shipped_logs), base], name="tvm_fuel.pipeline")
+        base = default_pipeline(target, roots) if base == "default" else relax.get_pipeline(base)
+    return tvm.transform.Sequential([SpecializeAtTunedShapes(target, roots, lower), lower, base],
+                                    name="tvm_fuel.pipeline")
+
+
+def log_roots(database: Any, shipped_logs: bool) -> list:
+    """The log roots a build reads, in order: ``database`` (if any), then the shipped logs."""
+    from .logs import shipped_logs as shipped
+
+    return ([database] if database is not None else []) + ([shipped()] if shipped_logs else [])
+
+
+def default_pipeline(target: Any, roots: list | None = None) -> tvm.transform.Pass:
+    """TVM's Relax pipeline for the target's backend (``relax.backend.cpu_generic``, ``cuda``),
+    where every TIR function left unscheduled after fusion (a model's projections, norms, RoPE)
+    first takes a tuning record of ``roots`` (``ApplyTunedFunctions``), else a default schedule:
+    on llvm ``schedules.cpu.generic``'s rules (parallel over the cores, vectorized; register-tiled
+    GEMMs), where TVM's own llvm pipeline leaves single-threaded scalar loops; on CUDA dlight's.
+    Other targets get TVM's default pipeline as it is."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_backend
+    from tvm.relax.backend.cuda import pipeline as cuda_backend
+    from tvm.s_tir import dlight as dl
+
+    from .schedules.cpu.generic import RULES
+
+    target = as_target(target)
+    records = ApplyTunedFunctions(target, roots or [])
+    if target.kind.name == "llvm":
+        backend = cpu_backend
+        legalize_passes = cpu_backend.legalize_passes(target) + [records, dl.ApplyDefaultSchedule(*RULES)]
+    elif target.kind.name == "cuda":
+        backend = cuda_backend
+        legalize_passes = cuda_backend.legalize_passes(target)  # ends in dlight's default schedules
+        legalize_passes.insert(len(legalize_passes) - 1, records)
+    else:
+        return relax.get_default_pipeline(target)
+    passes = (backend.library_dispatch_passes(target) + legalize_passes + backend.dataflow_lower_passes(target)
+              + backend.finalize_passes(target))
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_fuel.default_pipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def fuse(mod: tvm.IRModule, target: Any) -> tvm.IRModule:
+    """``mod`` (fuel ops already lowered) legalized and fused as ``default_pipeline`` does before
+    it schedules: the TIR functions a build tunes or schedules (``tvm_fuel.tuning.model``'s tasks)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_backend
+
+    target = as_target(target)
+    with target:
+        return tvm.transform.Sequential(cpu_backend.library_dispatch_passes(target)
+                                        + cpu_backend.legalize_passes(target))(mod)
+
+
+def unscheduled(mod: tvm.IRModule) -> dict:
+    """GlobalVar -> PrimFunc of the TIR functions of ``mod`` that no schedule has touched."""
+    return {gvar: func for gvar, func in mod.functions.items() if isinstance(func, tvm.tirx.PrimFunc)
+            and not (func.attrs is not None and func.attrs.get("tirx.is_scheduled", False))}
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fuel.ApplyTunedFunctions")
+class ApplyTunedFunctions:
+    """Each unscheduled TIR function with a MetaSchedule record in ``roots`` (their ``model``
+    folders, see ``tvm_fuel.logs``) takes the record's schedule, as ``MetaScheduleApplyDatabase``
+    does, and says so: attribute ``fuel.record`` = the log it came from."""
+
+    def __init__(self, target: Any, roots: list):
+        from .logs import FunctionRecords
+
+        self.target, self.records = as_target(target), FunctionRecords(roots)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if not self.records.databases(self.target):
+            return mod
+        updated = {}
+        for gvar, func in unscheduled(mod).items():
+            found = self.records.query(func, self.target)
+            if found is not None:
+                scheduled, source = found
+                updated[gvar] = scheduled.with_attr("tirx.is_scheduled", True).with_attr("fuel.record", source)
+        for gvar, func in updated.items():
+            mod[gvar] = func
+        return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fuel.SpecializeAtTunedShapes")
+class SpecializeAtTunedShapes:
+    """``tvm_fuel.specialize`` at the shape points of ``roots``' model logs where the static copy
+    meets a record: a point whose function and dims the module has is tried (its copy lowered by
+    ``lower`` and fused), and kept only when one of its TIR functions has a record, so a model
+    the logs were not tuned for is built as it is."""
+
+    def __init__(self, target: Any, roots: list, lower: tvm.transform.Pass):
+        from .logs import FunctionRecords
+
+        self.target, self.records, self.lower = as_target(target), FunctionRecords(roots), lower
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        from .specialize import specialize, symbolic_dims
+
+        funcs = {gvar.name_hint: func for gvar, func in mod.functions.items()}
+        points = [p for p in self.records.points(self.target) if isinstance(funcs.get(p.function), relax.Function)
+                  and set(p.dims) <= set(symbolic_dims(funcs[p.function]))]
+        kept = [p for p in points if self._meets_a_record(mod, p)]
+        return specialize(mod, kept) if kept else mod
+
+    def _meets_a_record(self, mod: tvm.IRModule, point) -> bool:
+        from .specialize import specialize
+
+        copy = point.function + point.suffix()
+        alone = specialize(mod, [point])
+        alone = tvm.IRModule({gvar: func for gvar, func in alone.functions.items()
+                              if not isinstance(func, relax.Function) or gvar.name_hint == copy})
+        fused = fuse(self.lower(alone), self.target)
+        return any(self.records.query(func, self.target) is not None for func in unscheduled(fused).values())
 
 
 def legalize(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,
@@ -173,10 +295,9 @@ class LegalizeFuel:
 
             return {SPECS[name].op_name: rule for name, rule in LEGALIZE.items()}
         from .schedules import tuned_legalize_map
-        from .logs import TuningRecords, shipped_logs as shipped
+        from .logs import TuningRecords
 
-        roots = ([self.database] if self.database is not None else []) + ([shipped()] if self.shipped_logs else [])
-        return tuned_legalize_map(target, TuningRecords(roots))
+        return tuned_legalize_map(target, TuningRecords(log_roots(self.database, self.shipped_logs)))
 
 
 def _check_database(database: Any) -> None:

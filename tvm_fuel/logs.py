@@ -4,6 +4,8 @@ Layout (``tuning_logs/`` in the package, or any directory a user passes)::
 
     <root>/<target key>/<kernel>/database_workload.json        MetaSchedule JSONDatabase
     <root>/<target key>/<kernel>/database_tuning_record.json
+    <root>/<target key>/model/database_*.json                  a model's other TIR functions
+    <root>/<target key>/model/points.json                      the shape points they were tuned at
 
 ``<target key>`` is the kind plus the arch or CPU feature set (``llvm-x86-avx2``,
 ``llvm-x86-avx512``, ``cuda-sm90``); ``<kernel>`` is the op family (``paged_attn``,
@@ -27,12 +29,20 @@ key's folder or knobs outside the kernel's design space give a ``TuningLogWarnin
 file and line and are skipped; the other records still apply. Each such warning is given once
 per file and process, however many builds read the file.
 
+The ``model`` folder holds MetaSchedule's own records (a trace of its design spaces per TIR
+function, matched by structural hash as ``MetaScheduleApplyDatabase`` matches) for the functions
+of a model that are not fuel kernels (``tvm_fuel.tuning.model``), and the ``ShapePoint``s of the
+symbolic models they were tuned at: a build specializes a model at a point where the static copy
+then meets a record (``tvm_fuel.specialize``).
+
 Contents:
     target_key       -- "llvm-x86-avx2", "cuda-sm90", ...
     kernel_family    -- the log folder of an op
     shipped_logs     -- the package's tuning_logs directory
     TuningRecords    -- records of some log roots; ``lookup(workload, target)`` -> ``KnobMatch``
     replay           -- workload, knobs and time of one MetaSchedule record
+    FunctionRecords  -- the ``model`` records of some log roots: ``query(func, target)``, ``points``
+    write_points     -- add shape points to a ``model`` folder
     TuningLogWarning
     knobs_of, verification_of -- a record's workload and knobs, read from its scheduled module
 """
@@ -55,6 +65,8 @@ from .diagnostics import TuningLogWarning
 from .schedules import KnobMatch, rule_for
 from .schedules.workload import Workload
 
+MODEL_FOLDER = "model"
+POINTS_FILE = "points.json"
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 FAILED_SECONDS = 1e9  # MetaSchedule stores a failed build or run as 1e10 s
@@ -310,7 +322,7 @@ def _database_folders(root: Path, target: tvm.target.Target) -> list[Path]:
         folders.append(root)
     per_target = root / target_key(target)
     if per_target.is_dir():
-        folders += sorted(p for p in per_target.iterdir() if p.is_dir())
+        folders += sorted(p for p in per_target.iterdir() if p.is_dir() and p.name != MODEL_FOLDER)
     return folders
 
 
@@ -393,3 +405,82 @@ def _fastest_latest(records: list[Record]) -> Record:
     for r in records:
         latest[r.workload] = max(latest.get(r.workload, 0), r.verified)
     return min((r for r in records if r.verified == latest[r.workload]), key=lambda r: (r.seconds, r.workload.key))
+
+
+def write_points(folder: Path, points) -> None:
+    """Add ``points`` (``specialize.ShapePoint``) to ``folder``'s points file (kept sorted, no repeats)."""
+    from .specialize import ShapePoint
+
+    path = Path(folder) / POINTS_FILE
+    known = {json.dumps(p.to_json(), sort_keys=True) for p in _read_points(path)}
+    known |= {json.dumps(ShapePoint.to_json(p), sort_keys=True) for p in points}
+    path.write_text(json.dumps([json.loads(p) for p in sorted(known)], indent=1) + "\n")
+
+
+def _read_points(path: Path) -> list:
+    from .specialize import ShapePoint
+
+    if not path.exists():
+        return []
+    try:
+        return [ShapePoint.from_json(item) for item in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        _warn(str(path), f"{path}: unreadable shape points ({_reason(err)}); models are built without them")
+        return []
+
+
+class FunctionRecords:
+    """MetaSchedule records of a model's non-fuel TIR functions in some log roots (their ``model``
+    folders for the target's key) or MetaSchedule databases, searched in order.
+
+    ``query(func, target)`` -> (the function scheduled by the fastest record, its source) or None;
+    ``points(target)`` -> the shape points the records were tuned at."""
+
+    def __init__(self, roots):
+        self.roots = list(roots)
+
+    def databases(self, target: tvm.target.Target) -> list[tuple[str, ms.database.Database]]:
+        found = []
+        for root in self.roots:
+            if isinstance(root, ms.database.Database):
+                found.append((f"database {type(root).__name__}", root))
+                continue
+            folder = Path(root) / target_key(target) / MODEL_FOLDER
+            files = [folder / WORKLOAD_FILE, folder / RECORD_FILE]
+            if not all(f.exists() for f in files):
+                continue
+            stamp = ("model", str(folder), tuple((os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files))
+            if stamp not in _CACHE:
+                try:
+                    _CACHE[stamp] = ms.database.JSONDatabase(path_workload=str(files[0]),
+                                                             path_tuning_record=str(files[1]), allow_missing=False)
+                except Exception as err:  # noqa: BLE001 -- an unreadable log is skipped, never fatal
+                    _warn(str(folder), f"{folder}: unreadable tuning log ({_reason(err)}); the model's "
+                                       "functions keep their default schedules")
+                    _CACHE[stamp] = None
+            if _CACHE[stamp] is not None:
+                found.append((str(files[1]), _CACHE[stamp]))
+        return found
+
+    def query(self, func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+        """``func`` scheduled by the first database with a record of it, and that database's name."""
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        for source, database in self.databases(target):
+            try:
+                if not database.has_workload(mod):
+                    continue
+                sch = database.query_schedule(mod, target, "main")
+            except Exception as err:  # noqa: BLE001 -- a record that does not replay here is skipped
+                _warn(source, f"{source}: a record did not apply ({_reason(err)}); the default schedule is used")
+                continue
+            if sch is not None:
+                return sch.mod["main"].without_attr("global_symbol"), source
+        return None
+
+    def points(self, target: tvm.target.Target) -> list:
+        points = []
+        for root in self.roots:
+            if not isinstance(root, ms.database.Database):
+                points += [p for p in _read_points(Path(root) / target_key(target) / MODEL_FOLDER / POINTS_FILE)
+                           if p not in points]
+        return points

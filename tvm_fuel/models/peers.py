@@ -4,6 +4,8 @@ PyTorch (its own attention), given the same weights by name.
 Contents:
     llama_logits        -- numpy logits [B, S, vocab] of the decoder over whole sequences
     torch_llama_logits  -- the same in PyTorch (``scaled_dot_product_attention``, GQA)
+    TorchGeneration, torch_generate -- greedy generation in PyTorch eager over a KV cache (the
+                           serving loop of ``LlamaEngine.generate``, timed the same way)
     regressor_forward   -- numpy output of the training model
     torch_fit           -- the training model's loss curve under PyTorch autograd and Adam
 """
@@ -11,6 +13,9 @@ Contents:
 from __future__ import annotations
 
 import numpy as np
+
+import time
+from dataclasses import dataclass
 
 from .. import reference
 from .llama import LlamaConfig
@@ -97,6 +102,95 @@ def torch_llama_logits(config: LlamaConfig, weights: dict[str, np.ndarray], toke
             x = x + F.linear(mlp, w[p + "mlp.down_proj.weight"])
         x = F.rms_norm(x, (c.hidden_size,), w["norm.weight"], c.rms_norm_eps)
         return F.linear(x, w["lm_head.weight"]).numpy()
+
+
+@dataclass(frozen=True)
+class TorchGeneration:
+    """What ``torch_generate`` returns: each sequence's new tokens, and the wall-clock seconds of
+    the prefill and decode phases (as ``engine.Generation``)."""
+
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = len(self.tokens[0]) - 1 if self.tokens else 0
+        return steps * len(self.tokens) / self.decode_s if self.decode_s else 0.0
+
+
+def torch_generate(config: LlamaConfig, weights: dict[str, np.ndarray], prompts: list[list[int]], *,
+                   max_new_tokens: int) -> TorchGeneration:
+    """Greedy generation of the decoder in PyTorch eager, the loop ``LlamaEngine.generate`` runs:
+    each prompt prefilled alone (SDPA, causal), its K/V kept in a per-layer cache [B, Hkv, L, D]
+    (L: the longest prompt plus the new tokens); then every sequence decodes together, one token a
+    step, attending to its own cached positions (a padding mask over the cache up to the longest
+    context, as Hugging Face's static cache does)."""
+    import torch
+    import torch.nn.functional as F
+
+    c = config
+    w = {name: torch.from_numpy(np.ascontiguousarray(value)).float() for name, value in weights.items()}
+    inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+    batch, capacity = len(prompts), max(len(p) for p in prompts) + max_new_tokens
+    caches = [(torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim),
+               torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim)) for _ in range(c.num_layers)]
+
+    def rope(t, positions):  # t [B, H, T, D], positions [B, T]
+        angle = positions[..., None].float() * inv_freq
+        cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+        t1, t2 = t.chunk(2, -1)
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    def run(tokens, positions, rows, attend):
+        """tokens [b, T] at positions [b, T] of the sequences ``rows`` -> logits [b, T, vocab]."""
+        b, t = tokens.shape
+        x = F.embedding(tokens, w["embed.weight"])
+        for i, (k_cache, v_cache) in enumerate(caches):
+            p = f"layers.{i}."
+            h = F.rms_norm(x, (c.hidden_size,), w[p + "input_norm.weight"], c.rms_norm_eps)
+            q, k, v = (F.linear(h, w[p + f"attn.{n}_proj.weight"]).view(b, t, -1, c.head_dim).transpose(1, 2)
+                       for n in "qkv")
+            q, k = rope(q, positions), rope(k, positions)
+            out = attend(q, k, v, k_cache, v_cache, rows, positions)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, t, -1), w[p + "attn.o_proj.weight"])
+            h = F.rms_norm(x, (c.hidden_size,), w[p + "post_attn_norm.weight"], c.rms_norm_eps)
+            mlp = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
+            x = x + F.linear(mlp, w[p + "mlp.down_proj.weight"])
+        x = F.rms_norm(x, (c.hidden_size,), w["norm.weight"], c.rms_norm_eps)
+        return F.linear(x, w["lm_head.weight"])
+
+    def prefill_attend(q, k, v, k_cache, v_cache, rows, positions):
+        k_cache[rows, :, :k.shape[2]], v_cache[rows, :, :v.shape[2]] = k[0], v[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    lengths = torch.tensor([len(p) for p in prompts])
+    rows = torch.arange(batch)
+
+    def decode_attend(q, k, v, k_cache, v_cache, rows, positions):
+        k_cache[rows, :, positions[:, 0]], v_cache[rows, :, positions[:, 0]] = k[:, :, 0], v[:, :, 0]
+        span = int(positions.max()) + 1
+        mask = (torch.arange(span)[None, :] <= positions)[:, None, None, :]  # [B, 1, 1, span]
+        return F.scaled_dot_product_attention(q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=mask,
+                                              enable_gqa=True)
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        next_tokens = []
+        for row, prompt in enumerate(prompts):
+            tokens = torch.tensor([prompt])
+            logits = run(tokens, torch.arange(len(prompt))[None], row, prefill_attend)
+            next_tokens.append(int(logits[0, -1].argmax()))
+        prefill_s = time.perf_counter() - start
+        generated = [next_tokens]
+        tokens = torch.tensor(next_tokens)[:, None]
+        start = time.perf_counter()
+        for step in range(max_new_tokens - 1):
+            logits = run(tokens, (lengths + step)[:, None], rows, decode_attend)
+            tokens = logits[:, -1].argmax(-1, keepdim=True)
+            generated.append(tokens[:, 0].tolist())
+        decode_s = time.perf_counter() - start
+    return TorchGeneration([list(row) for row in zip(*generated)], prefill_s, decode_s)
 
 
 def torch_fit(config: TrainConfig, weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, *,

@@ -12,10 +12,14 @@ Contents:
     alloc_arguments             -- f_alloc_argument of ``ms.runner.LocalRunner``
     alloc_arguments_rpc         -- f_alloc_argument of ``ms.runner.RPCRunner``
     local_runner, rpc_runner, builder
+    build_function, function_builder, function_runner -- the same for a model's other TIR
+                                  functions (MetaSchedule's own schedules, random inputs)
+    side_by_side                -- build schedules once, measure them together in rounds
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -108,3 +112,54 @@ def rpc_runner(tracker: str, key: str, *, workers: int | None = None) -> ms.runn
     config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=120)
     return ms.runner.RPCRunner(rpc_config=config, evaluator_config=ms.runner.EvaluatorConfig(**EVALUATOR),
                                f_alloc_argument=alloc_arguments_rpc, max_workers=workers)
+
+
+def build_function(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
+    """f_build for a scheduled TIR function of a model (MetaSchedule's design spaces): the module
+    as it is, without the stock builder's import of every tensor intrinsic."""
+    return tvm.tirx.build(mod, target=target)
+
+
+def function_builder(workers: int | None = None) -> ms.builder.LocalBuilder:
+    return ms.builder.LocalBuilder(f_build=build_function, max_workers=workers or os.cpu_count() or 1,
+                                   timeout_sec=120)
+
+
+def function_runner(tracker: str | None = None, key: str | None = None) -> ms.runner.Runner:
+    """A runner for a model's TIR functions: random inputs (the tasks read no index buffer, see
+    ``tuning.model``), locally or on the RPC servers of ``tracker`` under ``key``."""
+    config = ms.runner.EvaluatorConfig(**EVALUATOR)
+    if tracker is None:
+        return ms.runner.LocalRunner(evaluator_config=config, timeout_sec=120)
+    host, _, port = tracker.rpartition(":")
+    return ms.runner.RPCRunner(rpc_config=ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port),
+                                                              tracker_key=key, session_timeout_sec=120),
+                               evaluator_config=config)
+
+
+def side_by_side(schedules: list, target, builder, runner, rounds: int) -> list[list[float] | None]:
+    """Build each schedule once, then measure them all side by side ``rounds`` times (one runner
+    batch per round, its order rotated, so slow drifts of the machine hit every candidate alike).
+    Per schedule: the mean seconds of each round, or None where its build or a run failed."""
+    device = "cpu" if target.kind.name == "llvm" else target.kind.name
+    args_info = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    times: list[list[float] | None] = [None if b.error_msg else [] for b in built]
+    for round_index in range(rounds):
+        live = [i for i, t in enumerate(times) if t is not None]
+        # rotate the order every round: the first of a batch does not run like the last
+        shift = round_index % max(1, len(live))
+        live = live[shift:] + live[:shift]
+        futures = runner.run([ms.runner.RunnerInput(built[i].artifact_path, device, args_info[i]) for i in live])
+        for i, future in zip(live, futures):
+            run = future.result()
+            seconds = [float(s) for s in run.run_secs or []]
+            if run.error_msg or not seconds:
+                times[i] = None
+            else:
+                times[i].append(sum(seconds) / len(seconds))
+    for b in built:
+        if not b.error_msg:
+            with contextlib.suppress(OSError):
+                os.remove(b.artifact_path)
+    return times

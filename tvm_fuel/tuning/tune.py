@@ -187,34 +187,6 @@ def _report(result: TaskResult, trials: int, elapsed: float, log: Callable[[str]
     log(f"[{elapsed:6.0f}s] {result.workload.describe()}: trials {result.trials}/{trials}, {best}{ratio}")
 
 
-def _measure(schedules: list, target, builder, runner, rounds: int) -> list[list[float] | None]:
-    """Build each schedule once, then measure them all side by side ``rounds`` times (one runner
-    batch per round, its order rotated, so slow drifts of the machine hit every candidate alike).
-    Per schedule: the mean seconds of each round, or None where its build or a run failed."""
-    device = "cpu" if target.kind.name == "llvm" else target.kind.name
-    args_info = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
-    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
-    times: list[list[float] | None] = [None if b.error_msg else [] for b in built]
-    for round_index in range(rounds):
-        live = [i for i, t in enumerate(times) if t is not None]
-        # rotate the order every round: the first of a batch does not run like the last
-        shift = round_index % max(1, len(live))
-        live = live[shift:] + live[:shift]
-        futures = runner.run([ms.runner.RunnerInput(built[i].artifact_path, device, args_info[i]) for i in live])
-        for i, future in zip(live, futures):
-            run = future.result()
-            seconds = [float(s) for s in run.run_secs or []]
-            if run.error_msg or not seconds:
-                times[i] = None
-            else:
-                times[i].append(sum(seconds) / len(seconds))
-    for b in built:
-        if not b.error_msg:
-            with contextlib.suppress(OSError):
-                os.remove(b.artifact_path)
-    return times
-
-
 def commit_record(database, mod: tvm.IRModule, sch, seconds: list[float] | None, target) -> None:
     """Store the knob point ``sch`` of tuning task ``mod`` with its measured ``seconds`` (None: failed)."""
     args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
@@ -236,7 +208,7 @@ def _verify(result: TaskResult, mod: tvm.IRModule, defaults: dict, database, tar
     points = [defaults, *best.values()]
     session = int(time.time())  # records of one verification are comparable with each other only
     schedules = [fixed_point(mod, knobs, verification=session) for knobs in points]
-    times = _measure(schedules, target, builder, runner, rounds)
+    times = measure.side_by_side(schedules, target, builder, runner, rounds)
     for sch, seconds in zip(schedules, times):
         commit_record(database, mod, sch, seconds, target)
     measured = [(knobs_of(sch.mod)[1], statistics.median(t)) for sch, t in zip(schedules, times) if t]
@@ -358,7 +330,7 @@ def _tune_family(workloads, target, folder, log_dir, database, builder, runner, 
                 result.hand_picked_s = min(hand)
             else:
                 sch = fixed_point(mod, defaults)
-                (seconds,) = _measure([sch], target, builder, runner, rounds=1)
+                (seconds,) = measure.side_by_side([sch], target, builder, runner, rounds=1)
                 commit_record(database, mod, sch, seconds, target)
                 if seconds:
                     result.hand_picked_s = seconds[0]
