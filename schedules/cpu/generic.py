@@ -152,8 +152,8 @@ class Matmul(dl.ScheduleRule):
 
 class Elementwise(dl.ScheduleRule):
     """Functions whose blocks are all spatial (elementwise ops, broadcasts, transposes, RoPE,
-    gathers): producers inlined where they can be, then each remaining block's loops fused, cut
-    into vectors of ``lanes`` (when the innermost extent is a known multiple) and run in parallel."""
+    gathers): producers inlined where they can be; then per remaining block the outer loops run
+    fused in parallel, the innermost in vectors of ``lanes`` (when its extent is a known multiple)."""
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
@@ -174,14 +174,17 @@ class Elementwise(dl.ScheduleRule):
             loops = sch.get_loops(info.block_rv)
             if not loops:
                 continue
-            inner = sch.get(loops[-1]).extent
-            fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-            if isinstance(inner, tirx.IntImm) and inner.value % lanes == 0:
-                outer, lane = sch.split(fused, [None, lanes])
-                sch.parallel(outer)
+            # the innermost loop stays apart: fused with symbolic outer extents, its index would
+            # need a division per lane and the vectors would turn into gathers
+            *outer, inner = loops
+            extent = sch.get(inner).extent
+            if isinstance(extent, tirx.IntImm) and extent.value % lanes == 0:
+                _, lane = sch.split(inner, [None, lanes])
                 sch.vectorize(lane)
+                if outer:
+                    sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
             else:
-                sch.parallel(fused)
+                sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
         return sch
 
 

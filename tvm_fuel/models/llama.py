@@ -19,7 +19,7 @@ block_size, Hkv, D]``, layer ``l`` in pages ``[l * num_blocks, (l + 1) * num_blo
 table for every layer (offset in-graph), ``slots`` from ``PagedKVCache.reserve``.
 
 Contents:
-    LlamaConfig, LlamaDecoder, export, init_weights, rope
+    LlamaConfig, LlamaDecoder, export, init_weights, rope_table, rope
 
 Example
 -------
@@ -72,28 +72,47 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: head_dim {self.head_dim} must be even (RoPE rotates pairs)")
 
 
-def rope(x: nn.Tensor, theta: float, context_lens: nn.Tensor | None = None) -> nn.Tensor:
-    """Rotary embedding (rotate-half form) of x [B, S, H, D]: position ``s``, or ``context_lens[b]
-    - S + s`` when the S tokens are the last of each context."""
+def rope_table(tokens: nn.Tensor, head_dim: int, theta: float, context_lens: nn.Tensor | None = None) -> nn.Tensor:
+    """cos and sin of the rotary angles of tokens [B, S]: [2, B', S, head_dim] float32 (B' = 1
+    without ``context_lens``: every sequence starts at position 0). Position ``s``, or
+    ``context_lens[b] - S + s`` when the S tokens are the last of each context. Made once per
+    forward pass and shared by every layer's q and k (the transcendentals dominate RoPE's cost)."""
 
-    def compute(x: te.Tensor, lens: te.Tensor | None = None) -> te.Tensor:
-        _, seq_len, _, dim = x.shape
-        half = dim // 2
+    def compute(tok: te.Tensor, lens: te.Tensor | None = None) -> te.Tensor:
+        batch, seq_len = tok.shape
+        half = head_dim // 2
 
-        def rotated(b, s, h, i):
+        def angle_fn(part, b, s, i):
             f32 = lambda e: tvm.tirx.Cast("float32", e)  # noqa: E731 (positions are exact below 2^24)
             pos = f32(s) if lens is None else f32(lens[b]) - f32(seq_len) + f32(s)
             # inv_freq = theta^(-2j / D), j = i mod D/2
-            inv_freq = te.exp((i % half).astype("float32") * (-2.0 * math.log(theta) / int(dim)))
-            angle = pos * inv_freq
+            angle = pos * te.exp((i % half).astype("float32") * (-2.0 * math.log(theta) / head_dim))
+            return tvm.tirx.Select(part == 0, te.cos(angle), te.sin(angle))
+
+        rows = 1 if lens is None else batch
+        return te.compute((2, rows, seq_len, head_dim), angle_fn, name="rope_table")
+
+    return nn.op.tensor_expr_op(compute, "rope_table", [tokens] if context_lens is None else [tokens, context_lens])
+
+
+def rope(x: nn.Tensor, table: nn.Tensor) -> nn.Tensor:
+    """Rotary embedding (rotate-half form) of x [B, S, H, D] by ``rope_table``'s cos and sin."""
+
+    def compute(x: te.Tensor, t: te.Tensor) -> te.Tensor:
+        dim = x.shape[3]
+        half = dim // 2
+        shared = t.shape[1] == 1  # positions of every sequence alike
+
+        def rotated(b, s, h, i):
+            row = 0 if shared else b
             partner = x[b, s, h, (i + half) % dim].astype("float32")
             partner = tvm.tirx.Select(i < half, -partner, partner)
-            value = x[b, s, h, i].astype("float32") * te.cos(angle) + partner * te.sin(angle)
+            value = x[b, s, h, i].astype("float32") * t[0, row, s, i] + partner * t[1, row, s, i]
             return value.astype(x.dtype)
 
         return te.compute(x.shape, rotated, name="rope")
 
-    return nn.op.tensor_expr_op(compute, "rope", [x] if context_lens is None else [x, context_lens])
+    return nn.op.tensor_expr_op(compute, "rope", [x, table])
 
 
 def _offset(ids: nn.Tensor, amount: int) -> nn.Tensor:
@@ -147,13 +166,14 @@ class Attention(nn.Module):
         self.flash = FlashAttention(causal=True)
         self.paged = PagedAttention(causal=True)
 
-    def forward(self, x: nn.Tensor, attend, context_lens: nn.Tensor | None = None) -> nn.Tensor:
-        """x [B, S, hidden] -> [B, S, hidden]; ``attend(q, k, v)`` on [B, H, S, D] (after RoPE)."""
+    def forward(self, x: nn.Tensor, attend, table: nn.Tensor) -> nn.Tensor:
+        """x [B, S, hidden] -> [B, S, hidden]; ``attend(q, k, v)`` on [B, H, S, D] (after RoPE by
+        ``rope_table``'s ``table``)."""
         c = self.config
         b, s, _ = x.shape
         heads = lambda proj, n: nn.op.reshape(proj(x), [b, s, n, c.head_dim])  # noqa: E731
-        q = rope(heads(self.q_proj, c.num_heads), c.rope_theta, context_lens)
-        k = rope(heads(self.k_proj, c.num_kv_heads), c.rope_theta, context_lens)
+        q = rope(heads(self.q_proj, c.num_heads), table)
+        k = rope(heads(self.k_proj, c.num_kv_heads), table)
         v = heads(self.v_proj, c.num_kv_heads)
         q, k, v = (nn.op.permute_dims(t, [0, 2, 1, 3]) for t in (q, k, v))
         out = nn.op.permute_dims(attend(self, q, k, v), [0, 2, 1, 3])
@@ -179,8 +199,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=c.dtype)
         self.mlp = MLP(c)
 
-    def forward(self, x: nn.Tensor, attend, context_lens: nn.Tensor | None = None) -> nn.Tensor:
-        x = x + self.attn(self.input_norm(x), attend, context_lens)
+    def forward(self, x: nn.Tensor, attend, table: nn.Tensor) -> nn.Tensor:
+        x = x + self.attn(self.input_norm(x), attend, table)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -197,8 +217,9 @@ class LlamaDecoder(nn.Module):
 
     def _run(self, tokens: nn.Tensor, attend, context_lens: nn.Tensor | None = None) -> nn.Tensor:
         x = self.embed(tokens)
+        table = rope_table(tokens, self.config.head_dim, self.config.rope_theta, context_lens)
         for index, layer in enumerate(self.layers):
-            x = layer(x, lambda attn, q, k, v, index=index: attend(index, attn, q, k, v), context_lens)
+            x = layer(x, lambda attn, q, k, v, index=index: attend(index, attn, q, k, v), table)
         return nn.op.astype(self.lm_head(self.norm(x)), "float32")
 
     def forward(self, tokens: nn.Tensor) -> nn.Tensor:
