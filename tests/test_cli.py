@@ -17,6 +17,13 @@ def test_demo_runs_the_ops_the_decoder_training_and_second_order(capsys):
         assert name in printed
     assert "decomposed built in" in printed and "tokens/s" in printed and "loss: " in printed
     assert "MISMATCH" not in printed and "checks hold" in printed
+    assert "other TIR functions from tuning records" in printed
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    assert "PyTorch eager (KV cache)" in printed and "tuned / PyTorch: prefill tokens/s" in printed
+    assert "greedy tokens differing from PyTorch's" in printed
 
 
 def test_tune_then_logs_report_the_record(tmp_path, capsys):
@@ -39,6 +46,22 @@ def test_logs_reports_a_module_file(tmp_path, capsys):
     assert main(["logs", "--no-shipped", "--module", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "fuel_flash_attn_kernel" in printed and " fallback " in printed
+
+
+def test_tune_model_misuse_is_refused_by_name(tmp_path, capsys):
+    lonely = tmp_path / "lonely.py"
+    lonely.write_text("X = 1\n")
+    work = ["--work-dir", str(tmp_path / "logs")]
+    assert main(["tune", "--at", "prefill:batch=1", *work]) == 2
+    assert main(["tune", "--model", str(lonely), *work]) == 2
+    assert main(["tune", "--model", "no_such_module_anywhere", *work]) == 2
+    assert main(["tune", "--model", "tvm_fuel.models.llama", "--op", "flash_attn", *work]) == 2
+    err = capsys.readouterr().err
+    assert "--at goes with --model" in err and "has no tuning_module()" in err
+    assert "neither a file nor an importable module" in err and "give no --op or --shapes" in err
+    with pytest.raises(SystemExit):
+        main(["tune", "--model", "tvm_fuel.models.llama", "--at", "prefill:batch=zero", *work])
+    assert "is not FUNC:NAME=VALUE" in capsys.readouterr().err
 
 
 def test_cuda_commands_without_a_device_say_so(capsys):

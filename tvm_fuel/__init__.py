@@ -19,6 +19,8 @@ Contents:
     models     -- end-to-end: a Llama-style decoder served over the paged cache, a training run
                   through the Gradient pass (import tvm_fuel.models.llama / .engine / .train)
     tune       -- MetaSchedule auto-tuning of the kernels' knobs (tvm_fuel.tuning)
+    tune_model -- every task of a model: kernels' knobs and its other TIR functions (tuning.model)
+    specialize, ShapePoint -- static copies of symbolic functions, dispatched at run time
     tuning_report -- which kernels of a module use a tuning record
     host_target   -- llvm for this machine's CPU
     AttnConfig -- the validated attention options
@@ -73,6 +75,7 @@ threads.configure()  # before any TVM kernel starts the runtime's thread pool
 from . import op, reference, transform  # noqa: E402
 from .build import compile, host_target, pipeline  # noqa: A004,E402  (mirrors tvm.compile)
 from .config import AttnConfig  # noqa: E402
+from .specialize import ShapePoint, specialize  # noqa: E402
 from .registry import register as _register  # noqa: E402
 
 _register()
@@ -93,5 +96,13 @@ def tuning_report(*args, **kwargs):
     return _report(*args, **kwargs)
 
 
-__all__ = ["op", "reference", "transform", "compile", "pipeline", "host_target", "tune", "tuning_report", "AttnConfig"]
+def tune_model(*args, **kwargs):
+    """``tvm_fuel.tuning.model.tune_model`` (imported on first use: it loads MetaSchedule)."""
+    from .tuning.model import tune_model as _tune_model
+
+    return _tune_model(*args, **kwargs)
+
+
+__all__ = ["op", "reference", "transform", "compile", "pipeline", "host_target", "tune", "tune_model",
+           "tuning_report", "specialize", "ShapePoint", "AttnConfig"]
 __version__ = "0.1.0"

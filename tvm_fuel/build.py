@@ -219,7 +219,9 @@ class SpecializeAtTunedShapes:
 
         copy = point.function + point.suffix()
         alone = specialize(mod, [point])
-        alone = tvm.IRModule({gvar: func for gvar, func in alone.functions.items()
+        # the copy alone, public (the passes drop functions nothing public reaches)
+        alone = tvm.IRModule({gvar: func.with_attr("global_symbol", copy) if gvar.name_hint == copy else func
+                              for gvar, func in alone.functions.items()
                               if not isinstance(func, relax.Function) or gvar.name_hint == copy})
         fused = fuse(self.lower(alone), self.target)
         return any(self.records.query(func, self.target) is not None for func in unscheduled(fused).values())

@@ -8,7 +8,8 @@ Commands:
     gpucheck -- on a CUDA device: build the deploy bundle for it and run it (every stage)
     bundle -- build a suite's modules, cubins and a runtime-only TVM for a GPU node without TVM
     tune   -- MetaSchedule tuning of a kernel at static shape buckets; logs under --work-dir
-              (``--import results.json``: a bundle run's CUDA measurements as records)
+              (``--model M``: every task of a model, fuel kernels and its other TIR functions;
+              ``--import results.json``: a bundle run's CUDA measurements as records)
     logs   -- which kernels hit a tuning record (shipped logs and --database) and which fall back
 """
 
@@ -196,8 +197,12 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"imported {sum(r['points'] for r in rows)} measured knob points of {len(rows)} workload(s) "
               f"into {args.work_dir}")
         return 0
+    if args.model:
+        return _tune_model(args)
+    if args.at:
+        raise ValueError("--at goes with --model")
     if args.op is None:
-        raise ValueError("give --op (tune here) or --import RESULTS (a GPU node's measurements)")
+        raise ValueError("give --op or --model (tune here), or --import RESULTS (a GPU node's measurements)")
 
     target = _target(args.target)
     start = time.perf_counter()
@@ -213,6 +218,77 @@ def _tune(args: argparse.Namespace) -> int:
     # the logs are outside the shipped ones by default: say how a build reads them
     print(f"builds apply them with tvm_fuel.compile(..., kernels=\"tuned\", database={args.work_dir!r}); "
           f"python -m tvm_fuel logs --database {args.work_dir} lists which kernels hit them")
+    return 0
+
+
+def _load_model(text: str):
+    """--model: a TVMScript file (an IRModule), or a Python module (dotted name or .py file) whose
+    ``tuning_module()`` returns an IRModule or (IRModule, shape points)."""
+    import importlib
+    import importlib.util
+
+    if os.path.isfile(text) and not text.endswith(".py"):
+        return _read_module(text), []
+    if text.endswith(".py"):
+        if not os.path.isfile(text):
+            raise ValueError(f"--model {text}: no such file")
+        spec = importlib.util.spec_from_file_location(Path(text).stem, text)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(text)
+        except ImportError as err:
+            raise ValueError(f"--model {text}: neither a file nor an importable module ({err})") from None
+    make = getattr(module, "tuning_module", None)
+    if not callable(make):
+        raise ValueError(f"--model {text}: the module has no tuning_module() (it returns the IRModule to tune, "
+                         f"or the IRModule and its shape points)")
+    made = make()
+    mod, points = made if isinstance(made, tuple) else (made, [])
+    return mod, list(points)
+
+
+def _shape_point(text: str):
+    """argparse type of --at: FUNC:NAME=VALUE[,NAME=VALUE...]."""
+    from .specialize import ShapePoint
+
+    function, _, dims = text.partition(":")
+    try:
+        values = {name.strip(): int(value) for name, value in (item.split("=") for item in dims.split(","))}
+        return ShapePoint(function.strip(), values)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FUNC:NAME=VALUE[,NAME=VALUE...] with positive "
+                                         f"integer values, e.g. prefill:batch=1,seq_len=1000") from None
+
+
+def _tune_model(args: argparse.Namespace) -> int:
+    import time
+
+    from .tuning.model import tune_model
+
+    if args.op or args.shapes:
+        raise ValueError("--model tunes the model's own workloads: give no --op or --shapes")
+    mod, points = _load_model(args.model)
+    points += [p for p in args.at or [] if p not in points]
+    target = _target(args.target)
+    start = time.perf_counter()
+    result = tune_model(mod, target, points=points, trials=args.trials, work_dir=args.work_dir,
+                        trials_per_iter=args.trials_per_iter, verify_top=max(1, args.verify_top),
+                        rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+    print(f"\ntuned {len(result.kernels)} fuel kernel workload(s) and {len(result.functions)} TIR function(s) in "
+          f"{time.perf_counter() - start:.0f} s ({args.trials} trials each); logs in {args.work_dir}")
+    for point in result.points:
+        print(f"  shape point {point.function}: {dict(point.dims)}")
+    for r in result.kernels:
+        ratio = f"{r.speedup:.2f}x hand-picked" if r.speedup else "-"
+        print(f"  kernel   {r.workload.describe()}: {ratio}")
+    for f in result.functions:
+        best = f"{f.best_s * 1e3:.3f} ms" if f.best_s else "none"
+        ratio = f"{f.speedup:.2f}x the default schedule" if f.speedup else "-"
+        print(f"  function {f.name}: best {best}, {ratio}")
+    print(f"builds apply them with tvm_fuel.compile(..., kernels=\"tuned\", database={args.work_dir!r}); "
+          f"python -m tvm_fuel logs --database {args.work_dir} --module FILE lists which functions hit them")
     return 0
 
 
@@ -238,7 +314,8 @@ def _logs(args: argparse.Namespace) -> int:
             modules = [bucket_module(name, bucket) for name in args.op or TUNABLE_OPS
                        for bucket in (args.shapes or benchmark_buckets(name))]
         rows = [row for mod in modules for row in tuning_report(mod, target, database=args.database,
-                                                                 shipped_logs=not args.no_shipped)]
+                                                                 shipped_logs=not args.no_shipped,
+                                                                 functions=module is not None)]
     for warning in {str(w.message) for w in caught}:
         print(f"warning: {warning}")
     print(format_report(rows))
@@ -305,8 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     bundle.add_argument("--tune-points", type=_int_at_least(1),
                         help="at most this many knob points per tune bucket (default 64)")
     bundle.set_defaults(run=_bundle)
-    tune = commands.add_parser("tune", help="tune a kernel's knobs with MetaSchedule at static shapes")
+    tune = commands.add_parser("tune", help="tune a kernel's knobs, or a whole model, with MetaSchedule")
     tune.add_argument("--op", choices=TUNABLE_OPS)
+    tune.add_argument("--model", metavar="MODULE_OR_FILE",
+                      help="tune every task of a model: a Python module (e.g. tvm_fuel.models.llama) or .py file "
+                           "with tuning_module(), or a TVMScript file; its fuel kernels through their knobs, every "
+                           "other TIR function through MetaSchedule's design spaces, into one --work-dir")
+    tune.add_argument("--at", nargs="+", metavar="FUNC:NAME=VALUE,...", type=_shape_point,
+                      help="with --model: shape points to specialize its symbolic dims at, e.g. "
+                           "prefill:batch=1,seq_len=1000 decode:batch=4 (added to the module's own)")
     tune.add_argument("--import", dest="import_results", metavar="RESULTS",
                       help="instead of tuning here: records from a bundle run's results.json (its tune stage)")
     tune.add_argument("--target", default="host",
@@ -315,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="shape buckets, e.g. B=1,H=8,S=1024,D=64,causal=1 or "
                            "B=8,Hq=32,Hkv=8,D=128,block_size=16,ctx=4096 (default: the benchmark's)")
     tune.add_argument("--trials", type=_int_at_least(0), default=64,
-                      help="measured candidates per bucket (default 64; 0: only verify the database's best)")
+                      help="measured candidates per bucket or model task (default 64; 0: only verify the "
+                           "database's best)")
     tune.add_argument("--verify-top", type=_int_at_least(0), default=3,
                       help="best knob sets re-measured side by side with the hand-picked ones (default 3; 0: none)")
     tune.add_argument("--trials-per-iter", type=_int_at_least(1), default=8,
@@ -337,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--shapes", nargs="+", metavar="K=V,...", type=_shape_bucket,
                       help="shape buckets (default: the benchmark's)")
     logs.add_argument("--module", metavar="FILE", type=_existing_file,
-                      help="report on this Relax module (TVMScript, as mod.script() prints)")
+                      help="report on this Relax module (TVMScript, as mod.script() prints): its kernels and its "
+                           "other TIR functions (a MetaSchedule record or the default schedule)")
     logs.set_defaults(run=_logs)
     return parser
 

@@ -121,10 +121,11 @@ class Matmul(dl.ScheduleRule):
         task = sch.fuse(batch, n_tile)
         sch.parallel(task)
 
-        a_pad = _writer(sch, main, 0)  # the reindex copy, padded: one pass over A at the root
+        a_pad = _writer(sch, main, 0)  # the reindex copy (padded where M needs it): one pass over A
         for block in sch.get_producers(a_pad):
             sch.compute_inline(block)
-        sch.parallel(sch.get_loops(a_pad)[1])
+        *rows, _ = sch.get_loops(a_pad)  # rows in parallel (a parallel K loop: a launch per row)
+        sch.parallel(sch.fuse(*rows) if len(rows) > 1 else rows[0])
 
         b_tile = _writer(sch, main, 1)  # B's [K, cols] slice, per task
         for block in sch.get_producers(b_tile):

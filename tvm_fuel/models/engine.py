@@ -77,14 +77,27 @@ class LlamaEngine:
         self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=config.num_kv_heads,
                                   head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
                                   device=self.device, target=target)  # first: bad sizes fail before the build
-        mod, names = llama.export(config, num_blocks=num_blocks, block_size=block_size, gpu=self.cache.gpu)
-        # nn.Linear transposes its weight on every call; TVM's pass folds that into the matmul
-        mod = relax.transform.FuseTransposeMatmul()(mod)
+        mod, names = llama.serving_module(config, num_blocks=num_blocks, block_size=block_size, gpu=self.cache.gpu)
+        self.module, self.target, self.kernels = mod, target, kernels
         start = time.perf_counter()
         self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), self.device)
         self.build_s = time.perf_counter() - start
         self.weights = llama.init_weights(config, names, seed=seed)
         self._params = [tvm.runtime.tensor(self.weights[name], device=self.device) for name in names]
+
+    def records(self) -> dict:
+        """What the build took from tuning logs (the shipped ones): ``kernels`` of ``kernel_total``
+        attention kernels with recorded knobs, ``functions`` of ``function_total`` other TIR
+        functions with a MetaSchedule record, and the logs (``sources``); see ``tuning_report``."""
+        from ..tuning.report import TIR_FUNCTION, tuning_report
+
+        rows = tuning_report(self.module, self.target, functions=True) if self.kernels == "tuned" else []
+        kernels = [r for r in rows if r["workload"] != TIR_FUNCTION]
+        functions = [r for r in rows if r["workload"] == TIR_FUNCTION]
+        recorded = [r for r in rows if r["match"] is not None]
+        return {"kernels": sum(r["match"] is not None for r in kernels), "kernel_total": len(kernels),
+                "functions": sum(r["match"] is not None for r in functions), "function_total": len(functions),
+                "sources": sorted({_short(r["knobs"]) for r in recorded})}
 
     def _tokens(self, tokens, what: str) -> tvm.runtime.Tensor:
         tokens = np.asarray(tokens)
@@ -164,6 +177,12 @@ class LlamaEngine:
         tokens = np.stack(generated, 1)
         return Generation([row.tolist() for row in tokens], prefill_logits, decode_logits, prefill_s, decode_s,
                           attention_s)
+
+
+def _short(path: str) -> str:
+    """A log file as ``<target key>/<kernel>`` (its folder's last two parts)."""
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-3:-1]) if len(parts) >= 3 else path
 
 
 class _KernelTimer:

@@ -19,7 +19,8 @@ block_size, Hkv, D]``, layer ``l`` in pages ``[l * num_blocks, (l + 1) * num_blo
 table for every layer (offset in-graph), ``slots`` from ``PagedKVCache.reserve``.
 
 Contents:
-    LlamaConfig, LlamaDecoder, export, init_weights, rope_table, rope
+    LlamaConfig, LlamaDecoder, export, serving_module, init_weights, rope_table, rope
+    DEMO_POINTS, tuning_module -- what ``python -m tvm_fuel tune --model tvm_fuel.models.llama`` tunes
 
 Example
 -------
@@ -286,6 +287,27 @@ def export(config: LlamaConfig, *, num_blocks: int = 64, block_size: int = 16,
     model = LlamaDecoder(config, gpu=gpu)
     mod, params = model.export_tvm(model.spec(num_pages=config.num_layers * num_blocks, block_size=block_size))
     return mod, [name for name, _ in params]
+
+
+def serving_module(config: LlamaConfig, *, num_blocks: int = 64, block_size: int = 16,
+                   gpu: bool = False) -> tuple[tvm.IRModule, list[str]]:
+    """``export``'s module as ``LlamaEngine`` builds it: nn.Linear transposes its weight on every
+    call, and TVM's ``FuseTransposeMatmul`` folds that into the matmul."""
+    mod, names = export(config, num_blocks=num_blocks, block_size=block_size, gpu=gpu)
+    return relax.transform.FuseTransposeMatmul()(mod), names
+
+
+# The demo's serving shapes (``tvm_fuel.demo.run_decoder``): a 1000-token prompt prefilled alone,
+# then 4 sequences decoding together. Its shipped logs were tuned here (tuning_logs/README.md).
+DEMO_POINTS = (("prefill", {"batch": 1, "seq_len": 1000}), ("decode", {"batch": 4}))
+
+
+def tuning_module():
+    """The demo decoder (default ``LlamaConfig``) and its shape points, for ``tune --model``."""
+    from ..specialize import ShapePoint
+
+    mod, _ = serving_module(LlamaConfig())
+    return mod, [ShapePoint(function, dims) for function, dims in DEMO_POINTS]
 
 
 def init_weights(config: LlamaConfig, names: list[str], *, seed: int = 0) -> dict[str, np.ndarray]:

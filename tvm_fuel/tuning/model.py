@@ -14,6 +14,7 @@ function keeps it unless a tuned one beat it in the same rounds.
 
 Functions that read an integer buffer (gathers, the KV append's slots, RoPE at cached positions)
 are not tuned: MetaSchedule's random inputs would index out of bounds, and their time is small.
+Nor are reshapes, which the build turns into views.
 
 Contents:
     tune_model      -- tune a model; returns ModelTuning
@@ -86,8 +87,8 @@ def function_tasks(mod: tvm.IRModule, target, *, database=None) -> dict[str, tvm
     fused = fuse(LegalizeFuel(target, kernels="tuned", database=database)(mod), target)
     tasks: dict[str, tvm.IRModule] = {}
     for gvar, func in unscheduled(fused).items():
-        if not _is_static(func) or _reads_integers(func):
-            continue
+        if not _is_static(func) or _reads_integers(func) or relax.analysis.has_reshape_pattern(func):
+            continue  # (a reshape becomes a view after fusion: no kernel runs)
         task = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
         if not any(tvm_ffi.structural_equal(task, seen) for seen in tasks.values()):
             tasks[gvar.name_hint] = task
