@@ -132,6 +132,14 @@ def _bench(args: argparse.Namespace) -> int:
     if not args.higher_order_only:
         run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
                   sweep=not args.no_sweep)
+    if not args.higher_order_only and not args.no_decoder:
+        from .bench_decoder import decoder_rows, print_rows as print_decoder
+
+        report = decoder_rows()
+        print_decoder(report)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decoder.json").write_text(json.dumps(report, indent=2))
+        print(f"wrote {Path(args.out) / 'decoder.json'}")
     if not args.no_higher_order:
         from .bench_higher_order import higher_order_rows, print_rows
 
@@ -365,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the forward-mode and double-backward rows (their expanded path takes minutes)")
     higher.add_argument("--higher-order-only", action="store_true",
                         help="only the forward-mode and double-backward rows (higher_order.json)")
+    bench.add_argument("--no-decoder", action="store_true",
+                       help="skip the demo decoder's end-to-end rows against PyTorch (decoder.json)")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)

@@ -69,18 +69,23 @@ class LlamaEngine:
         Seed of the random weights.
     device : tvm.runtime.Device
         Default ``tvm.cpu()``.
+    shipped_logs, relax_pipeline :
+        As ``tvm_fuel.compile``'s: the logs shipped with the package (their records for the demo's
+        shapes), and the pipeline after the fuel ops (default: ``build.default_pipeline``).
     """
 
     def __init__(self, config: llama.LlamaConfig, *, target="llvm", kernels: str = "decomposed",
-                 num_blocks: int = 64, block_size: int = 16, seed: int = 0, device=None):
+                 num_blocks: int = 64, block_size: int = 16, seed: int = 0, device=None, shipped_logs: bool = True,
+                 relax_pipeline="default"):
         self.config, self.device = config, device or tvm.cpu()
         self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=config.num_kv_heads,
                                   head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
                                   device=self.device, target=target)  # first: bad sizes fail before the build
         mod, names = llama.serving_module(config, num_blocks=num_blocks, block_size=block_size, gpu=self.cache.gpu)
-        self.module, self.target, self.kernels = mod, target, kernels
+        self.module, self.target, self.kernels, self.shipped_logs = mod, target, kernels, shipped_logs
         start = time.perf_counter()
-        self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), self.device)
+        self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels, shipped_logs=shipped_logs,
+                                                    relax_pipeline=relax_pipeline), self.device)
         self.build_s = time.perf_counter() - start
         self.weights = llama.init_weights(config, names, seed=seed)
         self._params = [tvm.runtime.tensor(self.weights[name], device=self.device) for name in names]
@@ -91,7 +96,8 @@ class LlamaEngine:
         functions with a MetaSchedule record, and the logs (``sources``); see ``tuning_report``."""
         from ..tuning.report import TIR_FUNCTION, tuning_report
 
-        rows = tuning_report(self.module, self.target, functions=True) if self.kernels == "tuned" else []
+        rows = (tuning_report(self.module, self.target, functions=True, shipped_logs=self.shipped_logs)
+                if self.kernels == "tuned" else [])
         kernels = [r for r in rows if r["workload"] != TIR_FUNCTION]
         functions = [r for r in rows if r["workload"] == TIR_FUNCTION]
         recorded = [r for r in rows if r["match"] is not None]

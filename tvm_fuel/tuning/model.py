@@ -173,7 +173,8 @@ def tune_model(mod: tvm.IRModule, target, *, points: Sequence[ShapePoint] = (), 
     if workloads_of(static, target):
         result.kernels = tune(static, target, trials=trials if kernel_trials is None else kernel_trials,
                               work_dir=root, trials_per_iter=trials_per_iter, rpc_tracker=rpc_tracker,
-                              rpc_key=rpc_key, verify_top=verify_top, seed=seed, log=log)
+                              rpc_key=rpc_key, verify_top=verify_top, verify_rounds=verify_rounds, seed=seed,
+                              log=log)
     tasks = function_tasks(static, target, database=root)
     if not tasks and not result.kernels:
         raise ValueError("tvm_fuel.tune_model: no static task in this module for this target (bind its "
