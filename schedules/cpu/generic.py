@@ -87,8 +87,8 @@ class Matmul(dl.ScheduleRule):
         tiles = self.tiles or MatmulTiles(lanes=vector_lanes(target))
         try:
             return self._schedule(func, tiles)
-        except (tvm.error.TVMError, s_tir.ScheduleError, StopIteration, ValueError):
-            return None  # not this pattern after all (layouts the normalization cannot express)
+        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
+            return None  # (layouts the normalization cannot express, blocks that do not compute-at)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: MatmulTiles):
@@ -161,7 +161,7 @@ class Elementwise(dl.ScheduleRule):
             return None
         try:
             return self._schedule(func, vector_lanes(target))
-        except (tvm.error.TVMError, s_tir.ScheduleError):
+        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
             return None
 
     @staticmethod
@@ -201,7 +201,7 @@ class RowReduction(dl.ScheduleRule):
             return None
         try:
             return self.rule.apply(func, target, tunable)
-        except (tvm.error.TVMError, s_tir.ScheduleError):
+        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
             return None
 
 
