@@ -292,3 +292,25 @@ def test_compile_schedules_every_function_and_matches_numpy():
     batches = [_inputs(BLOCK_PARAMS, rng, n=r) for r in (3, 17)]
     for inputs, (got,) in zip(batches, _run(mod, batches)):
         np.testing.assert_allclose(got, _mlp_block_numpy(*_f64(*inputs)), rtol=1e-5, atol=1e-5)
+
+
+def test_rules_decline_where_a_primitive_refuses():
+    """dlight's CPU reduction rule raises (its compute-at) on the fused floor of flash_attn and
+    its backward; the rules return None there and the build goes on with the plain loops."""
+    from tvm.s_tir import dlight as dl
+
+    from tvm_fuel.build import LegalizeFuel, fuse, unscheduled
+    from tvm_fuel.demo import build_demo_module
+
+    fused = fuse(LegalizeFuel(HOST, kernels="decomposed")(build_demo_module()), HOST)
+    refused = 0
+    with HOST:
+        for func in unscheduled(fused).values():
+            try:
+                dl.cpu.Reduction().apply(func, HOST, False)
+            except Exception:  # noqa: BLE001 -- what the rule must absorb
+                refused += 1
+            for rule in generic.RULES:
+                rule.apply(func, HOST, False)  # a schedule or None, never an exception
+    assert refused >= 1, "no function makes dlight's rule raise any more: this test checks nothing"
+    tvm_fuel.compile(build_demo_module(), HOST)
