@@ -15,7 +15,7 @@ _TIERS = {
     "numerics": ("test_flash_attn", "test_backward", "test_paged_attn", "test_hardening", "test_cpu_kernels",
                  "test_cuda_kernels", "test_reference_vs_torch", "test_gradient", "test_log_hardening",
                  "test_knob_paths", "test_expand", "test_reference_higher_order", "test_higher_order",
-                 "test_second_order", "test_generic_schedules"),
+                 "test_second_order", "test_generic_schedules", "test_autodiff"),
     "integration": ("test_models", "test_deploy", "test_cli", "test_tuning", "test_tuning_rpc", "test_fuse_attention",
                     "test_nn", "test_kv_cache", "test_script_and_compile", "test_log_portability",
                     "test_model_tuning"),

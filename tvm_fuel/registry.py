@@ -52,6 +52,9 @@ def register() -> None:
         tvm.ir.register_op_attr(spec.op_name, "FPurity", True)
         register_legalize(spec.op_name, LEGALIZE[name])
         register_gradient(spec.op_name, GRADIENTS[name])
+    from .autodiff import register as register_relax_gradients
+
+    register_relax_gradients()  # the Relax ops TVM gives no gradient (norms, GELU, rsqrt, erf)
     import tvm.relax.script as relax_script
     import tvm.relax.script.parser as relax_parser
 
