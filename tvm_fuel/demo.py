@@ -8,8 +8,9 @@
    other functions from the shipped logs, which it reports) and of PyTorch eager over its own
    KV cache (same weights, same greedy tokens); the decode logits against the model run without
    a cache over the full sequences, and against PyTorch.
-3. **training**: the attention model's loss curve under the Gradient pass and Adam, against
-   PyTorch's autograd and Adam.
+3. **training**: the attention model's loss curve under the Gradient pass and Adam, and the
+   decoder's (next-token cross entropy, no hand-written gradient), against PyTorch's autograd
+   and Adam.
 4. **second-order**: training with a gradient penalty on the attention inputs
    (loss + lambda |dloss/dq|^2) through ``flash_attn_double_backward`` (Gradient applied to the
    adjoint), fused kernels against the ops expanded to Relax primitives and against PyTorch's
@@ -250,7 +251,33 @@ def run_training(*, target="llvm", seed: int = 0, steps: int = 10) -> list[Check
                             float(max(abs(a - b) / b for a, b in zip(losses, curve))), 1e-4, "max rel err"))
     else:
         print("  (PyTorch is not installed: no PyTorch comparison)")
+    checks += _train_decoder(target, seed)
     _print_checks(checks)
+    return checks
+
+
+def _train_decoder(target, seed: int, steps: int = 10) -> list[Check]:
+    """The demo decoder trained on next-token cross entropy through Gradient (no hand-written
+    gradient: flash_attn's fused backward, the norms' from ``tvm_fuel.autodiff``), against PyTorch."""
+    from .models import llama, peers
+    from .models.train import DecoderTrainer
+
+    trainer = DecoderTrainer(llama.LlamaConfig(), target=target, kernels="tuned", seed=seed)
+    start = time.perf_counter()
+    losses = trainer.fit(steps=steps)
+    took = time.perf_counter() - start
+    batch, seq_len = trainer.tokens.shape
+    print(f"  decoder (RMSNorm, RoPE, GQA flash attention, SwiGLU): next-token cross entropy on {batch} random "
+          f"sequences of {seq_len + 1} tokens, Adam lr {trainer.lr}; built in {trainer.build_s:.1f} s, "
+          f"{steps} steps in {took * 1e3:.0f} ms")
+    print("  loss: " + " ".join(f"{loss:.4f}" for loss in losses))
+    checks = [Check("decoder: final loss / first loss", losses[-1] / losses[0], 0.1, "ratio")]
+    if _torch_available():
+        curve = peers.torch_llama_fit(trainer.config, trainer.initial_weights, trainer.tokens, trainer.targets,
+                                      steps=steps, lr=trainer.lr)
+        print("  torch " + " ".join(f"{loss:.4f}" for loss in curve))
+        checks.append(Check("decoder loss curve vs PyTorch autograd + Adam",
+                            float(max(abs(a - b) / b for a, b in zip(losses, curve))), 1e-4, "max rel err"))
     return checks
 
 

@@ -20,6 +20,7 @@ table for every layer (offset in-graph), ``slots`` from ``PagedKVCache.reserve``
 
 Contents:
     LlamaConfig, LlamaDecoder, export, serving_module, init_weights, rope_table, rope
+    rope_angles, rope_differentiable -- RoPE for training (the table an input, the rotation in primitives)
     DEMO_POINTS, tuning_module -- what ``python -m tvm_fuel tune --model tvm_fuel.models.llama`` tunes
 
 Example
@@ -116,6 +117,25 @@ def rope(x: nn.Tensor, table: nn.Tensor) -> nn.Tensor:
     return nn.op.tensor_expr_op(compute, "rope", [x, table])
 
 
+def rope_angles(seq_len: int, head_dim: int, theta: float) -> np.ndarray:
+    """``rope_table``'s values for positions 0..seq_len-1 in numpy: [2, 1, seq_len, head_dim] float32
+    (cos, sin), the input of ``LlamaDecoder.loss``."""
+    inv_freq = np.exp((np.arange(head_dim) % (head_dim // 2)).astype("float32")
+                      * np.float32(-2.0 * math.log(theta) / head_dim))
+    angle = np.arange(seq_len, dtype="float32")[:, None] * inv_freq[None, :]
+    return np.stack([np.cos(angle), np.sin(angle)])[:, None].astype("float32")
+
+
+def rope_differentiable(x: nn.Tensor, table: nn.Tensor) -> nn.Tensor:
+    """``rope`` in Relax primitives that have gradients (split, concat, multiply), for training:
+    x [B, S, H, D], table [2, 1, S, D] (``rope_angles``, an input: a TIR function has no gradient)."""
+    seq_len, dim = x.shape[1], x.shape[3]
+    cos, sin = (nn.op.reshape(t, [1, seq_len, 1, dim]) for t in nn.op.split(table, 2, axis=0))
+    first, second = nn.op.split(x, 2, axis=3)
+    rotated = nn.op.concat([nn.op.negative(second), first], dim=3)
+    return x * cos + rotated * sin
+
+
 def _offset(ids: nn.Tensor, amount: int) -> nn.Tensor:
     """ids + amount, keeping negative (padding) entries as they are."""
     if amount == 0:
@@ -167,14 +187,14 @@ class Attention(nn.Module):
         self.flash = FlashAttention(causal=True)
         self.paged = PagedAttention(causal=True)
 
-    def forward(self, x: nn.Tensor, attend, table: nn.Tensor) -> nn.Tensor:
-        """x [B, S, hidden] -> [B, S, hidden]; ``attend(q, k, v)`` on [B, H, S, D] (after RoPE by
-        ``rope_table``'s ``table``)."""
+    def forward(self, x: nn.Tensor, attend, rotate) -> nn.Tensor:
+        """x [B, S, hidden] -> [B, S, hidden]; ``attend(q, k, v)`` on [B, H, S, D] after RoPE
+        (``rotate`` of [B, S, H, D])."""
         c = self.config
         b, s, _ = x.shape
         heads = lambda proj, n: nn.op.reshape(proj(x), [b, s, n, c.head_dim])  # noqa: E731
-        q = rope(heads(self.q_proj, c.num_heads), table)
-        k = rope(heads(self.k_proj, c.num_kv_heads), table)
+        q = rotate(heads(self.q_proj, c.num_heads))
+        k = rotate(heads(self.k_proj, c.num_kv_heads))
         v = heads(self.v_proj, c.num_kv_heads)
         q, k, v = (nn.op.permute_dims(t, [0, 2, 1, 3]) for t in (q, k, v))
         out = nn.op.permute_dims(attend(self, q, k, v), [0, 2, 1, 3])
@@ -200,8 +220,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=c.dtype)
         self.mlp = MLP(c)
 
-    def forward(self, x: nn.Tensor, attend, table: nn.Tensor) -> nn.Tensor:
-        x = x + self.attn(self.input_norm(x), attend, table)
+    def forward(self, x: nn.Tensor, attend, rotate) -> nn.Tensor:
+        x = x + self.attn(self.input_norm(x), attend, rotate)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -216,15 +236,27 @@ class LlamaDecoder(nn.Module):
         self.norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=c.dtype)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
 
-    def _run(self, tokens: nn.Tensor, attend, context_lens: nn.Tensor | None = None) -> nn.Tensor:
+    def _run(self, tokens: nn.Tensor, attend, context_lens: nn.Tensor | None = None, rotate=None) -> nn.Tensor:
         x = self.embed(tokens)
-        table = rope_table(tokens, self.config.head_dim, self.config.rope_theta, context_lens)
+        if rotate is None:
+            table = rope_table(tokens, self.config.head_dim, self.config.rope_theta, context_lens)
+            rotate = lambda t: rope(t, table)  # noqa: E731
         for index, layer in enumerate(self.layers):
-            x = layer(x, lambda attn, q, k, v, index=index: attend(index, attn, q, k, v), table)
+            x = layer(x, lambda attn, q, k, v, index=index: attend(index, attn, q, k, v), rotate)
         return nn.op.astype(self.lm_head(self.norm(x)), "float32")
 
     def forward(self, tokens: nn.Tensor) -> nn.Tensor:
         return self._run(tokens, lambda index, attn, q, k, v: attn.flash(q, k, v))
+
+    def loss(self, tokens: nn.Tensor, targets: nn.Tensor, rope_table: nn.Tensor) -> nn.Tensor:
+        """Mean next-token cross entropy: tokens [B, S] int32, targets [B, S, vocab] float32 (one-hot,
+        or any distribution), rope_table [2, 1, S, D] (``rope_angles``); everything on the way has
+        a gradient (RoPE in primitives), so ``tvm_fuel.transform.gradient`` differentiates it."""
+        logits = self._run(tokens, lambda index, attn, q, k, v: attn.flash(q, k, v),
+                           rotate=lambda t: rope_differentiable(t, rope_table))
+        log_probs = nn.op.wrap_nested(relax.op.nn.log_softmax(logits._expr, axis=-1), name="log_probs")  # noqa: SLF001
+        batch, seq_len = tokens.shape
+        return nn.op.sum(log_probs * targets) * (-1.0 / (int(batch) * int(seq_len)))
 
     def prefill(self, tokens: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, slots: nn.Tensor):
         cache = _Cache(k_cache, v_cache, slots, self.gpu)

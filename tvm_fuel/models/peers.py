@@ -4,6 +4,7 @@ PyTorch (its own attention), given the same weights by name.
 Contents:
     llama_logits        -- numpy logits [B, S, vocab] of the decoder over whole sequences
     torch_llama_logits  -- the same in PyTorch (``scaled_dot_product_attention``, GQA)
+    torch_llama_fit     -- the decoder's next-token loss curve under PyTorch autograd and Adam
     TorchGeneration, torch_generate -- greedy generation in PyTorch eager over a KV cache (the
                            serving loop of ``LlamaEngine.generate``, timed the same way)
     regressor_forward   -- numpy output of the training model
@@ -71,14 +72,12 @@ def regressor_forward(config: TrainConfig, weights: dict[str, np.ndarray], x: np
 # -------------------------------------------------------------------------------------- PyTorch
 
 
-def torch_llama_logits(config: LlamaConfig, weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
-    """Logits [B, S, vocab] (float32) of the decoder in PyTorch (its SDPA, GQA by enable_gqa)."""
+def _torch_llama(config: LlamaConfig, w: dict, tok):
+    """The decoder's logits [B, S, vocab] in PyTorch from weights ``w`` (torch tensors) and ids ``tok``."""
     import torch
     import torch.nn.functional as F
 
     c = config
-    w = {name: torch.from_numpy(value).float() for name, value in weights.items()}
-    tok = torch.from_numpy(np.asarray(tokens, "int64"))
     b, s = tok.shape
     inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
     angle = torch.cat([torch.outer(torch.arange(s).float(), inv_freq)] * 2, -1)
@@ -88,20 +87,49 @@ def torch_llama_logits(config: LlamaConfig, weights: dict[str, np.ndarray], toke
         t1, t2 = t.chunk(2, -1)
         return t * cos + torch.cat([-t2, t1], -1) * sin
 
+    x = F.embedding(tok, w["embed.weight"])
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        h = F.rms_norm(x, (c.hidden_size,), w[p + "input_norm.weight"], c.rms_norm_eps)
+        q, k, v = (F.linear(h, w[p + f"attn.{n}_proj.weight"]).view(b, s, -1, c.head_dim).transpose(1, 2)
+                   for n in "qkv")
+        out = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        x = x + F.linear(out.transpose(1, 2).reshape(b, s, -1), w[p + "attn.o_proj.weight"])
+        h = F.rms_norm(x, (c.hidden_size,), w[p + "post_attn_norm.weight"], c.rms_norm_eps)
+        mlp = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
+        x = x + F.linear(mlp, w[p + "mlp.down_proj.weight"])
+    x = F.rms_norm(x, (c.hidden_size,), w["norm.weight"], c.rms_norm_eps)
+    return F.linear(x, w["lm_head.weight"])
+
+
+def torch_llama_logits(config: LlamaConfig, weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """Logits [B, S, vocab] (float32) of the decoder in PyTorch (its SDPA, GQA by enable_gqa)."""
+    import torch
+
+    w = {name: torch.from_numpy(value).float() for name, value in weights.items()}
     with torch.no_grad():
-        x = F.embedding(tok, w["embed.weight"])
-        for i in range(c.num_layers):
-            p = f"layers.{i}."
-            h = F.rms_norm(x, (c.hidden_size,), w[p + "input_norm.weight"], c.rms_norm_eps)
-            q, k, v = (F.linear(h, w[p + f"attn.{n}_proj.weight"]).view(b, s, -1, c.head_dim).transpose(1, 2)
-                       for n in "qkv")
-            out = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(out.transpose(1, 2).reshape(b, s, -1), w[p + "attn.o_proj.weight"])
-            h = F.rms_norm(x, (c.hidden_size,), w[p + "post_attn_norm.weight"], c.rms_norm_eps)
-            mlp = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
-            x = x + F.linear(mlp, w[p + "mlp.down_proj.weight"])
-        x = F.rms_norm(x, (c.hidden_size,), w["norm.weight"], c.rms_norm_eps)
-        return F.linear(x, w["lm_head.weight"]).numpy()
+        return _torch_llama(config, w, torch.from_numpy(np.asarray(tokens, "int64"))).numpy()
+
+
+def torch_llama_fit(config: LlamaConfig, weights: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
+                    *, steps: int, lr: float) -> list[float]:
+    """The loss before each of ``steps`` full-batch Adam steps (PyTorch's, defaults but ``lr``) of
+    the decoder's mean next-token cross entropy: token ids [B, S] in, target ids [B, S]."""
+    import torch
+    import torch.nn.functional as F
+
+    params = {name: torch.tensor(value, requires_grad=True) for name, value in weights.items()}
+    tok, tgt = torch.from_numpy(np.asarray(tokens, "int64")), torch.from_numpy(np.asarray(targets, "int64"))
+    optimizer = torch.optim.Adam(params.values(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        logits = _torch_llama(config, params, tok)
+        loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), tgt.reshape(-1))
+        losses.append(float(loss.detach()))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,13 @@ adjoint ``loss_adjoint`` that ``tvm_fuel.transform.gradient`` adds (``flash_attn
 gradient: ``flash_attn_backward`` with the forward's ``out`` and ``lse``), and ``optimizer``,
 Relax's Adam (``tvm.relax.training.optimizer``) over the weights. A step is two VM calls.
 
+``DecoderTrainer`` trains the Llama-style decoder (``models.llama``: RMSNorm, RoPE, GQA flash
+attention, SwiGLU) on next-token cross entropy over a synthetic corpus the same way: its adjoint
+comes from ``tvm_fuel.transform.gradient`` with no hand-written gradient (the norms' from
+``tvm_fuel.autodiff``).
+
 Contents:
-    TrainConfig, AttentionRegressor, Trainer, init_weights
+    TrainConfig, AttentionRegressor, Trainer, init_weights, DecoderTrainer
 
 Example
 -------
@@ -156,4 +161,48 @@ class Trainer:
 
     def fit(self, *, steps: int) -> list[float]:
         """``steps`` steps; the loss before each."""
+        return [self.step() for _ in range(steps)]
+
+
+class DecoderTrainer:
+    """Full-batch Adam of ``llama.LlamaDecoder.loss`` on ``batch`` random sequences of
+    ``seq_len + 1`` tokens (inputs the first ``seq_len``, targets the next ones), the weights of
+    ``llama.init_weights(seed)``; ``fit`` returns the loss before each step. ``tokens``,
+    ``targets`` (int ids) and ``initial_weights`` are kept for the peers."""
+
+    def __init__(self, config, *, batch: int = 4, seq_len: int = 32, lr: float = 1e-3, target="llvm",
+                 kernels: str = "decomposed", seed: int = 0):
+        from . import llama
+
+        model = llama.LlamaDecoder(config)
+        plain = {"param_mode": "plain", "effect_mode": "none"}
+        spec = {"loss": {"tokens": nn.spec.Tensor([batch, seq_len], "int32"),
+                         "targets": nn.spec.Tensor([batch, seq_len, config.vocab_size], "float32"),
+                         "rope_table": nn.spec.Tensor([2, 1, seq_len, config.head_dim], "float32"), "$": plain}}
+        mod, params = model.export_tvm(spec)
+        self.names = [name for name, _ in params]
+        mod = gradient(mod, "loss", require_grads=list(mod["loss"].params[3:]))
+        optimizer = _adam(lr, list(mod["loss_adjoint"].params[3:]))
+        mod["optimizer"] = optimizer.get_function().with_attr("global_symbol", "optimizer")
+        self.module = mod
+        start = time.perf_counter()
+        self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels), tvm.cpu())
+        self.build_s = time.perf_counter() - start
+        self.config, self.lr = config, lr
+        self.initial_weights = llama.init_weights(config, self.names, seed=seed)
+        corpus = np.random.default_rng(seed + 1).integers(0, config.vocab_size, (batch, seq_len + 1))
+        self.tokens, self.targets = corpus[:, :-1].astype("int32"), corpus[:, 1:]
+        one_hot = np.eye(config.vocab_size, dtype="float32")[self.targets]
+        self._inputs = [tvm.runtime.tensor(self.tokens), tvm.runtime.tensor(one_hot),
+                        tvm.runtime.tensor(llama.rope_angles(seq_len, config.head_dim, config.rope_theta))]
+        self.weights = [tvm.runtime.tensor(self.initial_weights[n]) for n in self.names]
+        self.state = optimizer.state
+
+    def step(self) -> float:
+        loss, grads = self.vm["loss_adjoint"](*self._inputs, *self.weights)
+        self.weights, self.state = self.vm["optimizer"](self.weights, grads, self.state)
+        self.weights = list(self.weights)
+        return float(loss.numpy())
+
+    def fit(self, *, steps: int) -> list[float]:
         return [self.step() for _ in range(steps)]
