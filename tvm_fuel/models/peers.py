@@ -72,28 +72,35 @@ def regressor_forward(config: TrainConfig, weights: dict[str, np.ndarray], x: np
 # -------------------------------------------------------------------------------------- PyTorch
 
 
-def _torch_llama(config: LlamaConfig, w: dict, tok):
-    """The decoder's logits [B, S, vocab] in PyTorch from weights ``w`` (torch tensors) and ids ``tok``."""
+def _torch_llama(config: LlamaConfig, w: dict, tok, positions=None, attend=None):
+    """The decoder's logits [B, T, vocab] in PyTorch from weights ``w`` (torch tensors) and ids
+    ``tok`` [B, T] at ``positions`` [B, T] (default 0..T-1); ``attend(layer, q, k, v)`` on
+    [B, H, T, D] after RoPE (default: causal SDPA over the T tokens)."""
     import torch
     import torch.nn.functional as F
 
     c = config
     b, s = tok.shape
+    positions = torch.arange(s)[None] if positions is None else positions
     inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
-    angle = torch.cat([torch.outer(torch.arange(s).float(), inv_freq)] * 2, -1)
-    cos, sin = angle.cos()[None, None], angle.sin()[None, None]
+    angle = torch.cat([positions[..., None].float() * inv_freq] * 2, -1)[:, None]  # [B, 1, T, D]
+    cos, sin = angle.cos(), angle.sin()
 
-    def rope(t):  # [B, H, S, D]
+    def rope(t):  # [B, H, T, D]
         t1, t2 = t.chunk(2, -1)
         return t * cos + torch.cat([-t2, t1], -1) * sin
 
+    def causal(layer, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    attend = attend or causal
     x = F.embedding(tok, w["embed.weight"])
     for i in range(c.num_layers):
         p = f"layers.{i}."
         h = F.rms_norm(x, (c.hidden_size,), w[p + "input_norm.weight"], c.rms_norm_eps)
         q, k, v = (F.linear(h, w[p + f"attn.{n}_proj.weight"]).view(b, s, -1, c.head_dim).transpose(1, 2)
                    for n in "qkv")
-        out = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        out = attend(i, rope(q), rope(k), v)
         x = x + F.linear(out.transpose(1, 2).reshape(b, s, -1), w[p + "attn.o_proj.weight"])
         h = F.rms_norm(x, (c.hidden_size,), w[p + "post_attn_norm.weight"], c.rms_norm_eps)
         mlp = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
@@ -159,34 +166,14 @@ def torch_generate(config: LlamaConfig, weights: dict[str, np.ndarray], prompts:
 
     c = config
     w = {name: torch.from_numpy(np.ascontiguousarray(value)).float() for name, value in weights.items()}
-    inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
     batch, capacity = len(prompts), max(len(p) for p in prompts) + max_new_tokens
     caches = [(torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim),
                torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim)) for _ in range(c.num_layers)]
 
-    def rope(t, positions):  # t [B, H, T, D], positions [B, T]
-        angle = positions[..., None].float() * inv_freq
-        cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
-        t1, t2 = t.chunk(2, -1)
-        return t * cos + torch.cat([-t2, t1], -1) * sin
-
     def run(tokens, positions, rows, attend):
         """tokens [b, T] at positions [b, T] of the sequences ``rows`` -> logits [b, T, vocab]."""
-        b, t = tokens.shape
-        x = F.embedding(tokens, w["embed.weight"])
-        for i, (k_cache, v_cache) in enumerate(caches):
-            p = f"layers.{i}."
-            h = F.rms_norm(x, (c.hidden_size,), w[p + "input_norm.weight"], c.rms_norm_eps)
-            q, k, v = (F.linear(h, w[p + f"attn.{n}_proj.weight"]).view(b, t, -1, c.head_dim).transpose(1, 2)
-                       for n in "qkv")
-            q, k = rope(q, positions), rope(k, positions)
-            out = attend(q, k, v, k_cache, v_cache, rows, positions)
-            x = x + F.linear(out.transpose(1, 2).reshape(b, t, -1), w[p + "attn.o_proj.weight"])
-            h = F.rms_norm(x, (c.hidden_size,), w[p + "post_attn_norm.weight"], c.rms_norm_eps)
-            mlp = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
-            x = x + F.linear(mlp, w[p + "mlp.down_proj.weight"])
-        x = F.rms_norm(x, (c.hidden_size,), w["norm.weight"], c.rms_norm_eps)
-        return F.linear(x, w["lm_head.weight"])
+        return _torch_llama(c, w, tokens, positions,
+                            lambda layer, q, k, v: attend(q, k, v, *caches[layer], rows, positions))
 
     def prefill_attend(q, k, v, k_cache, v_cache, rows, positions):
         k_cache[rows, :, :k.shape[2]], v_cache[rows, :, :v.shape[2]] = k[0], v[0]
