@@ -10,7 +10,6 @@ other call the symbolic one, so results never depend on which ran.
 Contents:
     ShapePoint  -- a function name and values of its symbolic dims
     specialize  -- the module with a static copy per point and a run-time dispatch
-    bind        -- the module with every function's named dims bound (for tuning at a point)
     symbolic_dims -- the names of a function's symbolic dims
 """
 
@@ -53,20 +52,6 @@ class ShapePoint:
 def symbolic_dims(func: relax.Function) -> dict[str, tvm.tirx.Var]:
     """The symbolic dims a function's parameters define, by name."""
     return {var.name: var for var in relax.analysis.defined_symbolic_vars(func)}
-
-
-def bind(mod: tvm.IRModule, dims: Mapping[str, int]) -> tvm.IRModule:
-    """``mod`` with the named symbolic dims of every Relax function set to their values (a
-    function without such a dim is kept as it is)."""
-    updated = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)
-    for gvar, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            names = symbolic_dims(func)
-            given = {name: value for name, value in dims.items() if name in names}
-            if given:
-                updated[gvar] = func.bind_symbolic_vars(given)
-                updated = _own_prim_funcs(updated, gvar, "__" + gvar.name_hint)
-    return relax.transform.SpecializePrimFuncBasedOnCallSite()(updated)
 
 
 @mutator
@@ -171,4 +156,4 @@ def specialize(mod: tvm.IRModule, points: Sequence[ShapePoint]) -> tvm.IRModule:
     return relax.transform.SpecializePrimFuncBasedOnCallSite()(relax.transform.Normalize()(mod))
 
 
-__all__ = ["ShapePoint", "specialize", "bind", "symbolic_dims"]
+__all__ = ["ShapePoint", "specialize", "symbolic_dims"]
