@@ -11,6 +11,12 @@ semantics are the forward op's own: its axes (any, negative ones too), its epsil
     relax.nn.gelu         x Phi(x):          Phi(x) + x phi(x)                (exact, via erf)
     relax.nn.gelu_tanh    x (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3)
     relax.repeat          each input element's repeats summed (a reshape, then a sum)
+    relax.nn.attention,   ``flash_attn_backward`` on the [B, H, S, D] views where its semantics are
+    attention_bias        the op's exactly (``nn_attention.flash_options``: FuseAttention's rule);
+                          elsewhere (TVM's sliding window, top-left causal with more keys than
+                          queries) a clear error: run ``tvm_fuel.transform.ExpandAttention`` after
+                          ``FuseAttention``, or differentiate a model without that mask. The bias
+                          gets no gradient (a mask, as ``flash_attn``'s attn_mask)
     relax.nn.rms_norm     y = x r w, r = rsqrt(mean(x^2) + eps):
                           dx = r (g - x_hat mean(g x_hat)), g = dy w; dw = sum(dy x_hat)
     relax.nn.layer_norm   y = x_hat gamma + beta, x_hat = (x - mean) r:
@@ -32,6 +38,10 @@ import math
 import tvm
 from tvm import relax
 from tvm.relax.op.base import register_gradient
+from tvm.relax.op.grad import no_grad
+
+from . import op
+from .nn_attention import flash_options
 
 R = relax.op
 
@@ -83,6 +93,21 @@ def _repeat_gradient(orig_var, orig_call, output_grad, ctx):
     axis = int(axis) % len(shape)
     split = shape[:axis] + [shape[axis], repeats] + shape[axis + 1:]
     return [R.sum(R.reshape(output_grad, split), axis=[axis + 1])]
+
+
+def _attention_gradient(orig_var, orig_call, output_grad, ctx):
+    options = flash_options(orig_call)
+    if options is None:
+        raise ValueError(f"{orig_call.op.name}: no gradient for this call (its window_size, mask or shapes have no "
+                         f"flash_attn equivalent); rewrite it with tvm_fuel.transform.FuseAttention and "
+                         f"ExpandAttention, or use causal_mask BottomRight / TopLeft with Sq >= Sk")
+    heads_first = lambda x: R.permute_dims(x, [0, 2, 1, 3])  # noqa: E731 ([B, S, H, D] <-> [B, H, S, D])
+    q, k, v = (heads_first(x) for x in orig_call.args[:3])
+    bias = orig_call.args[3] if len(orig_call.args) > 3 else None
+    grads = ctx.emit(op.flash_attn_backward(q, k, v, heads_first(output_grad), None, bias,
+                                            out=heads_first(orig_var), **options))
+    result = [heads_first(relax.TupleGetItem(grads, i)) for i in range(3)]
+    return result + ([no_grad(bias)] if bias is not None else [])
 
 
 def _normalized_axes(call: relax.Call) -> list[int]:
@@ -137,6 +162,8 @@ GRADIENTS = {
     "relax.nn.gelu": _gelu_gradient,
     "relax.nn.gelu_tanh": _gelu_tanh_gradient,
     "relax.repeat": _repeat_gradient,
+    "relax.nn.attention": _attention_gradient,
+    "relax.nn.attention_bias": _attention_gradient,
     "relax.nn.rms_norm": _rms_norm_gradient,
     "relax.nn.layer_norm": _layer_norm_gradient,
 }

@@ -33,17 +33,9 @@ from .build import LegalizeFuel  # noqa: F401 (the pass is built there; a pass i
 from .config import finite_nonzero_float32, FLOAT_DTYPES
 from .expand import ExpandAttention  # noqa: F401 (a pass users look for here)
 from .grad import bound_value
+from .nn_attention import causal_options, flash_options, static_dims
 from .op import options_of, SPECS
 from .rewrite import rewrite_functions
-
-
-def _static(expr: relax.Expr) -> list[int | None]:
-    """A tensor's dims, None where one is not a constant (all of them where the shape is unknown; one
-    where the rank is too)."""
-    shape = expr.ty.shape
-    if not isinstance(shape, relax.ShapeExpr):
-        return [None] * max(expr.ty.ndim, 1)
-    return [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in shape.values]
 
 
 def _op_name(expr) -> str | None:
@@ -64,44 +56,12 @@ _NN_ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")  # the second 
 
 def _fuse_nn_attention(call: relax.Call, _matched) -> relax.Expr:
     """``R.nn.attention`` ([B, S, H, D] layout) -> permute, ``flash_attn``, permute back."""
-    options = _nn_attention_options(call)
+    options = flash_options(call)
     if options is None:
         return call  # not expressible exactly: left as it is
     q, k, v = (relax.op.permute_dims(x, [0, 2, 1, 3]) for x in call.args[:3])
     bias = call.args[3] if len(call.args) > 3 else None
     return relax.op.permute_dims(op.flash_attn(q, k, v, None, bias, **options), [0, 2, 1, 3])
-
-
-def _nn_attention_options(call: relax.Call) -> dict | None:
-    q, k, v = (_static(x) for x in call.args[:3])
-    if call.attrs.window_size is not None or len(q) != 4 or q[3] is None or q[3] != k[3] or k[3] != v[3]:
-        return None  # its sliding window is TVM's own convention; and out's head dim must be q's
-    if len(call.args) > 3 and (len(_static(call.args[3])) != 4 or str(call.args[3].ty.dtype) not in FLOAT_DTYPES):
-        return None
-    scale = None if call.attrs.scale is None else float(call.attrs.scale.value)
-    if scale is not None and not finite_nonzero_float32(scale):
-        return None  # the kernels scale the logits in float32
-    options = dict(softmax_scale=scale)
-    mask, sq, sk = call.attrs.causal_mask, q[1], k[1]
-    if mask == "BottomRight":
-        options["causal"] = True  # fuel's causal is bottom-right aligned
-    elif mask == "TopLeft":
-        causal = None if sq is None or sk is None else _causal_options(sq, sk, 0)
-        if causal is None:
-            return None
-        options.update(causal)
-    elif mask is not None:
-        return None
-    return options
-
-
-def _causal_options(sq: int, sk: int, diagonal: int) -> dict | None:
-    """flash_attn's options for "query i sees the keys j <= i + diagonal" (0: top-left causal), or
-    None where no (left, right) window says it."""
-    right = diagonal - (sk - sq)  # fuel's window is relative to the bottom-right diagonal j = i + Sk - Sq
-    if right < 0:
-        return None  # e.g. top-left with more keys than queries
-    return dict(causal=True) if right == 0 else dict(causal=False, window_size=(-1, right))
 
 
 def _scalar(expr) -> float | None:
@@ -122,7 +82,7 @@ _LIKE = ("relax.full_like", "relax.ones_like", "relax.zeros_like")
 def _unlike(call: relax.Call, _matched) -> relax.Expr:
     """``full_like(x, c)`` (``ones_like``, ``zeros_like``) of a static shape -> ``full(shape, c)``: a
     mask built from ``ones_like(scores)`` then no longer keeps the unfused scores alive."""
-    shape, dtype, name = _static(call), str(call.ty.dtype), _op_name(call)
+    shape, dtype, name = static_dims(call), str(call.ty.dtype), _op_name(call)
     if None in shape:
         return call
     if name == "relax.full_like":
@@ -192,7 +152,7 @@ class _KV:
         repeat = steps[-1][1] if steps and self.expand in m else None  # the step right above expand_dims
         if _op_name(repeat) == "relax.broadcast_to" and (whole or x.same_as(repeat)):
             expand = m[self.expand]
-            src, out = _static(expand.args[0]), _static(repeat)
+            src, out = static_dims(expand.args[0]), static_dims(repeat)
             if ([int(a) % 5 for a in expand.attrs.axis] == [2] and len(src) == 4 and None not in src + out
                     and out == [src[0], src[1], out[2], src[2], src[3]]):
                 x, more, _ = self.inner.peel(m)
@@ -267,8 +227,8 @@ class _UnfusedAttention:
             return None
         q, q_scale, _ = self.q.peel(m)
         (k, group, k_scale), (v, v_group, _) = self.k.peel(m), self.v.peel(m)
-        shapes = [_static(t) if len(_static(t)) == 4 else None for t in (q, k, v)]
-        if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != _static(call):
+        shapes = [static_dims(t) if len(static_dims(t)) == 4 else None for t in (q, k, v)]
+        if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != static_dims(call):
             return None
         (b, h, sq, d), (bk, hk, sk, dk), vs = shapes
         if (bk, hk, sk, dk) != tuple(vs) or group != v_group or (b, h, d) != (bk, hk * group, dk):
@@ -278,7 +238,7 @@ class _UnfusedAttention:
         expected = ((qk.args[0], (sq, d)), (qk.args[1], (d, sk)), (transpose, (d, sk)), (transpose.args[0], (sk, d)),
                     (m[self.scores.pattern], (sq, sk)), (m[self.logits], (sq, sk)), (pv.args[0], (sq, sk)),
                     (pv.args[1], (sk, d)), (pv, (sq, d))) + (((masked, (sq, sk)),) if masked is not None else ())
-        if not all(_merged(_static(t), (b, h), tail) for t, tail in expected):
+        if not all(_merged(static_dims(t), (b, h), tail) for t, tail in expected):
             return None
         scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
         if not finite_nonzero_float32(scale):
@@ -328,17 +288,17 @@ class _UnfusedAttention:
         other mask flash_attn's attn_mask. None where the mask's shape is unknown, or a scalar
         (flash_attn takes no 0-d mask)."""
         b, h, sq, sk = dims
-        shape, dtype = _static(mask), str(mask.ty.dtype)
+        shape, dtype = static_dims(mask), str(mask.ty.dtype)
         if not shape or None in shape or dtype not in ("bool",) + FLOAT_DTYPES:
             return None
         keep = self._evaluate(mask) if dtype == "bool" else None
         if keep is not None and all(n == 1 for n in keep.shape[:-2]):
             grid = np.broadcast_to(keep.reshape(keep.shape[-2:]), (sq, sk))
             for diagonal in (0, sk - sq):  # top-left (torch's is_causal, tril) and bottom-right
-                options = _causal_options(sq, sk, diagonal)
+                options = causal_options(sq, sk, diagonal)
                 if options is not None and np.array_equal(grid, np.tri(sq, sk, diagonal, dtype=bool)):
                     return None, options
-        if len(_static(masked)) == 3 and len(shape) == 3 and shape[0] != 1:
+        if len(static_dims(masked)) == 3 and len(shape) == 3 and shape[0] != 1:
             mask = relax.op.reshape(mask, [b, h, *shape[1:]])  # [B * H, ...] -> [B, H, ...]
         return mask, {}  # otherwise the broadcast against [B * H, Sq, Sk] is the one against [B, H, Sq, Sk]
 
@@ -346,7 +306,7 @@ class _UnfusedAttention:
         """The value of a tensor computed from constants alone (a causal mask's index arithmetic) as
         TVM computes it: the dataflow bindings it reads, copied into a function of no parameters,
         legalized and folded (``relax.transform.FoldConstant``). None where it reads anything else."""
-        if math.prod(_static(expr)) > _MASK_ELEMENTS:
+        if math.prod(static_dims(expr)) > _MASK_ELEMENTS:
             return None
         needed, todo = set(), list(relax.analysis.free_vars(expr))
         while todo:
@@ -378,7 +338,7 @@ def _swaps_last_two(call) -> bool:
 
 
 def _last_axis(tensor, axis) -> bool:
-    rank = len(_static(tensor))
+    rank = len(static_dims(tensor))
     return int(axis) % rank == rank - 1
 
 
@@ -388,7 +348,7 @@ def _merged(shape: list, lead: tuple, tail: tuple) -> bool:
 
 
 def _numel(expr) -> int | None:
-    dims = _static(expr)
+    dims = static_dims(expr)
     return None if None in dims else math.prod(dims)
 
 
