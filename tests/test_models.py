@@ -133,6 +133,11 @@ def test_decoder_trains_and_follows_torch(path):
     adjoint = trainer.module["loss_adjoint"].script()
     assert "R.fuel.flash_attn_backward" in adjoint  # attention's fused backward, not an expansion
     assert "R.rsqrt" in adjoint and "R.nn.rms_norm" in adjoint  # the norm's gradient: autodiff's composition
+    if path == "tuned":  # the kernels served the attention ops, not the floor
+        from tvm_fuel.tuning.report import tuning_report
+
+        served = {row["workload"].split()[0] for row in tuning_report(trainer.module, HOST)}
+        assert {"flash_attn", "flash_attn_backward"} <= served, served
     try:
         import torch  # noqa: F401
     except ImportError:

@@ -94,8 +94,10 @@ def local_runner() -> ms.runner.LocalRunner:
                                  f_alloc_argument=alloc_arguments)
 
 
-def rpc_runner(tracker: str, key: str, *, workers: int | None = None) -> ms.runner.RPCRunner:
-    """Measure on the servers registered at ``tracker`` (HOST:PORT) under ``key``, one worker each."""
+def rpc_runner(tracker: str, key: str, *, workers: int | None = None, valid_inputs: bool = True) -> ms.runner.RPCRunner:
+    """Measure on the servers registered at ``tracker`` (HOST:PORT) under ``key``, one worker each;
+    ``valid_inputs``: a fuel kernel's valid arguments (``alloc_arguments_rpc``), else MetaSchedule's
+    random ones (a model's other functions, see ``function_runner``)."""
     host, _, port = tracker.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"tvm_fuel.tune: rpc_tracker must be HOST:PORT, got {tracker!r}")
@@ -111,7 +113,7 @@ def rpc_runner(tracker: str, key: str, *, workers: int | None = None) -> ms.runn
             raise RuntimeError(f"tvm_fuel.tune: no free RPC server is registered under key {key!r} at {tracker}")
     config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=120)
     return ms.runner.RPCRunner(rpc_config=config, evaluator_config=ms.runner.EvaluatorConfig(**EVALUATOR),
-                               f_alloc_argument=alloc_arguments_rpc, max_workers=workers)
+                               f_alloc_argument=alloc_arguments_rpc if valid_inputs else None, max_workers=workers)
 
 
 def build_function(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
@@ -128,13 +130,9 @@ def function_builder(workers: int | None = None) -> ms.builder.LocalBuilder:
 def function_runner(tracker: str | None = None, key: str | None = None) -> ms.runner.Runner:
     """A runner for a model's TIR functions: random inputs (the tasks read no index buffer, see
     ``tuning.model``), locally or on the RPC servers of ``tracker`` under ``key``."""
-    config = ms.runner.EvaluatorConfig(**EVALUATOR)
     if tracker is None:
-        return ms.runner.LocalRunner(evaluator_config=config, timeout_sec=120)
-    host, _, port = tracker.rpartition(":")
-    return ms.runner.RPCRunner(rpc_config=ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port),
-                                                              tracker_key=key, session_timeout_sec=120),
-                               evaluator_config=config)
+        return ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(**EVALUATOR), timeout_sec=120)
+    return rpc_runner(tracker, key, valid_inputs=False)
 
 
 def side_by_side(schedules: list, target, builder, runner, rounds: int) -> list[list[float] | None]:
