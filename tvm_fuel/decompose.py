@@ -12,6 +12,8 @@ Contents:
     paged_attn             -- attention over a paged KV cache read through a block table
     sanitize_block_table   -- live block ids clamped in range, dead entries zeroed (no OOB reads)
     softmax_backward       -- probs * (dprobs - sum(probs * dprobs))
+    norm_backward_row_mean, norm_backward_dx, norm_backward_column_sum
+                           -- layer / RMS norm backward over [N, C] rows, one reduction each
 """
 
 from __future__ import annotations
@@ -440,3 +442,48 @@ def softmax_backward(probs, dprobs, *, axis: int = -1):
         return (p * (dprobs[idx].astype(F32) - dot[rest])).astype(str(probs.dtype))
 
     return te.compute(probs.shape, grad, name="dlogits")
+
+
+def _x_hat(x, mean, rstd, n, c, acc):
+    """x_hat[n, c] of a norm: (x - mean) * rstd, or x * rstd without a mean (RMS)."""
+    centered = x[n, c].astype(acc) if mean is None else x[n, c].astype(acc) - mean[n]
+    return centered * rstd[n]
+
+
+def norm_backward_row_mean(dy, x, gamma, mean, rstd, *, times_x_hat: bool):
+    """[N] in the statistics' dtype: mean_C(g) or, ``times_x_hat``, mean_C(g * x_hat), g = dy * gamma."""
+    rows, features = x.shape
+    acc = str(rstd.dtype)
+    c = te.reduce_axis((0, features), name="c")
+
+    def term(n, c):
+        g = dy[n, c].astype(acc) * gamma[c].astype(acc)
+        return g * _x_hat(x, mean, rstd, n, c, acc) if times_x_hat else g
+
+    total = te.compute((rows,), lambda n: te.sum(term(n, c), axis=c), name="row_sum")
+    return te.compute((rows,), lambda n: total[n] / features.astype(acc), name="row_mean")
+
+
+def norm_backward_dx(dy, x, gamma, mean, rstd, g_mean, gx_mean):
+    """dx [N, C] = rstd (g - g_mean - x_hat gx_mean) (``g_mean`` None: RMS norm's, no centering)."""
+    acc = str(rstd.dtype)
+
+    def dx(n, c):
+        g = dy[n, c].astype(acc) * gamma[c].astype(acc)
+        centered = g if g_mean is None else g - g_mean[n]
+        return (rstd[n] * (centered - _x_hat(x, mean, rstd, n, c, acc) * gx_mean[n])).astype(str(x.dtype))
+
+    return te.compute(x.shape, dx, name="dx")
+
+
+def norm_backward_column_sum(dy, x, mean, rstd, *, times_x_hat: bool):
+    """[C], dtype of dy: sum_N(dy * x_hat) (dgamma) or, without ``times_x_hat``, sum_N(dy) (dbeta)."""
+    rows, features = x.shape
+    acc = str(rstd.dtype)
+    n = te.reduce_axis((0, rows), name="n")
+
+    def term(n, c):
+        return dy[n, c].astype(acc) * _x_hat(x, mean, rstd, n, c, acc) if times_x_hat else dy[n, c].astype(acc)
+
+    total = te.compute((features,), lambda c: te.sum(term(n, c), axis=n), name="column_sum")
+    return te.compute((features,), lambda c: total[c].astype(str(dy.dtype)), name="weight_grad")

@@ -3,7 +3,7 @@ can and the run-time check (``tvm_fuel.legalize``) enforces where it cannot.
 
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; do, out [B, Hq, Sq, D]; lse [B, Hq, Sq];
 alibi_slopes [Hq]; paged caches [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
-context_lens [B]; the tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar
+context_lens [B]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar
 like k.
 
 Contents:
@@ -57,9 +57,15 @@ _PAGED = (
     DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
 )
 
+_NORM = (DimRule("dy", 0, "x", 0, "row count N"), DimRule("dy", 1, "x", 1, "feature count C"),
+         DimRule("rstd", 0, "x", 0, "row count N"))
+_LAYER_NORM = _NORM + (DimRule("gamma", 0, "x", 1, "feature count C"), DimRule("mean", 0, "x", 0, "row count N"))
+_RMS_NORM = _NORM + (DimRule("weight", 0, "x", 1, "feature count C"),)
+
 _RULES = {"flash_attn": _DENSE, "flash_attn_backward": _BACKWARD, "flash_attn_backward_q": _BACKWARD,
           "flash_attn_backward_k": _BACKWARD, "flash_attn_backward_v": _BACKWARD, "paged_attn": _PAGED,
-          "flash_attn_jvp": _JVP, "flash_attn_double_backward": _DOUBLE_BACKWARD}
+          "flash_attn_jvp": _JVP, "flash_attn_double_backward": _DOUBLE_BACKWARD,
+          "layer_norm_backward": _LAYER_NORM, "rms_norm_backward": _RMS_NORM}
 
 
 def dim_rules(op: str, ndim: int = 0) -> tuple[DimRule, ...]:
@@ -71,7 +77,9 @@ def dim_rules(op: str, ndim: int = 0) -> tuple[DimRule, ...]:
 
 _DENSE_POSITIVE = (("q", 1, "head count Hq"), ("q", 3, "head dim D"), ("k", 1, "head count Hkv"))
 _POSITIVE = {"paged_attn": (("q", 1, "head count Hq"), ("q", 3, "head dim D"), ("k_cache", 1, "block size"),
-                            ("k_cache", 2, "head count Hkv")), "softmax_backward": ()}
+                            ("k_cache", 2, "head count Hkv")), "softmax_backward": (),
+             # a row's mean over C features divides by C
+             "layer_norm_backward": (("x", 1, "feature count C"),), "rms_norm_backward": (("x", 1, "feature count C"),)}
 
 
 def positive_dims(op: str) -> tuple[tuple[str, int, str], ...]:

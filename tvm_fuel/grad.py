@@ -8,7 +8,8 @@ slopes and masks get no gradient. The backward ops' gradient is ``flash_attn_dou
 (the VJP of the backward, fused), so ``Gradient`` of an adjoint, or ``tvm_fuel.transform.gradient``
 applied twice, gives second derivatives through fused ops; ``softmax_backward`` differentiates in
 Relax primitives and itself. ``paged_attn`` (inference over a cache), ``flash_attn_jvp`` and the
-double backward itself have no gradient: ``Gradient`` reports the op by name.
+double backward itself have no gradient: ``Gradient`` reports the op by name. ``layer_norm_backward``
+and ``rms_norm_backward`` differentiate as their Relax composition (``tvm_fuel.autodiff.norms``).
 
 Contents:
     GRADIENTS -- op name -> its ``FPrimalGradient`` (registered on ``import tvm_fuel``)
@@ -21,6 +22,8 @@ from tvm import relax
 from tvm.relax.op.grad import no_grad
 
 from . import op
+from .autodiff.common import tuple_adjoints
+from .autodiff.norms import FUSED_GRADIENTS as NORM_BACKWARD_GRADIENTS
 from .op import SPECS
 
 def bound_value(binder, expr: relax.Expr) -> relax.Expr:
@@ -41,20 +44,12 @@ def _is_zeros(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:
         "relax.zeros", "relax.zeros_like")
 
 
-def _fields(ctx: relax.BlockBuilder, output_grad: relax.Expr, count: int) -> list[relax.Expr]:
-    """The adjoints of a tuple-valued op's outputs: the tuple Gradient bound, or items of it."""
-    bound = bound_value(ctx, output_grad)
-    if isinstance(bound, relax.Tuple):
-        return list(bound.fields)
-    return [relax.TupleGetItem(output_grad, i) for i in range(count)]
-
-
 def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
                          ctx: relax.BlockBuilder) -> list[relax.Expr]:
     args = SPECS["flash_attn"].split_args(orig_call)
     if bool(orig_call.attrs["return_lse"]):
         out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
-        dout, dlse = _fields(ctx, output_grad, 2)
+        dout, dlse = tuple_adjoints(ctx, output_grad, 2)
         if not _is_zeros(ctx, dlse):
             raise ValueError("fuel.flash_attn: the gradient through lse is not supported: the loss may use "
                              "out, not lse")
@@ -82,7 +77,7 @@ def _backward_gradient(name: str):
     def gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
                  ctx: relax.BlockBuilder) -> list[relax.Expr]:
         args = SPECS[name].split_args(orig_call)
-        adjoints = _fields(ctx, output_grad, len(grads)) if len(grads) > 1 else [output_grad]
+        adjoints = tuple_adjoints(ctx, output_grad, len(grads)) if len(grads) > 1 else [output_grad]
         bars = {f"{grad}_bar": _cotangent(ctx, adjoint) for grad, adjoint in zip(grads, adjoints)}
         result = ctx.emit(op.flash_attn_double_backward(
             args["q"], args["k"], args["v"], args["do"], alibi_slopes=args["alibi_slopes"],
@@ -132,4 +127,5 @@ GRADIENTS = {
     "flash_attn_double_backward": _not_differentiable(
         "fuel.flash_attn_double_backward has no gradient (third derivatives are not fused); run "
         "tvm_fuel.transform.ExpandAttention() before Gradient for them"),
+    **NORM_BACKWARD_GRADIENTS,  # the composition's VJP: any order (tvm_fuel.autodiff.norms)
 }

@@ -267,6 +267,38 @@ def _infer_softmax_backward(call, ctx):
     return _tensor(pd if pd is not None else dd, p.dtype, ndim)
 
 
+def norm_stats_dtype(dtype: str) -> str:
+    """The dtype of a norm's saved statistics and of its backward's accumulation."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _norm_backward_infer(name: str):
+    weight = "gamma" if name == "layer_norm_backward" else "weight"
+    stats = ("mean", "rstd") if name == "layer_norm_backward" else ("rstd",)
+
+    def infer(call, ctx):
+        c = _Checker(SPECS[name], call)
+        x = c.tensor("x", layout=("N", "C"), dtypes=FLOAT_DTYPES + ("float64",))
+        dy = c.tensor("dy", layout=("N", "C"), dtypes=FLOAT_DTYPES + ("float64",))
+        w = c.tensor(weight, layout=("C",), dtypes=FLOAT_DTYPES + ("float64",))
+        c.same_dtype("dy", dy, "x", x)
+        c.same_dtype(weight, w, "x", x)
+        acc = norm_stats_dtype(str(x.dtype))
+        for stat in stats:
+            c.tensor(stat, layout=("N",), dtypes=(acc,))
+        c.positive()
+        xd = c.dims(x)
+        if xd is not None:
+            c.expect_shape("dy", dy, xd, "[N, C] of x")
+            c.expect_shape(weight, w, xd[1:], "[C] of x")
+            for stat in stats:
+                c.expect_shape(stat, c.args[stat].ty, xd[:1], "[N] of x")
+        row = _tensor(xd[1:] if xd is not None else None, x.dtype, 1)
+        return TupleType([_tensor(xd, x.dtype, 2), row] + ([row] if name == "layer_norm_backward" else []))
+
+    return infer
+
+
 INFER = {
     "flash_attn": _infer_flash_attn,
     "flash_attn_backward": _backward_infer("flash_attn_backward"),
@@ -277,4 +309,6 @@ INFER = {
     "softmax_backward": _infer_softmax_backward,
     "flash_attn_jvp": _infer_flash_attn_jvp,
     "flash_attn_double_backward": _infer_flash_attn_double_backward,
+    "layer_norm_backward": _norm_backward_infer("layer_norm_backward"),
+    "rms_norm_backward": _norm_backward_infer("rms_norm_backward"),
 }

@@ -199,6 +199,31 @@ def _softmax_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(fn, a["probs"], a["dprobs"], primfunc_name_hint="fuel_softmax_backward")
 
 
+def _norm_backward(name: str):
+    """The floor of layer_norm_backward / rms_norm_backward: one PrimFunc per reduction or map
+    (row means, dx, column sums), each a pattern the default schedules serve."""
+    weight = "gamma" if name == "layer_norm_backward" else "weight"
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        a = checked_dims(bb, name, SPECS[name].split_args(call))
+        dy, x, w, mean, rstd = a["dy"], a["x"], a[weight], a.get("mean"), a["rstd"]
+
+        def te(fn, *args, hint, **kwargs):
+            return bb.emit(bb.call_te(functools.partial(fn, **kwargs), *args, primfunc_name_hint=f"fuel_{name}_{hint}"))
+
+        row_mean = functools.partial(te, decompose.norm_backward_row_mean, dy, x, w, mean, rstd)
+        g_mean = None if mean is None else row_mean(hint="g_mean", times_x_hat=False)
+        gx_mean = row_mean(hint="gx_mean", times_x_hat=True)
+        dx = te(decompose.norm_backward_dx, dy, x, w, mean, rstd, g_mean, gx_mean, hint="dx")
+        column_sum = functools.partial(te, decompose.norm_backward_column_sum, dy, x, mean, rstd)
+        grads = [dx, column_sum(hint="dweight", times_x_hat=True)]
+        if mean is not None:
+            grads.append(column_sum(hint="dbias", times_x_hat=False))
+        return relax.Tuple(grads)
+
+    return legalize
+
+
 LEGALIZE = {
     "flash_attn": _flash_attn,
     "flash_attn_backward": _backward("flash_attn_backward"),
@@ -209,4 +234,6 @@ LEGALIZE = {
     "softmax_backward": _softmax_backward,
     "flash_attn_jvp": _flash_attn_jvp,
     "flash_attn_double_backward": _flash_attn_double_backward,
+    "layer_norm_backward": _norm_backward("layer_norm_backward"),
+    "rms_norm_backward": _norm_backward("rms_norm_backward"),
 }

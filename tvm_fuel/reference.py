@@ -9,7 +9,8 @@ it; a weight of exactly 0 (a dropped key) never multiplies anything into a sum, 
 additive mask drops its key whatever the score.
 
 Contents:
-    flash_attn, flash_attn_backward, paged_attn, gather_pages, softmax_backward, visible_keys
+    flash_attn, flash_attn_backward, paged_attn, gather_pages, softmax_backward, visible_keys,
+    layer_norm_backward, rms_norm_backward
     flash_attn_jvp, flash_attn_double_backward -- forward mode and the backward's VJP (issue 16)
 """
 
@@ -236,3 +237,21 @@ def softmax_backward(probs, dprobs, *, axis: int = -1):
     """``probs * (dprobs - sum(probs * dprobs, axis))`` in float64."""
     p, dp = _f64(probs), _f64(dprobs)
     return p * (dp - (p * dp).sum(axis=axis, keepdims=True))
+
+
+def layer_norm_backward(dy, x, gamma, mean, rstd):
+    """(dx, dgamma, dbeta) of layer norm over the rows of [N, C] arrays, in float64."""
+    dy, x, gamma = _f64(dy), _f64(x), _f64(gamma)
+    x_hat = (x - _f64(mean)[:, None]) * _f64(rstd)[:, None]
+    g = dy * gamma
+    dx = _f64(rstd)[:, None] * (g - g.mean(1, keepdims=True) - x_hat * (g * x_hat).mean(1, keepdims=True))
+    return dx, (dy * x_hat).sum(0), dy.sum(0)
+
+
+def rms_norm_backward(dy, x, weight, rstd):
+    """(dx, dweight) of RMS norm over the rows of [N, C] arrays, in float64."""
+    dy, x = _f64(dy), _f64(x)
+    x_hat = x * _f64(rstd)[:, None]
+    g = dy * _f64(weight)
+    dx = _f64(rstd)[:, None] * (g - x_hat * (g * x_hat).mean(1, keepdims=True))
+    return dx, (dy * x_hat).sum(0)

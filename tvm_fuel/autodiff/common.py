@@ -2,7 +2,7 @@
 against data and summed back to their shape.
 
 Contents:
-    const, normalized_axes, broadcast_weight, weight_sum, composition_vjp
+    const, tuple_adjoints, normalized_axes, broadcast_weight, weight_sum, composition_vjp
 """
 
 from __future__ import annotations
@@ -15,6 +15,17 @@ R = relax.op
 def const(value: float, like: relax.Expr) -> relax.Expr:
     """``value`` as a scalar constant of ``like``'s dtype."""
     return relax.const(value, str(like.ty.dtype))
+
+
+def tuple_adjoints(ctx: relax.BlockBuilder, output_grad: relax.Expr, count: int) -> list[relax.Expr]:
+    """The adjoints of a tuple-valued op's ``count`` outputs: the fields of the tuple Gradient
+    bound (followed through variables), else items of it."""
+    bound = output_grad
+    while isinstance(bound, relax.Var) and ctx.lookup_binding(bound) is not None:
+        bound = ctx.lookup_binding(bound)
+    if isinstance(bound, relax.Tuple):
+        return list(bound.fields)
+    return [relax.TupleGetItem(output_grad, i) for i in range(count)]
 
 
 def normalized_axes(call: relax.Call) -> list[int]:
@@ -71,4 +82,4 @@ def composition_vjp(ctx: relax.BlockBuilder, compose, args: list[relax.Expr],
     return [grads.fields[i] if isinstance(grads, relax.Tuple) else relax.TupleGetItem(grads, i)
             for i in range(len(args))]
 
-__all__ = ["const", "normalized_axes", "broadcast_weight", "weight_sum", "composition_vjp"]
+__all__ = ["const", "tuple_adjoints", "normalized_axes", "broadcast_weight", "weight_sum", "composition_vjp"]

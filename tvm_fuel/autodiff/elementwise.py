@@ -1,9 +1,12 @@
-"""Gradients of elementwise ops: rsqrt, erf, gelu (exact and tanh-approximate).
+"""Gradients of elementwise ops: rsqrt, erf, gelu (exact and tanh-approximate), dropout.
 
     relax.rsqrt           d rsqrt(x) = -rsqrt(x)^3 / 2
     relax.erf             d erf(x) = 2 / sqrt(pi) exp(-x^2)
     relax.nn.gelu         x Phi(x):          Phi(x) + x phi(x)                (exact, via erf)
     relax.nn.gelu_tanh    x (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3)
+    relax.nn.dropout      outputs (y, mask) with y = x * mask (TVM's legalization: y = x, mask all
+                          ones; a training legalization's mask holds the kept elements' 1 / (1 - rate)
+                          and zeros): dx = dy * mask; the mask does not depend on x
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 
 from tvm import relax
 
-from .common import const
+from .common import const, tuple_adjoints
 
 R = relax.op
 
@@ -46,9 +49,15 @@ def _gelu_tanh_gradient(orig_var, orig_call, output_grad, ctx):
     return [R.multiply(output_grad, grad)]
 
 
+def _dropout_gradient(orig_var, orig_call, output_grad, ctx):
+    dy, _ = tuple_adjoints(ctx, output_grad, 2)
+    return [R.multiply(dy, relax.TupleGetItem(orig_var, 1))]
+
+
 GRADIENTS = {
     "relax.rsqrt": _rsqrt_gradient,
     "relax.erf": _erf_gradient,
     "relax.nn.gelu": _gelu_gradient,
     "relax.nn.gelu_tanh": _gelu_tanh_gradient,
+    "relax.nn.dropout": _dropout_gradient,
 }
