@@ -27,6 +27,7 @@ class KernelRule:
     op: str = ""
     target_kinds: Sequence[str] = ()
     needs_forward_state = False  # the kernel takes the forward's out and lse (backward kernels)
+    tunable = True  # MetaSchedule tunes its knobs (``tvm_fuel.tune``); else hand-picked only
 
     def is_target_available(self, target: tvm.target.Target) -> bool:
         return target.kind.name in self.target_kinds

@@ -8,6 +8,7 @@ the processes that build candidates.
 
 Contents:
     KernelSpec -- the static facts of one kernel instance (dtype, heads, head dim, options, ...)
+    NormSpec   -- those of a norm backward kernel (dtype, feature count C)
     Workload   -- op + spec + grads + dims; key / from_key / matches / in_bucket_of / describe
     size_bucket -- the bucket ladder of a runtime dim (powers of two)
     KEY_VERSION
@@ -62,6 +63,17 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
+class NormSpec:
+    """What a norm backward kernel is specialised on (the row count N is a runtime dim)."""
+
+    dtype: str
+    features: int  # C
+
+    def describe_parts(self) -> list[str]:
+        return [self.dtype, f"C{self.features}"]
+
+
+@dataclass(frozen=True)
 class Workload:
     """One kernel instance: ``dims`` maps each runtime dim name to its size (None: symbolic).
 
@@ -69,7 +81,7 @@ class Workload:
     """
 
     op: str
-    spec: KernelSpec
+    spec: KernelSpec | NormSpec
     dims: tuple[tuple[str, int | None], ...]
     grads: tuple[str, ...] = ()
 
@@ -133,6 +145,8 @@ class Workload:
 
     def describe(self) -> str:
         """A short human-readable label, e.g. ``flash_attn_backward float32 Hq8/Hkv8 D64 causal B1 Sq1024 Sk1024``."""
+        if isinstance(self.spec, NormSpec):
+            return " ".join([self.op, *self.spec.describe_parts(), self.dims_label()])
         spec, cfg = self.spec, self.spec.cfg
         parts = [self.op, spec.dtype, f"Hq{spec.num_q_heads}/Hkv{spec.num_kv_heads}", f"D{spec.head_dim}"]
         if spec.block_size:

@@ -480,10 +480,13 @@ def norm_backward_column_sum(dy, x, mean, rstd, *, times_x_hat: bool):
     """[C], dtype of dy: sum_N(dy * x_hat) (dgamma) or, without ``times_x_hat``, sum_N(dy) (dbeta)."""
     rows, features = x.shape
     acc = str(rstd.dtype)
-    n = te.reduce_axis((0, rows), name="n")
+    # no rows: the sum is 0, but TVM's schedules leave an empty reduction's output unwritten; one
+    # guarded step (no read) writes the 0
+    n = te.reduce_axis((0, tirx.max(rows, 1)), name="n")
 
     def term(n, c):
-        return dy[n, c].astype(acc) * _x_hat(x, mean, rstd, n, c, acc) if times_x_hat else dy[n, c].astype(acc)
+        value = dy[n, c].astype(acc) * _x_hat(x, mean, rstd, n, c, acc) if times_x_hat else dy[n, c].astype(acc)
+        return tirx.if_then_else(n < rows, value, tirx.const(0, acc))
 
     total = te.compute((features,), lambda c: te.sum(term(n, c), axis=n), name="column_sum")
     return te.compute((features,), lambda c: total[c].astype(str(dy.dtype)), name="weight_grad")

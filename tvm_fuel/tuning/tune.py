@@ -108,7 +108,8 @@ class TaskResult:
 
 
 def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str] | None = None) -> list[Workload]:
-    """The distinct static workloads of the fuel calls of ``mod`` served by a kernel on ``target``."""
+    """The distinct static workloads of the fuel calls of ``mod`` served by a tunable kernel on
+    ``target`` (the norm backward kernels' knobs are hand-picked: memory-bound, one pass)."""
     wanted = set(ops) if ops is not None else None
     found: list[Workload] = []
 
@@ -120,7 +121,7 @@ def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str
             return
         rule = rule_for(name, target)
         workload = rule.workload(expr, target) if rule is not None else None
-        if workload is not None and workload.is_static and workload not in found:
+        if workload is not None and rule.tunable and workload.is_static and workload not in found:
             found.append(workload)
 
     for _, func in mod.functions.items():
