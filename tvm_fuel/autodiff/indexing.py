@@ -48,7 +48,7 @@ def _clamp(index: int, n: int, step: int) -> int:
     return min(max(index, -1 if step < 0 else 0), n - 1 if step < 0 else n)
 
 
-def slice_indices(call: relax.Call) -> list[tuple[int, int, list[int]]]:
+def _slice_plan(call: relax.Call) -> list[tuple[int, int, list[int]]]:
     """(axis, n, the indices it reads) for each sliced axis of a ``strided_slice`` call, as the
     forward computes them; a ValueError for what the gradient cannot take (dynamic arguments or
     sizes, zero steps, an output shape the indices disagree with)."""
@@ -74,9 +74,11 @@ def slice_indices(call: relax.Call) -> list[tuple[int, int, list[int]]]:
         # disagree with what the forward computes (it always clamps static indices).
         got = out_shape[axis] if out_shape is not None else None
         if isinstance(got, tvm.tirx.IntImm) and int(got) != len(indices):
+            hint = (f"with assume_inbound=True begin and end must lie in [0, {n}]" if call.attrs.assume_inbound
+                    else "a reversed range")
             raise ValueError(f"relax.strided_slice: axis {axis} reads {len(indices)} elements "
-                             f"(begin={b}, end={e}, stride={s}, size {n}) but the output shape says {int(got)}; "
-                             f"with assume_inbound=True begin and end must lie in [0, {n}]")
+                             f"(begin={b}, end={e}, stride={s}, size {n}) but the output shape says {int(got)}: "
+                             f"{hint}")
         plan.append((axis, n, indices))
     return plan
 
@@ -101,13 +103,14 @@ def _scatter(g: relax.Expr, axis: int, n: int, indices: list[int], ctx) -> relax
     position = np.full(n, m, dtype="int64")
     position[indices] = np.arange(m)
     padded = ctx.emit(R.concat([g, zeros(1)], axis=axis))
+    # (the positions are in range: "clip" only spares the warning "fast" mode prints)
     return ctx.emit(R.take(padded, relax.const(position, "int64"), axis=axis, mode="clip"))
 
 
 def _strided_slice_gradient(orig_var, orig_call, output_grad, ctx):
     """Scatter ``dy`` back one sliced axis at a time (the axes are independent)."""
     grad = output_grad
-    for axis, n, indices in slice_indices(orig_call):
+    for axis, n, indices in _slice_plan(orig_call):
         grad = _scatter(grad, axis, n, indices, ctx)
     # axes, begin, end (and strides) are static index tuples, not tensors: no gradient
     return [grad] + [R.grad.no_grad(arg) for arg in orig_call.args[1:]]

@@ -5,7 +5,8 @@ padding (pt, pl, pb, pr), output_padding op, dilation d, groups g, channel c in 
 
     relax.nn.conv2d_transpose    y[n, g(c) O/g + o, s i - pt + d a, ...] += x[n, c, i, ...] w[c, o, a, ...]
                                  dx = conv2d(dy, w; s, p, d, g)       (w read as OIHW: O = C)
-                                 dw[c, o, a, b] = sum_{n,i,j} x[n, c, i, j] dy[n, g(c) O/g + o, s i - pt + d a, s j - pl + d b]
+                                 dw[c, o, a, b] = sum_{n,i,j} x[n, c, i, j]
+                                                   dy[n, g(c) O/g + o, s i - pt + d a, s j - pl + d b]
                                     = conv2d(dy as (O/g, g N, Ho, Wo), x as (C, N, H, W);
                                              strides d, dilation s, groups g), cropped to kh x kw
     relax.nn.adaptive_avg_pool2d y = Ph x Pw^T per (n, c), Ph[i, h] = 1 / |bin_i| on
@@ -44,9 +45,13 @@ def _check_layout(layout: str, canonical: str, op: str, name: str) -> str:
     return layout
 
 
-def _permute(t: relax.Expr, source: str, target: str) -> relax.Expr:
-    """``t`` (dims named by ``source``) with its dims in ``target``'s order."""
-    return t if source == target else R.permute_dims(t, [source.index(c) for c in target])
+def _permute(t: relax.Expr, source: str, target: str, ctx=None) -> relax.Expr:
+    """``t`` (dims named by ``source``) with its dims in ``target``'s order (emitted into ``ctx``
+    if given)."""
+    if source == target:
+        return t
+    permuted = R.permute_dims(t, [source.index(c) for c in target])
+    return ctx.emit(permuted) if ctx is not None else permuted
 
 
 def _dilate(t: relax.Expr, axis: int, factor: int, ctx) -> relax.Expr:
@@ -84,9 +89,9 @@ def _conv2d_transpose_gradient(orig_var, orig_call, output_grad, ctx):
     _static_shape(x, op, "data")
     _static_shape(w, op, "weight")
 
-    xc = ctx.emit(_permute(x, data_layout, "NCHW"))
-    wc = ctx.emit(_permute(w, kernel_layout, "IOHW"))  # (C, O/g, kh, kw)
-    dy = ctx.emit(_permute(output_grad, out_layout, "NCHW"))  # (N, O, Ho, Wo)
+    xc = _permute(x, data_layout, "NCHW", ctx)
+    wc = _permute(w, kernel_layout, "IOHW", ctx)  # (C, O/g, kh, kw)
+    dy = _permute(output_grad, out_layout, "NCHW", ctx)  # (N, O, Ho, Wo)
     n = int(xc.ty.shape[0])
     _, o, ho, wo = (int(v) for v in dy.ty.shape.values)
     kh, kw = (int(v) for v in wc.ty.shape.values[2:])
@@ -100,8 +105,8 @@ def _conv2d_transpose_gradient(orig_var, orig_call, output_grad, ctx):
 
     # dw: dy regrouped as data (batch O/g, channels g * N: group k's channels are its N images),
     # x as the kernel (C, N, H, W) dilated by the strides; the conv's strides are the dilation.
-    # Bottom/right padding pb - op (the output_padding rows were never cropped) gives exactly kh
-    # rows when pb >= op; otherwise crop.
+    # Bottom/right padding pb - op covers every dy row read and gives exactly kh rows; when
+    # op > pb no padding is needed and the extra rows are cropped.
     data = R.reshape(R.permute_dims(R.reshape(dy, [n, groups, og, ho, wo]), [2, 1, 0, 3, 4]), [og, groups * n, ho, wo])
     kernel = _dilate(_dilate(ctx.emit(R.permute_dims(xc, [1, 0, 2, 3])), 2, sh, ctx), 3, sw, ctx)
     dwc = ctx.emit(R.nn.conv2d(ctx.emit(data), kernel, strides=(dh, dw_),
