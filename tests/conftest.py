@@ -16,7 +16,7 @@ _TIERS = {
                  "test_cuda_kernels", "test_reference_vs_torch", "test_gradient", "test_log_hardening",
                  "test_knob_paths", "test_expand", "test_reference_higher_order", "test_higher_order",
                  "test_second_order", "test_generic_schedules", "test_autodiff", "test_autodiff_attention",
-                 "test_autodiff_shapes", "test_norm_backward"),
+                 "test_autodiff_shapes", "test_norm_backward", "test_train_imported"),
     "integration": ("test_models", "test_deploy", "test_cli", "test_tuning", "test_tuning_rpc", "test_fuse_attention",
                     "test_nn", "test_kv_cache", "test_script_and_compile", "test_log_portability",
                     "test_model_tuning"),
