@@ -69,6 +69,7 @@ def _attention_module(sq: int, sk: int, *, bias: bool = False, **attrs) -> tuple
     (17, 17, dict(causal_mask="TopLeft")),
     (17, 23, dict(causal_mask="BottomRight", scale=0.3)),
     (23, 17, dict(causal_mask="TopLeft")),  # more queries than keys: a right-bounded window
+    (23, 17, dict(causal_mask="BottomRight")),  # TVM's diagonal is |Sq - Sk|: above the main one
     (5, 9, dict()),
 ])
 @pytest.mark.parametrize("bias", [False, True])
@@ -87,6 +88,22 @@ def test_leaves_what_it_cannot_express(sq, sk, attrs):
     mod, _ = _attention_module(sq, sk, **attrs)
     fused = FuseAttention()(mod)
     assert "relax.nn.attention" in _ops(fused) and "relax.fuel.flash_attn" not in _ops(fused)
+
+
+def test_bottom_right_with_lengths_of_unknown_order_is_left_untouched():
+    """TVM's BottomRight keeps j <= i + |Sq - Sk|: fuel's causal only where Sq <= Sk is provable."""
+    n, m = tvm.tirx.Var("n", "int64"), tvm.tirx.Var("m", "int64")
+    q = relax.Var("q", relax.TensorType((1, n, 2, 8), "float32"))
+    fused = []
+    for k_len in (m, n):  # unknown order, then Sq == Sk
+        k, v = (relax.Var(name, relax.TensorType((1, k_len, 2, 8), "float32")) for name in "kv")
+        bb = relax.BlockBuilder()
+        with bb.function("main", [q, k, v]):
+            with bb.dataflow():
+                out = bb.emit_output(relax.op.nn.attention(q, k, v, causal_mask="BottomRight"))
+            bb.emit_func_output(out)
+        fused.append("relax.fuel.flash_attn" in _ops(FuseAttention()(bb.get())))
+    assert fused == [False, True]
 
 
 @pytest.mark.parametrize("causal", [False, True])

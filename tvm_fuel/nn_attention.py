@@ -42,10 +42,20 @@ def flash_options(call: relax.Call) -> dict | None:
     scale = None if call.attrs.scale is None else float(call.attrs.scale.value)
     if scale is not None and not finite_nonzero_float32(scale):
         return None  # the kernels scale the logits in float32
+    if str(call.args[0].ty.dtype) not in FLOAT_DTYPES:
+        return None  # (float64: flash_attn's dtypes are float32, float16, bfloat16)
     options = dict(softmax_scale=scale)
     mask, sq, sk = call.attrs.causal_mask, q[1], k[1]
     if mask == "BottomRight":
-        options["causal"] = True  # fuel's causal is bottom-right aligned
+        # TVM's "BottomRight" keeps j <= i + |Sq - Sk|: fuel's bottom-right causal where Sq <= Sk,
+        # a window above the diagonal where there are more queries than keys
+        lengths = [x.ty.shape.values[1] for x in call.args[:2]]
+        if tvm.sym.Analyzer().can_prove(lengths[0] <= lengths[1]):
+            options["causal"] = True
+        elif sq is not None and sk is not None:
+            options.update(causal_options(sq, sk, abs(sq - sk)))
+        else:
+            return None
     elif mask == "TopLeft":
         causal = None if sq is None or sk is None else causal_options(sq, sk, 0)
         if causal is None:

@@ -452,6 +452,8 @@ class _SoftmaxBackward(PyExprMutator):
         if _op_name(product) != "relax.multiply" or not any(
                 a.same_as(dprobs) and b.same_as(probs) for a, b in (product.args, product.args[::-1])):
             return None
+        if str(probs.ty.dtype) not in FLOAT_DTYPES:
+            return None  # softmax_backward's dtypes (float64 keeps Gradient's own ops)
         axis, rank = int(softmax.attrs.axis), len(probs.ty.shape.values)
         same_axis = int(total.attrs.axis[0]) % rank == axis % rank
         same_shape = all(tvm_ffi.structural_equal(x.ty, call.ty) for x in (dprobs, probs))  # no broadcasting

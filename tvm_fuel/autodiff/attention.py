@@ -16,15 +16,15 @@ query head h, with Sq queries, Sk keys, query head dim D and value head dim Dv (
            -inf through the bias, are NaN, as TVM's 0/0)
 
 The bias is a 4-D tensor broadcast against [B, Hq, Sq, Sk] (unit dims allowed, except the key
-dim); it is added in q's dtype (TVM's add casts a narrower or bool bias up). It gets **no
+dim); it is added in q's dtype (TVM's add casts a narrower or bool bias up; a wider one is cast
+down here, where TVM's result takes the wider dtype its type rule does not declare). It gets **no
 gradient** in either path (``no_grad``): it is treated as a mask, as ``flash_attn``'s attn_mask.
 
 Which path:
 
 * ``flash_attn_backward`` on the [B, H, S, D] views where ``nn_attention.flash_options`` says the
-  call is ``flash_attn`` exactly (FuseAttention's rule), except BottomRight where Sq <= Sk is not
-  provable (flash's causal diagonal is Sk - Sq, TVM's |Sq - Sk|) and q, k, v dtypes the kernels
-  do not take (float64).
+  call is ``flash_attn`` exactly (FuseAttention's rule: not float64; TVM's BottomRight diagonal
+  |Sq - Sk| as fuel's causal where Sq <= Sk is provable, as a window above it for static Sq > Sk).
 * Elsewhere the **primitive expansion**: the VJP (``composition_vjp``, so it differentiates again)
   of the formula above written in Relax ops that all have gradients: permute_dims, repeat (GQA),
   matmul, multiply / divide (scale), add (bias), where (-inf at dropped keys; the key-minus-query
@@ -46,7 +46,6 @@ from tvm import relax, sym, tirx
 from tvm.relax.op.grad import no_grad
 
 from .. import op
-from ..config import FLOAT_DTYPES
 from ..nn_attention import flash_options
 from .common import composition_vjp
 
@@ -64,19 +63,6 @@ def _dims(x: relax.Expr) -> list:
 
 def _provably(cond) -> bool:
     return bool(cond) if isinstance(cond, bool) else sym.Analyzer().can_prove(cond)
-
-
-def _flash(call: relax.Call) -> dict | None:
-    """``flash_options`` where they agree with TVM's forward and the kernels take the dtype: TVM's
-    BottomRight diagonal is |Sq - Sk|, flash's causal one Sk - Sq, the same only where Sq <= Sk."""
-    if any(str(x.ty.dtype) not in FLOAT_DTYPES for x in call.args[:3]):
-        return None  # e.g. float64, which flash_attn_backward does not take
-    options = flash_options(call)
-    if options is not None and call.attrs.causal_mask == "BottomRight" and options.get("causal"):
-        sq, sk = _dims(call.args[0])[1], _dims(call.args[1])[1]
-        if not _provably(sq <= sk):
-            return None
-    return options
 
 
 def _window(call: relax.Call) -> int | None:
@@ -121,20 +107,25 @@ def _refusal(call: relax.Call) -> str | None:
     return None
 
 
-def _masked(call: relax.Call, logits: relax.Expr, dtype: str) -> relax.Expr:
+def _ones_along(x: relax.Expr, axis: int, dtype: str) -> relax.Expr:
+    """Ones of ``x``'s size along ``axis`` (4-D, unit dims elsewhere): built from ``x`` itself, as
+    Relax's Gradient fails ("key is not in Map") on a function whose call arguments (a shape, a
+    PrimValue) hold symbolic sizes."""
+    return R.ones_like(R.sum(x, axis=[a for a in range(4) if a != axis], keepdims=True), dtype)
+
+
+def _masked(call: relax.Call, qh, kt, logits: relax.Expr, dtype: str) -> relax.Expr:
     """``logits`` [B, H, Sq, Sk] with -inf at the keys the causal mask / window drops (unchanged
-    without one). The indices come from cumulative sums of ones shaped like one [Sq, Sk] slice of
-    the logits, never from a shape or a PrimExpr argument: Relax's Gradient fails ("key is not in
-    Map") on a function whose call arguments hold symbolic sizes."""
+    without one); the key-minus-query index j - i from exclusive cumulative sums of ones."""
     mask = call.attrs.causal_mask
     if mask is None:
         return logits
-    ones = R.ones_like(R.strided_slice(logits, axes=[0, 1], begin=[0, 0], end=[1, 1]), "int64")  # [1, 1, Sq, Sk]
-    rel = R.subtract(R.cumsum(ones, axis=3, exclusive=True), R.cumsum(ones, axis=2, exclusive=True))  # j - i
+    rows, cols = _ones_along(qh, 2, "int64"), _ones_along(kt, 3, "int64")  # [1, 1, Sq, 1], [1, 1, 1, Sk]
+    rel = R.subtract(R.cumsum(cols, axis=3, exclusive=True), R.cumsum(rows, axis=2, exclusive=True))
     if mask == "TopLeft":
         hi = relax.const(0, "int64")
     else:  # |Sq - Sk|: the legalization's tril offset
-        hi = R.abs(R.subtract(R.sum(ones, axis=[2], keepdims=True), R.sum(ones, axis=[3], keepdims=True)))
+        hi = R.abs(R.subtract(R.sum(rows, axis=[2], keepdims=True), R.sum(cols, axis=[3], keepdims=True)))
     dropped = relax.const(-math.inf, dtype)
     logits = R.where(R.less_equal(rel, hi), logits, dropped)
     w = _window(call)
@@ -145,15 +136,17 @@ def _masked(call: relax.Call, logits: relax.Expr, dtype: str) -> relax.Expr:
 
 def _forward(call: relax.Call, q, k, v, bias=None) -> relax.Expr:
     """The op as Relax primitives (bias already in q's dtype)."""
+    emit = relax.BlockBuilder.current().emit  # (composition_vjp's): qh, kt are used twice
     dtype = str(q.ty.dtype)
     k_group, v_group = _groups(call)
-    qh = R.permute_dims(q, [0, 2, 1, 3])  # [B, Hq, Sq, D]
+    qh = emit(R.permute_dims(q, [0, 2, 1, 3]))  # [B, Hq, Sq, D]
     kt = R.permute_dims(k, [0, 2, 3, 1])  # [B, Hkv, D, Sk]
     vh = R.permute_dims(v, [0, 2, 1, 3])  # [B, Hkv, Sk, Dv]
     if k_group > 1:
         kt = R.repeat(kt, k_group, axis=1)  # query head h reads kv head h // group
     if v_group > 1:
         vh = R.repeat(vh, v_group, axis=1)
+    kt = emit(kt)
     logits = R.matmul(qh, kt)
     if call.attrs.scale is not None:
         logits = R.multiply(logits, relax.const(float(call.attrs.scale.value), dtype))
@@ -161,19 +154,18 @@ def _forward(call: relax.Call, q, k, v, bias=None) -> relax.Expr:
         d = _dims(call.args[0])[3]
         if isinstance(d, int):
             root = relax.const(math.sqrt(d), dtype)
-        else:  # a symbolic D: the sum of ones shaped like one row of q (no PrimExpr argument: see _masked)
-            row = R.strided_slice(qh, axes=[0, 1, 2], begin=[0, 0, 0], end=[1, 1, 1])
-            root = R.sqrt(R.sum(R.ones_like(row), axis=[3], keepdims=True))
+        else:  # a symbolic D: a sum of D ones (see _ones_along)
+            root = R.sqrt(R.sum(_ones_along(qh, 3, dtype), axis=[3], keepdims=True))
         logits = R.divide(logits, root)
     if bias is not None:
         logits = R.add(logits, bias)
-    weights = R.nn.softmax(_masked(call, logits, dtype), axis=-1)
+    weights = R.nn.softmax(_masked(call, qh, kt, logits, dtype), axis=-1)
     return R.permute_dims(R.matmul(weights, vh), [0, 2, 1, 3])  # [B, Sq, Hq, Dv]
 
 
 def _attention_gradient(orig_var, orig_call, output_grad, ctx):
     bias = orig_call.args[3] if len(orig_call.args) > 3 else None
-    options = _flash(orig_call)
+    options = flash_options(orig_call)
     if options is not None:
         heads_first = lambda x: R.permute_dims(x, [0, 2, 1, 3])  # noqa: E731 ([B, S, H, D] <-> [B, H, S, D])
         q, k, v = (heads_first(x) for x in orig_call.args[:3])
