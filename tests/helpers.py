@@ -84,7 +84,8 @@ HOST = tvm_fuel.build.host_target()
 # the floor's PrimFunc names of the ops the CPU rules serve (softmax_backward has no kernel)
 FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_attn_backward",
                            "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v",
-                           "fuel_flash_attn_jvp", "fuel_flash_attn_double_backward"}
+                           "fuel_flash_attn_jvp", "fuel_flash_attn_double_backward",
+                           "fuel_layer_norm_backward_dx", "fuel_rms_norm_backward_dx"}
 
 
 CUDA_EMULATED = "cuda-emulated"  # the CUDA kernels' one-thread emulation, built for llvm

@@ -131,3 +131,15 @@ def test_symbolic_dims_that_differ_are_refused_at_run_time():
     arrays = [np.ones((3, 8), "float32"), np.ones((3, 8), "float32"), np.ones(8, "float32"), np.ones(4, "float32")]
     with pytest.raises(ValueError, match="fuel.rms_norm_backward: the row count N of 'rstd'"):
         vm["main"](*map(tvm.runtime.tensor, arrays))
+
+
+def test_the_benchmark_rows_run(monkeypatch):
+    """``bench``'s norm rows on a small shape: each implementation timed, ratios to the kernel."""
+    from tvm_fuel import bench_norm
+
+    monkeypatch.setattr(bench_norm, "NORM_CASES", ((33, 40),))
+    report = bench_norm.norm_rows()
+    assert [(r["kind"], r["N"], r["C"]) for r in report["rows"]] == [("layer", 33, 40), ("rms", 33, 40)]
+    for row in report["rows"]:
+        assert {"kernel", "floor", "composition"} <= set(row["ms"]) and row["kernel_gbps"] > 0
+    bench_norm.print_rows(report)

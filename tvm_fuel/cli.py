@@ -140,6 +140,14 @@ def _bench(args: argparse.Namespace) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "decoder.json").write_text(json.dumps(report, indent=2))
         print(f"wrote {Path(args.out) / 'decoder.json'}")
+    if not args.higher_order_only and not args.no_norm:
+        from .bench_norm import norm_rows, print_rows as print_norm
+
+        report = norm_rows()
+        print_norm(report)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "norm.json").write_text(json.dumps(report, indent=2))
+        print(f"wrote {Path(args.out) / 'norm.json'}")
     if not args.no_higher_order:
         from .bench_higher_order import higher_order_rows, print_rows
 
@@ -375,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only the forward-mode and double-backward rows (higher_order.json)")
     bench.add_argument("--no-decoder", action="store_true",
                        help="skip the demo decoder's end-to-end rows against PyTorch (decoder.json)")
+    bench.add_argument("--no-norm", action="store_true",
+                       help="skip the norm backward rows: fused kernel, floor, composition, PyTorch (norm.json)")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)

@@ -15,8 +15,8 @@ record left at its machine's hand-picked value outside the candidates (e.g. deco
 derived from the KV heads per task) takes this machine's hand-picked value.
 
 Contents:
-    FlashForward, FlashBackward, PagedAttention, FlashJvp, FlashDoubleBackward -- one rule per
-        kernel pattern (dlight style)
+    FlashForward, FlashBackward, PagedAttention, FlashJvp, FlashDoubleBackward, NormBackward --
+        one rule per kernel pattern (dlight style)
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import tvm
 from tvm import relax, tirx
 
 from ...op import SPECS
-from ..base import KernelRule, Knobs, dense_workload, paged_workload
-from ..workload import Workload
+from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims
+from ..workload import NormSpec, Workload
 from .backward import flash_backward
 from .forward import dense_forward, paged_forward
 from .higher_order import COTANGENTS, flash_double_backward, flash_jvp, JVP_TANGENTS
+from .norm import NormTiles, norm_backward, norm_tiles
 from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
 
 
@@ -222,6 +223,44 @@ class FlashDoubleBackward(FlashBackward):
                                      dims=workload.dim if static else None)
 
 
+class NormBackward(KernelRule):
+    """layer_norm_backward / rms_norm_backward on llvm: one pass over each row with the saved
+    statistics, rows split across the cores. Memory-bound with one sweep of dy and x: its knobs
+    (vector width, one task per core) are hand-picked, not tuned. Needs a static C."""
+
+    target_kinds = ("llvm",)
+    tunable = False
+
+    def __init__(self, op: str):
+        self.op = op
+        self.kind = "layer" if op == "layer_norm_backward" else "rms"
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        if not self.is_target_available(target):
+            return None
+        x = static_dims(SPECS[self.op].split_args(call)["x"])
+        if x is None or len(x) != 2 or x[1] is None:
+            return None
+        return Workload(self.op, NormSpec(str(call.args[1].ty.dtype), x[1]), (("N", x[0] or None),))
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        return asdict(norm_tiles(target, workload.spec.dtype, workload.spec.features, kind=self.kind))
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def check_knobs(self, workload: Workload, knobs: Knobs) -> str | None:
+        try:
+            NormTiles(**knobs)
+        except (TypeError, ValueError) as err:
+            return str(err)
+        return None
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        rows = workload.dim["N"] if static else None
+        return norm_backward(self.kind, workload.spec.dtype, workload.spec.features, NormTiles(**knobs), rows=rows)
+
+
 RULES = (FlashForward(), PagedAttention(), *(FlashBackward(op) for op in (
     "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")),
-    FlashJvp(), FlashDoubleBackward())
+    FlashJvp(), FlashDoubleBackward(), NormBackward("layer_norm_backward"), NormBackward("rms_norm_backward"))
