@@ -96,8 +96,10 @@ class _Body:
         dtype, D, cfg, scale = spec.dtype, spec.head_dim, spec.cfg, spec.scale
         BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
         want_dk, want_dv = "dk" in grads, "dv" in grads
-        # the capped score is kept only where the softcap derivative uses it
-        capped_needed = cfg.softcap > 0 and ("dq" in grads or want_dk)
+        # with a softcap the capped score is stored, for the softcap derivative (dq, dk) and for dv
+        # alone too: inlined into the probability, the fast tanh's expression is duplicated until
+        # LLVM takes 70 s to compile the dv kernel
+        capped_stored = cfg.softcap > 0
 
         def probability(capped, lse_row, params, pair, r, c):
             # P = exp(logit - lse) of one score from its capped value, 0 where the key is dropped
@@ -153,7 +155,7 @@ class _Body:
             for r in range(BQ):
                 if pair.i0 + r < Sq:
                     for c in T.vectorized(BK):
-                        if capped_needed:  # keep the capped score for the softcap derivative
+                        if capped_stored:
                             Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
                             S[r, c] = probability(Cap[r, c], lse_r[r], params, pair, r, c)
                         else:
@@ -162,7 +164,7 @@ class _Body:
                 else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                     for c in T.vectorized(BK):
                         S[r, c] = T.float32(0)
-                        if capped_needed:
+                        if capped_stored:
                             Cap[r, c] = T.float32(0)
 
         @T.macro
