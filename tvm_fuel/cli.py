@@ -133,30 +133,27 @@ def _bench(args: argparse.Namespace) -> int:
         run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
                   sweep=not args.no_sweep)
     if not args.higher_order_only and not args.no_decoder:
-        from .bench_decoder import decoder_rows, print_rows as print_decoder
+        from . import bench_decoder
 
-        report = decoder_rows()
-        print_decoder(report)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decoder.json").write_text(json.dumps(report, indent=2))
-        print(f"wrote {Path(args.out) / 'decoder.json'}")
+        _bench_rows(args.out, "decoder.json", bench_decoder.decoder_rows(), bench_decoder.print_rows)
     if not args.higher_order_only and not args.no_norm:
-        from .bench_norm import norm_rows, print_rows as print_norm
+        from . import bench_norm
 
-        report = norm_rows()
-        print_norm(report)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "norm.json").write_text(json.dumps(report, indent=2))
-        print(f"wrote {Path(args.out) / 'norm.json'}")
+        _bench_rows(args.out, "norm.json", bench_norm.norm_rows(), bench_norm.print_rows)
     if not args.no_higher_order:
-        from .bench_higher_order import higher_order_rows, print_rows
+        from . import bench_higher_order
 
-        report = higher_order_rows(memory=not args.no_long_context)
-        print_rows(report)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "higher_order.json").write_text(json.dumps(report, indent=2))
-        print(f"wrote {Path(args.out) / 'higher_order.json'}")
+        _bench_rows(args.out, "higher_order.json", bench_higher_order.higher_order_rows(memory=not args.no_long_context),
+                    bench_higher_order.print_rows)
     return 0
+
+
+def _bench_rows(out: str, file_name: str, report: dict, print_rows) -> None:
+    """Print one group of benchmark rows and write its report into ``out``."""
+    print_rows(report)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / file_name).write_text(json.dumps(report, indent=2))
+    print(f"wrote {Path(out) / file_name}")
 
 
 def _gpucheck(args: argparse.Namespace) -> int:
