@@ -259,6 +259,32 @@ def test_row_reduction_rule_schedules_rms_norm_and_softmax():
         np.testing.assert_allclose(soft, _softmax(s.astype(np.float64)), rtol=1e-5, atol=1e-7)
 
 
+def test_column_reduction_rule_schedules_bias_gradients():
+    """Sums over outer axes (a bias gradient over [batch, n, 100], the rows of [n, 64] with a
+    division after): rows split per core, columns in vectors; against numpy, with no rows too
+    (where TVM's own loops had left the output unwritten)."""
+    params = dict(dy=((2, "n", 100), F32), x=(("n", 64), F32), r=(("n", 1), F32))
+    mod = _module(lambda dy, x, r: relax.Tuple([relax.op.sum(dy, axis=[0, 1]), relax.op.mean(x, axis=[0]),
+                                                relax.op.sum(relax.op.multiply(x, r), axis=[0])]), params)
+    fused = _prim_funcs(_fused(mod))
+    names = sorted(name for name in fused if "sum" in name or "mean" in name)
+    assert len(names) == 3, sorted(fused)  # (the third reads a per-row factor r[n] beside x[n, c])
+    _assert_scheduled_by(generic.ColumnReduction(), mod, names)
+    for name in names:
+        assert _apply(generic.Matmul(), fused[name]) is None
+    row_sums = _module(lambda x: relax.op.sum(x, axis=[-1]), dict(x=(("n", 64), F32)))
+    assert all(_apply(generic.ColumnReduction(), f) is None for f in _prim_funcs(_fused(row_sums)).values())
+    rng = np.random.default_rng(6)
+    batches = [_inputs(params, rng, n=r) for r in (1, 17, 97)]
+    for (dy, x, r), (total, mean, weighted) in zip(batches, _run(mod, batches)):
+        np.testing.assert_allclose(total, dy.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(mean, x.astype(np.float64).mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(weighted, (x.astype(np.float64) * r).sum(0), rtol=1e-5, atol=1e-5)
+    empty = _module(lambda dy: relax.op.sum(dy, axis=[0, 1]), dict(dy=((2, "n", 100), F32)))
+    vm = relax.VirtualMachine(tvm_fuel.compile(empty, HOST), tvm.cpu())
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(np.zeros((2, 0, 100), F32))).numpy(), 0)
+
+
 BLOCK_PARAMS = dict(x=((1, "n", 64), F32), g=((64,), F32), wg=((100, 64), F32), wu=((100, 64), F32),
                     wd=((64, 100), F32))
 

@@ -11,7 +11,9 @@ Contents:
     MatmulTiles  -- the register tile of ``Matmul``
     Matmul       -- C[m, n] = sum_k A[m, k] B[n, k] (any batch dims, any layouts) + its fused epilogue
     Elementwise  -- functions of spatial blocks only (elementwise, broadcast, transpose, gather)
-    RULES        -- the rules in the order they are tried (with dlight's CPU row reduction)
+    ColumnReduction -- sums over outer axes (bias and norm-weight gradients): rows split per core
+    RowReduction -- dlight's CPU reduction (norms, softmax rows)
+    RULES        -- the rules in the order they are tried
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.matmul import get_index_map
 
-from .tiles import vector_lanes
+from .tiles import cores, vector_lanes
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,79 @@ class Elementwise(dl.ScheduleRule):
         return sch
 
 
+class ColumnReduction(dl.ScheduleRule):
+    """A reduction over outer axes whose reads run contiguous along the output's innermost axis
+    (a gradient's bias or norm weight: dy [N, C] summed over N). The plain loops, and dlight's
+    row rule, walk each column down the rows: a cache line and, for wide rows, a page per element.
+    Here the rows are split in one contiguous run per core (``rfactor``), each run summed row by
+    row with the columns in vectors, then the runs' partial sums added per column in order
+    (deterministic). An empty reduction writes 0 (its runs' partials start at 0)."""
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
+            return None
+        try:
+            return self._schedule(func, vector_lanes(target), cores(target))
+        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
+            return None
+
+    @staticmethod
+    def _schedule(func: tirx.PrimFunc, lanes: int, runs: int):
+        sch = s_tir.Schedule(func)
+        infos = dl.normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = dl.try_inline_contiguous_spatial(sch, infos) or infos
+        reductions = [info for info in infos if info.is_reduction()]
+        if len(reductions) != 1 or not all(info.is_injective() for info in infos if info is not reductions[0]):
+            return None
+        block = reductions[0].block_rv
+        stmt = sch.get(block)
+        spatial = [v.var.name for v in stmt.iter_vars if v.iter_type == tirx.IterVar.DataPar]
+        reduced = {v.var.name for v in stmt.iter_vars if v.iter_type == tirx.IterVar.CommReduce}
+        if not spatial or not reduced:
+            return None
+
+        def names(expr) -> set[str]:
+            return {v.name for v in tirx.analysis.undefined_vars(expr)}
+
+        # the reads that vary along both the reduced rows and the innermost column (not a per-row
+        # statistic nor a per-column weight) must be contiguous along that column
+        streams = [read for read in stmt.reads if read.region and {spatial[-1]} <= set().union(
+            *(names(r.min) for r in read.region)) and reduced & set().union(*(names(r.min) for r in read.region))]
+        if not streams or any(names(read.region[-1].min) != {spatial[-1]} for read in streams):
+            return None  # a row reduction (contiguous along the reduced axis), or no column to vectorize
+        kinds = [it.kind for it in reductions[0].iters]
+        loops = sch.get_loops(block)
+        rows = [loop for loop, kind in zip(loops, kinds) if kind == "R"]
+        rows = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+        run, _ = sch.split(rows, [runs, None])
+        partial = sch.rfactor(run, factor_axis=0)
+        *columns, p_run, step = sch.get_loops(partial)
+        sch.reorder(p_run, step, *columns)
+        ColumnReduction._vectorize_columns(sch, columns, lanes)
+        sch.parallel(p_run)
+        sch.decompose_reduction(partial, step)
+        *columns, w_run = sch.get_loops(block)  # the write-back: column chunks in parallel, runs in order
+        ColumnReduction._vectorize_columns(sch, columns, lanes, runs_loop=w_run)
+        return sch
+
+    @staticmethod
+    def _vectorize_columns(sch: s_tir.Schedule, columns: list, lanes: int, runs_loop=None) -> None:
+        """The innermost column loop in vectors where its extent is a known multiple of ``lanes``;
+        with ``runs_loop`` (the write-back's), the other column loops fused in parallel outside it."""
+        *outer, inner = columns
+        extent = sch.get(inner).extent
+        if isinstance(extent, tirx.IntImm) and extent.value % lanes == 0:
+            chunk, lane = sch.split(inner, [None, lanes])
+            if runs_loop is not None:
+                sch.reorder(*outer, chunk, runs_loop, lane)
+                sch.parallel(sch.fuse(*outer, chunk) if outer else chunk)
+            sch.vectorize(lane)
+        elif runs_loop is not None:
+            sch.parallel(sch.fuse(*columns) if len(columns) > 1 else columns[0])
+
+
 class RowReduction(dl.ScheduleRule):
     """dlight's CPU reduction rule (norms, softmax rows: spatial rows in parallel, the reduced
     axis vectorized), for llvm targets."""
@@ -205,6 +280,6 @@ class RowReduction(dl.ScheduleRule):
             return None
 
 
-RULES = (Matmul(), RowReduction(), Elementwise())
+RULES = (Matmul(), ColumnReduction(), RowReduction(), Elementwise())
 
-__all__ = ["MatmulTiles", "Matmul", "Elementwise", "RowReduction", "RULES"]
+__all__ = ["MatmulTiles", "Matmul", "Elementwise", "ColumnReduction", "RowReduction", "RULES"]
