@@ -106,13 +106,13 @@ def _cases():
         "repeat_flat": (lambda x: R.repeat(x, 2), lambda x: np.repeat(x, 2),
                         t(lambda x: torch.repeat_interleave(x.reshape(-1), 2)), [(2, 3)], both, None),
     }
-    for axes, shape in (((-1,), (2, 3, 7)), ((1, 2), (3, 4, 5))):
+    for axes, shape, dtypes in (((-1,), (2, 3, 7), both), ((1, 2), (3, 4, 5), both[:1])):
         # (rms_norm over one non-trailing axis fails in TVM's own legalization)
         weight = [shape[a] for a in axes]
         cases[f"rms_norm{list(axes)}"] = (
             lambda x, w, axes=axes: R.nn.rms_norm(x, w, axes=list(axes), epsilon=EPS),
             lambda x, w, axes=axes: _rms_norm(x, w, axes), t(lambda x, w, axes=axes: _rms_norm(x, w, axes)),
-            [shape, weight], both, "weights")
+            [shape, weight], dtypes, "weights")
     # layer_norm, group_norm: TVM's forward takes float32 and float16 only
     for axes, shape, center, scale in (((-1,), (2, 3, 7), True, True), ((0, 2), (3, 2, 5), True, True),
                                        ((-1,), (4, 6), False, True), ((-1,), (4, 6), True, False),
@@ -139,7 +139,8 @@ def _cases():
         cases[f"batch_norm-{'train' if training else 'infer'}-axis{axis}-{center:d}{scale:d}"] = (
             lambda x, g, b, mm, mv, kw=kwargs: R.nn.batch_norm(x, g, b, mm, mv, epsilon=EPS, momentum=0.1, **kw),
             lambda *a, kw=kwargs: _batch_norm(*a, **kw), t(lambda *a, kw=kwargs: _batch_norm(*a, **kw)),
-            [shape] + [channels] * 4, both, "moving")
+            # float32 for one configuration of each mode (float64 checks them all)
+            [shape] + [channels] * 4, both if axis == 1 else both[:1], "moving")
     return cases
 
 
@@ -159,8 +160,9 @@ def _inputs(kind, shapes, rng):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_and_second_derivatives(name):
-    """First derivatives in float64 (1e-6) and float32 (1e-4), second derivatives (a
-    Hessian-vector product in every input, ``Gradient`` of the adjoint) in the first dtype."""
+    """First derivatives in float64 (1e-6) and float32 (1e-4; one configuration per op where
+    float64 runs), second derivatives (a Hessian-vector product in every input, ``Gradient`` of
+    the adjoint) in the first dtype."""
     make, numpy_forward, torch_forward, shapes, dtypes, kind = CASES[name]
     inputs = _inputs(kind, shapes, np.random.default_rng(0))
     check_gradients(make, inputs, numpy_forward=numpy_forward, torch_forward=torch_forward, dtypes=dtypes)

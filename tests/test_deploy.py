@@ -31,6 +31,9 @@ from tvm_fuel.tuning.buckets import bucket_module
 from tvm_fuel.logs import TuningRecords
 from tvm_fuel.tuning.tune import workloads_of
 
+# its module-scoped fixtures tune or build bundles: one worker runs the module, so they are built once
+pytestmark = pytest.mark.xdist_group("test_deploy")
+
 needs_nvcc = pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
 
 

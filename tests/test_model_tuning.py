@@ -22,6 +22,9 @@ from tvm_fuel.tuning.report import TIR_FUNCTION, tuning_report
 
 from helpers import HOST
 
+# its module-scoped fixtures tune or build bundles: one worker runs the module, so they are built once
+pytestmark = pytest.mark.xdist_group("test_model_tuning")
+
 B, H, S, D, N = 1, 2, 17, 32, 48
 
 

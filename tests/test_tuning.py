@@ -29,6 +29,9 @@ from tvm_fuel.logs import RECORD_FILE, WORKLOAD_FILE, knobs_of
 from tvm_fuel.tuning.space import ValidKnobs, design_space, workload_module
 from tvm_fuel.tuning.tune import workloads_of
 
+# its module-scoped fixtures tune or build bundles: one worker runs the module, so they are built once
+pytestmark = pytest.mark.xdist_group("test_tuning")
+
 # awkward shapes: GQA groups 3 and 7, head dims 40 and 64, lengths 17 and 97
 BUCKETS = {
     "paged_attn": dict(B=3, Hq=7, Hkv=1, D=40, block_size=16, ctx=97),
