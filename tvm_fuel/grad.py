@@ -22,19 +22,9 @@ from tvm import relax
 from tvm.relax.op.grad import no_grad
 
 from . import op
-from .autodiff.common import tuple_adjoints
+from .autodiff.common import bound_value, tuple_adjoints
 from .autodiff.norms import FUSED_GRADIENTS as NORM_BACKWARD_GRADIENTS
 from .op import SPECS
-
-def bound_value(binder, expr: relax.Expr) -> relax.Expr:
-    """What ``expr`` is bound to, following variables through ``binder.lookup_binding`` (a
-    BlockBuilder, or an expression mutator of the function being rewritten)."""
-    while isinstance(expr, relax.Var):
-        value = binder.lookup_binding(expr)
-        if value is None:
-            break
-        expr = value
-    return expr
 
 
 def _is_zeros(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:

@@ -32,7 +32,7 @@ from . import op
 from .build import LegalizeFuel  # noqa: F401 (the pass is built there; a pass is looked for here)
 from .config import finite_nonzero_float32, FLOAT_DTYPES
 from .expand import ExpandAttention  # noqa: F401 (a pass users look for here)
-from .grad import bound_value
+from .autodiff.common import bound_value
 from .nn_attention import causal_options, flash_options, static_dims
 from .op import options_of, SPECS
 from .rewrite import rewrite_functions

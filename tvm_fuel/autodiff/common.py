@@ -2,7 +2,7 @@
 against data and summed back to their shape.
 
 Contents:
-    const, tuple_adjoints, normalized_axes, broadcast_weight, weight_sum, composition_vjp
+    const, bound_value, tuple_adjoints, normalized_axes, broadcast_weight, weight_sum, composition_vjp
 """
 
 from __future__ import annotations
@@ -17,12 +17,21 @@ def const(value: float, like: relax.Expr) -> relax.Expr:
     return relax.const(value, str(like.ty.dtype))
 
 
+def bound_value(binder, expr: relax.Expr) -> relax.Expr:
+    """What ``expr`` is bound to, following variables through ``binder.lookup_binding`` (a
+    BlockBuilder, or an expression mutator of the function being rewritten)."""
+    while isinstance(expr, relax.Var):
+        value = binder.lookup_binding(expr)
+        if value is None:
+            break
+        expr = value
+    return expr
+
+
 def tuple_adjoints(ctx: relax.BlockBuilder, output_grad: relax.Expr, count: int) -> list[relax.Expr]:
     """The adjoints of a tuple-valued op's ``count`` outputs: the fields of the tuple Gradient
     bound (followed through variables), else items of it."""
-    bound = output_grad
-    while isinstance(bound, relax.Var) and ctx.lookup_binding(bound) is not None:
-        bound = ctx.lookup_binding(bound)
+    bound = bound_value(ctx, output_grad)
     if isinstance(bound, relax.Tuple):
         return list(bound.fields)
     return [relax.TupleGetItem(output_grad, i) for i in range(count)]
@@ -82,4 +91,4 @@ def composition_vjp(ctx: relax.BlockBuilder, compose, args: list[relax.Expr],
     return [grads.fields[i] if isinstance(grads, relax.Tuple) else relax.TupleGetItem(grads, i)
             for i in range(len(args))]
 
-__all__ = ["const", "tuple_adjoints", "normalized_axes", "broadcast_weight", "weight_sum", "composition_vjp"]
+__all__ = ["const", "bound_value", "tuple_adjoints", "normalized_axes", "broadcast_weight", "weight_sum", "composition_vjp"]
