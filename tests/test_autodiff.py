@@ -168,9 +168,13 @@ def test_first_and_second_derivatives(name):
     check_gradients(make, inputs, numpy_forward=numpy_forward, torch_forward=torch_forward, dtypes=dtypes)
 
 
-@pytest.mark.parametrize("name", ["gelu", "rms_norm[-1]", "batch_norm-train-axis1-11"])
+@pytest.mark.parametrize("name", ["gelu", "rms_norm[-1]", "batch_norm-train-axis1-11",
+                                  # float32 only (TVM's forward): second derivatives in float32
+                                  "layer_norm[-1]", "layer_norm[0, 2]", "layer_norm[-1]-scale",
+                                  "group_norm3-c1", "group_norm2-c2"])
 def test_finite_differences_without_pytorch(name):
-    """The path a machine without PyTorch takes: central differences of the numpy forward."""
+    """The path a machine without PyTorch takes: central differences of the numpy forward (for
+    second derivatives, mixed differences of it in float64, also where the op runs in float32)."""
     make, numpy_forward, _, shapes, dtypes, kind = CASES[name]
     inputs = _inputs(kind, shapes, np.random.default_rng(1))
     check_gradients(make, inputs, numpy_forward=numpy_forward, torch_forward=None, dtypes=dtypes[:1])
