@@ -24,7 +24,8 @@ from tvm_fuel.schedules import rule_for
 from tvm_fuel.schedules.cuda.rules import cuda_rules
 from tvm_fuel.tuning import TuningLogWarning, TuningRecords, target_key
 from tvm_fuel.tuning.buckets import bucket_module
-from tvm_fuel.logs import BLOCK, KNOB_PREFIX, RECORD_FILE, WORKLOAD_FILE, kernel_family
+from tvm_fuel.tuning.report import TIR_FUNCTION, tuning_report
+from tvm_fuel.logs import BLOCK, KNOB_PREFIX, RECORD_FILE, WORKLOAD_FILE, LogDatabase, kernel_family, replay
 from tvm_fuel.tuning.space import ValidKnobs, workload_module
 from tvm_fuel.tuning.tune import commit_record, workloads_of
 
@@ -211,3 +212,78 @@ def test_record_with_a_time_of_zero_is_skipped(tmp_path):
     with pytest.warns(TuningLogWarning, match=re.escape(str(records)) + ".*line 1: .*not positive"):
         found = TuningRecords([tmp_path]).lookup(workload, HOST)
         assert (found.knobs, found.source) == ({"block_k": 64}, str(records))
+
+
+def _tear(path, half_of: str) -> None:
+    """What a kill during a write leaves: half of ``half_of`` after the last whole line, no newline."""
+    with open(path, "a") as log:
+        log.write(half_of[: len(half_of) // 2])
+
+
+def test_log_database_resumes_past_a_torn_line_and_appends_whole_lines(tmp_path):
+    """The tuner's database (tune, tune --model, tune --import) reads the whole lines of a log whose
+    last line a kill cut, names the dropped line, and appends after it without joining it."""
+    _, workload = _paged()
+    other = workloads_of(bucket_module("paged_attn", dict(PAGED, B=2)), HOST)[0]
+    workloads, records = _write_log(tmp_path, workload, [({"block_k": 256}, 3e-4), ({"block_k": 32}, 2e-4)])
+    folder = records.parent
+    _tear(records, records.read_text().splitlines()[1])
+    _tear(workloads, workloads.read_text().splitlines()[0])
+    with pytest.warns(TuningLogWarning) as caught:
+        database = LogDatabase(folder)
+    assert _line_warned(caught, records, 3) and _line_warned(caught, workloads, 2), [str(w.message) for w in caught]
+    task = workload_module(workload, HOST)
+    assert [replay(r).knobs for r in database.get_top_k(database.commit_workload(task), 10)] == [
+        {"block_k": 32}, {"block_k": 256}]  # fastest first, as JSONDatabase orders them
+    commit_record(database, task, _schedule(workload, {"block_k": 64}), [1e-4], HOST)
+    commit_record(database, workload_module(other, HOST), _schedule(other, {"block_k": 16}), [1e-4], HOST)
+    # the torn lines stay one bad line each; the new workload is line 3, after the torn one
+    assert len(records.read_text().splitlines()) == 5 and len(workloads.read_text().splitlines()) == 3
+    assert json.loads(records.read_text().splitlines()[4])[0] == 2
+    with pytest.warns(TuningLogWarning) as caught:
+        again = LogDatabase(folder)
+    assert len(again) == 4
+    assert [_line_warned(caught, records, n) for n in range(1, 6)] == [False, False, True, False, False]
+    assert [_line_warned(caught, workloads, n) for n in range(1, 4)] == [False, True, False]
+    with warnings.catch_warnings():  # (the build's reader warns for the same two lines)
+        warnings.simplefilter("ignore", TuningLogWarning)
+        found = {w: TuningRecords([tmp_path]).lookup(w, HOST).knobs for w in (workload, other)}
+    assert found == {workload: {"block_k": 64}, other: {"block_k": 16}}
+
+
+def _function_task():
+    """The one unscheduled TIR function of silu(x @ w) and its tuning module."""
+    from tvm import relax
+
+    from tvm_fuel.tuning.model import function_tasks
+
+    x, w = relax.Var("x", relax.TensorType((16, 32), "float32")), relax.Var("w", relax.TensorType((32, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.silu(relax.op.matmul(x, w)))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    ((name, task),) = function_tasks(mod, HOST).items()
+    return mod, name, task
+
+
+def test_one_bad_line_of_a_model_log_costs_that_line_only(tmp_path):
+    """A model log (MetaSchedule's records of a model's other TIR functions) with a bad line in
+    the middle and a torn last line: the build still applies the good record, and warns by line."""
+    mod, name, task = _function_task()
+    folder = tmp_path / target_key(HOST) / "model"
+    folder.mkdir(parents=True)
+    database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
+                                        path_tuning_record=str(folder / RECORD_FILE))
+    sch = s_tir.Schedule(task)  # (a record of no instructions is no record to MetaSchedule)
+    sch.parallel(sch.get_loops(sch.get_sblock("T_multiply"))[0])
+    commit_record(database, task, sch, [1e-4], HOST)
+    records = folder / RECORD_FILE
+    good = records.read_text().splitlines()
+    records.write_text("\n".join(['{"half": ', good[0]]) + "\n" + good[0][:40])
+    with pytest.warns(TuningLogWarning) as caught:
+        rows = tuning_report(mod, HOST, database=tmp_path, shipped_logs=False, functions=True)
+    assert [(r["function"], r["knobs"]) for r in rows if r["workload"] == TIR_FUNCTION] == [(name, str(records))]
+    assert _line_warned(caught, records, 1) and _line_warned(caught, records, 3), [str(w.message) for w in caught]
+    assert not _line_warned(caught, records, 2)

@@ -39,7 +39,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..build import LegalizeFuel, as_target, fuse, unscheduled
-from ..logs import MODEL_FOLDER, RECORD_FILE, WORKLOAD_FILE, target_key, write_points
+from ..logs import MODEL_FOLDER, LogDatabase, target_key, write_points
 from ..specialize import ShapePoint, specialize
 from . import measure
 from .tune import TaskResult, check_writable_dir, commit_record, default_work_dir, tune, workloads_of
@@ -194,10 +194,8 @@ def _tune_functions(tasks: dict[str, tvm.IRModule], target, root: Path, folder: 
                     verify_top, verify_rounds, rpc, seed, log) -> list[FunctionResult]:
     search_dir = root / "logs" / MODEL_FOLDER
     search_dir.mkdir(parents=True, exist_ok=True)
-    search_db = ms.database.JSONDatabase(path_workload=str(search_dir / WORKLOAD_FILE),
-                                         path_tuning_record=str(search_dir / RECORD_FILE))
-    verified_db = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
-                                           path_tuning_record=str(folder / RECORD_FILE))
+    # line by line: an interrupted run's torn last line costs that line, not the resume
+    search_db, verified_db = LogDatabase(search_dir), LogDatabase(folder)
     builder, runner = measure.function_builder(), measure.function_runner(*rpc)
     results = [FunctionResult(name) for name in tasks]
     try:

@@ -36,7 +36,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import rule_for
 from ..schedules.cpu.tiles import cores
-from ..logs import BLOCK, KNOB_PREFIX, SPACE_KEY, VERIFIED_KEY, WORKLOAD_KEY, knobs_of, verification_of
+from ..logs import BLOCK, KNOB_PREFIX, SPACE_KEY, VERIFIED_KEY, WORKLOAD_KEY, knobs_of
 from ..schedules.workload import Workload
 
 # the features the cost model sees, in this order (absent knobs count as 1)

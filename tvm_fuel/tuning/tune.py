@@ -1,10 +1,11 @@
 """``tvm_fuel.tune``: MetaSchedule's evolutionary search over the fuel kernels' knobs.
 
 One task per static workload (a fuel call of the module with static shapes), grouped into one
-JSONDatabase per kernel family under ``<work_dir>/<target key>/<kernel>/``, the layout
+database per kernel family under ``<work_dir>/<target key>/<kernel>/``, the layout
 ``tvm_fuel.compile`` reads. Before searching, each task measures its hand-picked knobs (once: a
 resumed run finds that record), so the progress lines show the speed-up. The search resumes from
-what the database already holds. Afterwards the best knob sets are re-measured side by side with
+what the database already holds (``logs.LogDatabase``: JSONDatabase's files read line by line, so
+the torn last line of a killed run is skipped with a warning, and written one whole line at a time). Afterwards the best knob sets are re-measured side by side with
 the hand-picked ones, a few rounds (single measurements on a shared machine drift by 10-30 %);
 those verified records are what ``tvm_fuel.compile`` chooses from, so a kernel only leaves its
 hand-picked knobs for ones that beat them in the same rounds.
@@ -44,7 +45,7 @@ from ..schedules import rule_for
 from ..schedules.workload import Workload
 from . import measure
 from .buckets import TUNABLE_OPS
-from ..logs import RECORD_FILE, WORKLOAD_FILE, kernel_family, knobs_of, replay, target_key
+from ..logs import LogDatabase, kernel_family, knobs_of, replay, target_key
 from .space import KnobFeatures, fixed_point, space_generator, workload_module
 
 _OP_NAMES = {spec.op_name: name for name, spec in SPECS.items()}
@@ -306,8 +307,7 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as err:  # checked above, but the disk may change meanwhile
                 raise ValueError(f"tvm_fuel.tune: cannot create {folder} under work_dir: {err.strerror}") from None
-            database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
-                                                path_tuning_record=str(folder / RECORD_FILE))
+            database = LogDatabase(folder)  # resumes from the whole lines of an interrupted run's log
             results += _tune_family(group, target, folder, root / "logs", database, builder, runner, trials,
                                     trials_per_iter, seed, log, verify_top, verify_rounds)
     finally:
