@@ -311,3 +311,84 @@ def test_bucket_parsing_names_the_bad_item():
         parse_bucket("heads=8")
     with pytest.raises(ValueError, match="rpc_tracker and rpc_key"):
         tune(bucket_module("flash_attn", BUCKETS["flash_attn"]), HOST, rpc_tracker="127.0.0.1:9190")
+
+
+# tune's input handling: each mistake is one line naming the argument, exit 2 (no traceback)
+
+def _tune_error(capsys, *argv) -> str:
+    from tvm_fuel.cli import main
+
+    capsys.readouterr()
+    assert main(["tune", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m tvm_fuel tune: error: "), err
+    return err[0]
+
+
+MODEL = "from tvm_fuel.tuning.buckets import bucket_module\nMOD = bucket_module('flash_attn', dict(B=1, H=2, S=17, D=64))\n"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("def tuning_module():\n    return 42\n", "must return an IRModule or (IRModule, shape points), got int 42"),
+    ("def tuning_module():\n    return MOD, ['prefill:batch=1']\n",
+     "shape point 0 must be a tvm_fuel.specialize.ShapePoint, got str 'prefill:batch=1'"),
+    ("def tuning_module():\n    return MOD, 5\n", "shape points must be a list of tvm_fuel.specialize.ShapePoint, got int 5"),
+    ("def tuning_module():\n    raise RuntimeError('no weights here')\n",
+     "tuning_module() raised RuntimeError: no weights here"),
+    ("def tuning_module(:\n", "loading it failed: SyntaxError: "),
+])
+def test_a_bad_model_file_is_one_line_naming_model(tmp_path, capsys, body, expected):
+    path = tmp_path / "model.py"
+    path.write_text(MODEL + body)
+    line = _tune_error(capsys, "--model", str(path), "--work-dir", str(tmp_path / "logs"))
+    assert f"--model {path}: " in line and expected in line, line
+    if "SyntaxError" in expected:
+        assert f"{path}, line 3)" in line, line  # where the mistake is
+    assert not (tmp_path / "logs").exists()  # nothing tuned, nothing written
+
+
+@pytest.mark.parametrize("content", [b"this is not TVMScript {\n", b"\xff\xfe\x00garbage"])
+def test_a_garbage_module_file_names_model(tmp_path, capsys, content):
+    path = tmp_path / "model.tvm"
+    path.write_bytes(content)
+    line = _tune_error(capsys, "--model", str(path), "--work-dir", str(tmp_path / "logs"))
+    assert f"--model {path} is not a Relax module in TVMScript" in line and "--module" not in line, line
+
+
+def test_a_dim_given_twice_in_a_point_is_refused(tmp_path, capsys):
+    from tvm_fuel.cli import main
+
+    with pytest.raises(SystemExit) as done:  # (--op: where the point were taken, the run stops before tuning)
+        main(["tune", "--model", "tvm_fuel.models.llama", "--at", "main:n=1,n=2", "--op", "flash_attn",
+              "--work-dir", str(tmp_path)])
+    assert done.value.code == 2
+    assert "argument --at: 'main:n=1,n=2' gives the dim n twice" in capsys.readouterr().err
+
+
+def _results(tmp_path, bucket) -> str:
+    """A bundle results file whose tune stage holds ``bucket`` (the checks before it pass)."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"bundle_id": "b1", "bundle": {"arch": "sm_90"}, "device": {"arch": "sm_90"},
+                                "stages": {"tune": {"buckets": [bucket]}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(target=None), "tune bucket 0 lacks 'target'"),
+    (dict(points=None), "tune bucket 0 lacks 'points'"),
+    (dict(target="no_such_kind"), "tune bucket 0 has no valid target and workload key"),
+    (dict(points=[{"function": "point_0", "hand_picked": True, "status": "pass", "seconds": 1e-3}]),
+     "point 0 is not {function: str, knobs: object"),
+    (dict(points=[{"function": "point_0", "knobs": {}, "hand_picked": True, "status": "pass"}]),
+     "point 0 passed without a positive time"),
+    (dict(verified={"status": "pass", "seconds": {"point_7": [1e-3]}}), "a verification whose seconds are not"),
+])
+def test_import_of_a_results_file_lacking_fields_is_one_line(tmp_path, capsys, change, expected):
+    (workload,) = workloads_of(bucket_module("flash_attn", BUCKETS["flash_attn"]), HOST)
+    bucket = {"target": {"kind": "cuda", "arch": "sm_90"}, "workload": workload.key,
+              "points": [{"function": "point_0", "knobs": {}, "hand_picked": True, "status": "pass", "seconds": 1e-3}]}
+    bucket.update(change)
+    bucket = {key: value for key, value in bucket.items() if value is not None}
+    line = _tune_error(capsys, "--import", _results(tmp_path, bucket), "--work-dir", str(tmp_path / "logs"))
+    assert expected in line and str(tmp_path / "results.json") in line, line
+    assert not (tmp_path / "logs").exists()  # refused before any record is written

@@ -236,30 +236,66 @@ def _tune(args: argparse.Namespace) -> int:
 
 def _load_model(text: str):
     """--model: a TVMScript file (an IRModule), or a Python module (dotted name or .py file) whose
-    ``tuning_module()`` returns an IRModule or (IRModule, shape points)."""
+    ``tuning_module()`` returns an IRModule or (IRModule, shape points). ValueError naming --model
+    for anything else: the file or module fails to load, tuning_module() is missing, raises or
+    returns something else."""
     import importlib
     import importlib.util
 
+    import tvm
+
+    from .specialize import ShapePoint
+
     if os.path.isfile(text) and not text.endswith(".py"):
-        return _read_module(text), []
-    if text.endswith(".py"):
-        if not os.path.isfile(text):
-            raise ValueError(f"--model {text}: no such file")
-        spec = importlib.util.spec_from_file_location(Path(text).stem, text)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        try:
+        return _read_module(text, "--model"), []
+    if text.endswith(".py") and not os.path.isfile(text):
+        raise ValueError(f"--model {text}: no such file")
+    try:
+        if text.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(text).stem, text)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
             module = importlib.import_module(text)
-        except ImportError as err:
-            raise ValueError(f"--model {text}: neither a file nor an importable module ({err})") from None
+    except ImportError as err:
+        raise ValueError(f"--model {text}: neither a file nor an importable module ({err})") from None
+    except Exception as err:  # noqa: BLE001 -- the user's code: a SyntaxError, or whatever it raised
+        raise ValueError(f"--model {text}: loading it failed: {_first_line(err)}") from None
     make = getattr(module, "tuning_module", None)
     if not callable(make):
         raise ValueError(f"--model {text}: the module has no tuning_module() (it returns the IRModule to tune, "
                          f"or the IRModule and its shape points)")
-    made = make()
-    mod, points = made if isinstance(made, tuple) else (made, [])
-    return mod, list(points)
+    try:
+        made = make()
+    except Exception as err:  # noqa: BLE001 -- the user's code
+        raise ValueError(f"--model {text}: tuning_module() raised {_first_line(err)}") from None
+    mod, points = made if isinstance(made, tuple) and len(made) == 2 else (made, [])
+    if not isinstance(mod, tvm.IRModule):
+        raise ValueError(f"--model {text}: tuning_module() must return an IRModule or (IRModule, shape points), "
+                         f"got {_kind(made)}")
+    try:
+        points = list(points)
+    except TypeError:
+        raise ValueError(f"--model {text}: tuning_module()'s shape points must be a list of "
+                         f"tvm_fuel.specialize.ShapePoint, got {_kind(points)}") from None
+    for index, point in enumerate(points):
+        if not isinstance(point, ShapePoint):
+            raise ValueError(f"--model {text}: tuning_module()'s shape point {index} must be a "
+                             f"tvm_fuel.specialize.ShapePoint, got {_kind(point)}")
+    return mod, points
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (and a SyntaxError's place)."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if isinstance(err, SyntaxError) and err.lineno:
+        first = f"{err.msg} ({err.filename}, line {err.lineno})"
+    return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
+
+
+def _kind(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 def _shape_point(text: str):
@@ -268,11 +304,18 @@ def _shape_point(text: str):
 
     function, _, dims = text.partition(":")
     try:
-        values = {name.strip(): int(value) for name, value in (item.split("=") for item in dims.split(","))}
-        return ShapePoint(function.strip(), values)
+        items = [(name.strip(), int(value)) for name, value in (item.split("=") for item in dims.split(","))]
+        names = [name for name, _ in items]
+        if not function.strip() or not all(names):
+            raise ValueError("a name is empty")
+        point = ShapePoint(function.strip(), dict(items))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not FUNC:NAME=VALUE[,NAME=VALUE...] with positive "
                                          f"integer values, e.g. prefill:batch=1,seq_len=1000") from None
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # a dict would keep the last value silently
+        raise argparse.ArgumentTypeError(f"{text!r} gives the dim {repeated[0]} twice")
+    return point
 
 
 def _tune_model(args: argparse.Namespace) -> int:
@@ -335,19 +378,26 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_module(path: str):
-    """The IRModule of a TVMScript file; ValueError naming --module if it is not one."""
+def _read_module(path: str, flag: str = "--module"):
+    """The IRModule of a TVMScript file; ValueError naming ``flag`` (the option that gave the file)
+    if it is not one."""
     import tvm
 
-    with open(path) as source:
-        text = source.read()
+    what = f"{flag} {path} is not a Relax module in TVMScript (as mod.script() prints)"
     try:
-        return tvm.script.from_source(text)
+        with open(path, encoding="utf-8") as source:
+            text = source.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what}: not UTF-8 text") from None
+    try:
+        mod = tvm.script.from_source(text)
     except Exception as err:  # noqa: BLE001 -- the parser's errors are of many kinds; each means "not TVMScript"
         first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         first = re.sub(r"^error: ", "", first)  # TVM's diagnostics start so; ours says it once
-        raise ValueError(f"--module {path} is not a Relax module in TVMScript (as mod.script() prints): "
-                         f"{first[:200]}") from None
+        raise ValueError(f"{what}: {first[:200]}") from None
+    if not isinstance(mod, tvm.IRModule):  # e.g. a lone PrimFunc
+        raise ValueError(f"{what}: it holds a {type(mod).__name__}")
+    return mod
 
 
 def build_parser() -> argparse.ArgumentParser:

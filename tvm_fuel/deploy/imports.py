@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import tvm
-from tvm.s_tir import meta_schedule as ms
 
 from ..schedules.workload import Workload
-from ..logs import RECORD_FILE, WORKLOAD_FILE, kernel_family, knobs_of, replay, target_key
+from ..logs import LogDatabase, kernel_family, knobs_of, replay, target_key
 from ..tuning.space import fixed_point, workload_module
 from ..tuning.tune import commit_record, default_work_dir
 
@@ -44,7 +43,53 @@ def _load(path: Path) -> tuple[dict, list[dict]]:
     if built_for != measured_on:
         raise ValueError(f"tvm_fuel tune --import: bundle {report.get('bundle_id')} was built for {built_for} but "
                          f"measured on {measured_on}")
+    if not isinstance(buckets, list):
+        raise ValueError(f"tvm_fuel tune --import: {path}: the tune stage's buckets must be a list, "
+                         f"got {type(buckets).__name__}")
+    for index, bucket in enumerate(buckets):  # all of them before any record is written
+        problem = _bucket_problem(bucket)
+        if problem:
+            raise ValueError(f"tvm_fuel tune --import: {path}: tune bucket {index} {problem}")
     return report, buckets
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _bucket_problem(bucket) -> str | None:
+    """What keeps a tune bucket of a results file from being imported (None: nothing): every field
+    ``import_results`` reads, with its type."""
+    if not isinstance(bucket, dict):
+        return f"is a {type(bucket).__name__}, not an object"
+    missing = [key for key in ("target", "workload", "points") if key not in bucket]
+    if missing:
+        return f"lacks {', '.join(repr(key) for key in missing)}"
+    try:
+        tvm.target.Target(bucket["target"])
+        Workload.from_key(bucket["workload"])
+    except Exception as err:  # noqa: BLE001 -- TVM's target errors are of many kinds
+        return f"has no valid target and workload key ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    points = bucket["points"]
+    if not isinstance(points, list) or not points:
+        return "has no list of measured points"
+    for n, point in enumerate(points):
+        if not (isinstance(point, dict) and isinstance(point.get("function"), str)
+                and isinstance(point.get("knobs"), dict) and isinstance(point.get("hand_picked"), bool)
+                and isinstance(point.get("status"), str)):
+            return f"point {n} is not {{function: str, knobs: object, hand_picked: bool, status: str, seconds}}"
+        if point["status"] == "pass" and not _is_number(point.get("seconds")):
+            return f"point {n} passed without a positive time in seconds"
+    verified = bucket.get("verified") or {}
+    if not isinstance(verified, dict):
+        return "has a verification that is not an object"
+    if verified.get("status") == "pass":
+        functions = {point["function"] for point in points}
+        times = verified.get("seconds")
+        if not (isinstance(times, dict) and all(function in functions and isinstance(t, list) and t
+                                                and all(_is_number(x) for x in t) for function, t in times.items())):
+            return "has a verification whose seconds are not {point function: [positive seconds]}"
+    return None
 
 
 def _point(mod: tvm.IRModule, knobs: dict, **verification) -> "tvm.s_tir.Schedule":
@@ -87,8 +132,7 @@ def import_results(path: str | Path, work_dir: str | Path | None = None, *, log=
         mod = workload_module(workload, target)
         folder = Path(work_dir) / target_key(target) / kernel_family(workload.op)
         folder.mkdir(parents=True, exist_ok=True)
-        database = ms.database.JSONDatabase(path_workload=str(folder / WORKLOAD_FILE),
-                                            path_tuning_record=str(folder / RECORD_FILE))
+        database = LogDatabase(folder)  # as tune's: a torn line of an earlier run costs that line only
         if _already_imported(database, mod, bucket["points"]):
             raise ValueError(f"tvm_fuel tune --import: the measurements of {workload.describe()} in {path} are "
                              f"already in {folder}")
