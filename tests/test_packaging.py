@@ -154,5 +154,6 @@ def test_built_wheel_in_fresh_venv(tmp_path):
 
     for cwd in (REPO, tmp_path):
         demo = _run([python, "-m", "tvm_fuel", "demo", "--quick"], cwd, env)
-        assert "checks hold" in demo.stdout, demo.stdout[-2000:]
+        # --quick: the ops part alone, one check per op output, each "ok"
+        assert "all 10 checks hold" in demo.stdout and demo.stdout.count(" ok\n") == 10, demo.stdout[-2000:]
         assert "[decoder]" not in demo.stdout and "[training]" not in demo.stdout
