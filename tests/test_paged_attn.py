@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BLOCK, HOST, Runner, assert_close, build, paged_inputs, randn, run
-from tvm import tirx
+from helpers import BLOCK, HOST, Runner, assert_close, build, legalize_checked, paged_inputs, run
+import tvm_ffi
+from tvm import s_tir, tirx
 
 from tvm_fuel import op
 from tvm_fuel import reference as ref
@@ -133,3 +134,64 @@ def test_empty_cache(symbolic_runner, kernels):
     inputs["block_table"][:] = -1
     (out,) = symbolic_runner(*inputs.values())
     assert out.shape == inputs["q"].shape and np.all(out == 0)
+
+
+def _capacity_sized(mod, table_width) -> list[str]:
+    """Loops and buffers (other than the block table itself) of ``mod``'s PrimFuncs whose size
+    grows with the table width (a symbolic dim's name, or a static width: then any constant
+    size that large): the work and memory that scale with the table's capacity instead of the
+    live context."""
+    found = []
+
+    def grows(expr) -> bool:
+        if isinstance(table_width, int):
+            return isinstance(expr, tirx.IntImm) and expr.value >= table_width
+        return table_width in {var.name for var in tirx.analysis.undefined_vars(expr)}
+
+    for gvar, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+
+        def visit(node, where=gvar.name_hint):
+            if isinstance(node, tirx.For) and grows(node.extent):
+                found.append(f"{where}: loop {node.loop_var.name}")
+            buffers = node.alloc_buffers if isinstance(node, s_tir.SBlock) else [node.buffer] if isinstance(
+                node, (tirx.AllocBuffer, tirx.DeclBuffer)) else []
+            found.extend(f"{where}: buffer {b.name}" for b in buffers
+                         if b.name != "block_table" and any(grows(dim) for dim in b.shape))
+
+        tvm_ffi.structural_walk(func.body, ((tirx.For, s_tir.SBlock, tirx.AllocBuffer, tirx.DeclBuffer), visit),
+                                order="post")
+    return found
+
+
+def _legalized(params, kernels):
+    return legalize_checked(build(lambda **a: op.paged_attn(**a), params), HOST, kernels)
+
+
+def test_host_check_and_floor_scale_with_the_live_context(kernels):
+    """Issue 29, item 6: the block-table check walks each sequence's live blocks only, and no loop
+    or buffer (the floor's gathered K/V, its scores, its sanitized table) grows with the table's
+    width: a sequence of 10 blocks in a million-block table costs what it costs in a small one."""
+    B, N, M = tirx.Var("B", "int64"), tirx.Var("num_blocks", "int64"), tirx.Var("max_blocks", "int64")
+    params = dict(q=((B, 6, 1, 40), "float32"), k_cache=((N, BLOCK, 2, 40), "float32"),
+                  v_cache=((N, BLOCK, 2, 40), "float32"), block_table=((B, M), "int32"),
+                  context_lens=((B,), "int32"))
+    assert _capacity_sized(_legalized(params, kernels), "max_blocks") == []
+
+
+def test_a_million_block_table_decodes_its_live_blocks(kernels):
+    """Ten live blocks in a table of 2**20 entries per sequence (garbage past them): the right
+    answer, with memory and work bounded by the live context (asserted first: a floor that gathers
+    the capacity would need tens of GB)."""
+    rng = np.random.default_rng(10)
+    lens = [37, 10 * BLOCK]
+    inputs = paged_inputs(rng, lens, max_blocks=10)
+    table = np.full((len(lens), 1 << 20), -1, np.int32)
+    table[:, :10] = inputs["block_table"]
+    table[:, 10:] = rng.integers(-(1 << 30), 1 << 30, size=(len(lens), (1 << 20) - 10))
+    inputs["block_table"] = table
+    params = {name: (a.shape, str(a.dtype)) for name, a in inputs.items()}
+    assert _capacity_sized(_legalized(params, kernels), 1 << 20) == []
+    (out,) = run(lambda **a: op.paged_attn(**a), inputs, kernels=kernels)
+    assert_close(out, ref.paged_attn(*inputs.values()), "float32")

@@ -10,6 +10,7 @@ Contents:
     flash_attn_jvp         -- out and its directional derivative (forward mode), lse
     flash_attn_double_backward -- the VJP of the backward: gradients of q, k, v and do
     paged_attn             -- attention over a paged KV cache read through a block table
+    paged_live_len         -- the longest context: how far paged_attn gathers (not the capacity)
     sanitize_block_table   -- live block ids clamped in range, dead entries zeroed (no OOB reads)
     softmax_backward       -- probs * (dprobs - sum(probs * dprobs))
     norm_backward_row_mean, norm_backward_dx, norm_backward_column_sum
@@ -376,13 +377,30 @@ def _cast(t, dtype, name):
     return te.compute(t.shape, lambda *idx: t(*idx).astype(str(dtype)), name=name)
 
 
-def sanitize_block_table(block_table, context_lens, num_blocks, block_size):
-    """int64 block ids safe to dereference: dead entries -> 0, live ones clamped to [0, num_blocks).
+def paged_live_len(block_table, context_lens, block_size):
+    """[1] int64: the longest context, clamped to [0, the table's capacity] (0 without
+    sequences). The floor gathers this many keys per sequence, not the capacity: a table may be
+    sized for millions of blocks of which a few are live."""
+    B, max_blocks = block_table.shape
+    capacity = sem.as_int64(max_blocks) * sem.as_int64(block_size)
+    # one guarded step without sequences: schedules leave an empty reduction's output unwritten
+    b = te.reduce_axis((0, tirx.max(B, 1)), name="b")
+    zero = tirx.const(0, "int64")
+
+    def length(b):
+        return tirx.if_then_else(b < B, tirx.max(tirx.min(sem.as_int64(context_lens[b]), capacity), zero), zero)
+
+    return te.compute((1,), lambda _: te.max(length(b), axis=b), name="live_len")
+
+
+def sanitize_block_table(block_table, context_lens, num_blocks, block_size, live_blocks):
+    """[B, live_blocks] int64 block ids safe to dereference: dead entries -> 0, live ones clamped
+    to [0, num_blocks). ``live_blocks`` (<= the table's width) covers the longest context.
 
     Entries past a sequence's live blocks may hold anything (-1, garbage). Live ids are validated
     before this runs on CPU (see ``legalize``); the clamp keeps every target in bounds regardless.
     """
-    B, max_blocks = block_table.shape
+    B = block_table.shape[0]
 
     def safe(b, n):
         live = n * block_size < sem.as_int64(context_lens[b])
@@ -390,30 +408,34 @@ def sanitize_block_table(block_table, context_lens, num_blocks, block_size):
         clamped = tirx.max(tirx.min(block, sem.as_int64(num_blocks) - 1), tirx.const(0, "int64"))
         return tirx.Select(live, clamped, tirx.const(0, "int64"))
 
-    return te.compute((B, max_blocks), safe, name="safe_block_table")
+    return te.compute((B, live_blocks), safe, name="safe_block_table")
 
 
-def gather_pages(cache, safe_table, context_lens):
-    """The cache [num_blocks, block_size, Hkv, D] gathered to dense [B, Hkv, max_blocks * block_size, D].
+def gather_pages(cache, safe_table, context_lens, live_len):
+    """The cache [num_blocks, block_size, Hkv, D] gathered to dense [B, Hkv, live_len, D].
 
     Slots past a sequence's length are 0 and never read (an empty cache has no block to read).
     """
     _, block_size, Hkv, D = cache.shape
-    B, max_blocks = safe_table.shape
+    B = safe_table.shape[0]
     return te.compute(
-        (B, Hkv, max_blocks * block_size, D),
+        (B, Hkv, live_len, D),
         lambda b, g, j, e: tirx.if_then_else(
             j < sem.as_int64(context_lens[b]), cache[safe_table[b, j // block_size], j % block_size, g, e],
             tirx.const(0, str(cache.dtype))),
         name="gathered")
 
 
-def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, cfg: AttnConfig):
-    """Attention of q [B, Hq, Sq, D] over the paged cache; the Sq queries are each sequence's last."""
+def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, cfg: AttnConfig, live_len):
+    """Attention of q [B, Hq, Sq, D] over the paged cache; the Sq queries are each sequence's last.
+
+    ``live_len`` is ``paged_live_len``'s value (a variable of the caller): keys, scores and the
+    sanitized table span the longest context, never the table's capacity."""
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    safe_table = sanitize_block_table(block_table, context_lens, num_blocks, block_size)
-    k = gather_pages(k_cache, safe_table, context_lens)
-    v = gather_pages(v_cache, safe_table, context_lens)
+    safe_table = sanitize_block_table(block_table, context_lens, num_blocks, block_size,
+                                      (live_len + block_size - 1) // block_size)
+    k = gather_pages(k_cache, safe_table, context_lens, live_len)
+    v = gather_pages(v_cache, safe_table, context_lens, live_len)
     sq = q.shape[2]
     layout = _Layout(
         group=q.shape[1] // k_cache.shape[2],

@@ -127,10 +127,10 @@ def _paged_check_func(cache_dtype: str, table_dtype: str, lens_dtype: str) -> tv
         for b in range(batch):
             assert T.Cast("int64", lens[b]) >= T.int64(0) and T.Cast("int64", lens[b]) <= max_blocks * block_size, \
                 "fuel.paged_attn: context_lens[b] must be in [0, max_blocks * block_size] (the block table's capacity)"
-            for n in range(max_blocks):
-                if n * block_size < T.Cast("int64", lens[b]):
-                    assert T.Cast("int64", table[b, n]) >= T.int64(0) and T.Cast("int64", table[b, n]) < num_blocks, \
-                        "fuel.paged_attn: block_table[b, n] of a live block must be a block id in [0, num_blocks)"
+            # the live blocks alone (what the kernels read): a table's capacity may be millions of entries
+            for n in range((T.Cast("int64", lens[b]) + block_size - T.int64(1)) // block_size):
+                assert T.Cast("int64", table[b, n]) >= T.int64(0) and T.Cast("int64", table[b, n]) < num_blocks, \
+                    "fuel.paged_attn: block_table[b, n] of a live block must be a block id in [0, num_blocks)"
             out[b] = lens[b]
     # fmt: on
 
@@ -152,12 +152,23 @@ def _checked_context_lens(bb: relax.BlockBuilder, args: dict) -> relax.Expr:
     return bb.emit(relax.call_tir(gvar, [args["k_cache"], args["block_table"], lens], out_ty=lens.ty))
 
 
+def _live_len(bb: relax.BlockBuilder, args: dict, lens: relax.Expr) -> tirx.Var:
+    """A variable bound at run time to the longest context (``decompose.paged_live_len``): the
+    floor's buffers are sized by it, so they scale with the live context, not the table."""
+    longest = bb.emit(bb.call_te(decompose.paged_live_len, args["block_table"], lens, args["k_cache"].ty.shape[1],
+                                 primfunc_name_hint="fuel_paged_attn_live_len"))
+    live_len = tirx.Var("live_len", "int64")
+    bb.match_cast(bb.emit(relax.op.tensor_to_shape(longest)), relax.ShapeType([live_len]))
+    return live_len
+
+
 def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     a = checked_dims(bb, "paged_attn", SPECS["paged_attn"].split_args(call))
     lens = _checked_context_lens(bb, a)
     fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
+    # live_len through call_te (not the partial): call_te passes the variables it is given to the PrimFunc
     return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
-                      primfunc_name_hint="fuel_paged_attn")
+                      live_len=_live_len(bb, a, lens), primfunc_name_hint="fuel_paged_attn")
 
 
 def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,
