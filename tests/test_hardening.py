@@ -192,8 +192,7 @@ def test_causal_future_keys_and_a_nan_row_of_do(kernels, dtype):
     q, k, v, do = (x.astype(np.float32) for x in _dense(np.random.default_rng(6), sq, sk, dtype))
     forward = _forward_runner(kernels, sq, sk, dict(causal=True), dtype=dtype)
     backward = _backward_runner(kernels, sq, sk, dict(causal=True), dtype=dtype)
-    cast = (lambda x: x.astype(NP_DTYPE[dtype]))
-    q, k, v, do = cast(q), cast(k), cast(v), cast(do)
+    q, k, v, do = (x.astype(NP_DTYPE[dtype]) for x in (q, k, v, do))
 
     def f32(results):
         return [r.astype(np.float32) for r in results]
@@ -270,3 +269,30 @@ def test_nan_key_reaches_only_the_key_gradients_of_rows_that_see_it(kernels):
         np.testing.assert_array_equal(after[:, :, :8], before[:, :, :8], err_msg=name)
         assert np.isnan(after[:, :, 8:]).any(axis=-1).all(), name
         assert not np.isnan(reference[:, :, :8]).any() and np.isnan(reference[:, :, 8:]).any(axis=-1).all(), name
+
+
+# --- no keys at all ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_backward", "flash_attn_jvp", "flash_attn_double_backward"])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, softcap=2.0)], ids=["plain", "causal-softcap"])
+def test_no_keys_gives_empty_rows_in_the_reference_and_compiled(kernels, name, options):
+    """Issue 29, item 7: Sk = 0 (every row sees no key): out = 0, lse = -inf and every gradient
+    and tangent 0 (k's and v's empty), in the numpy reference exactly as on every compiled path."""
+    rng = np.random.default_rng(11)
+    q, k, v, do = _dense(rng, 5, 0)
+    args = {"flash_attn": dict(q=q, k=k, v=v),
+            "flash_attn_backward": dict(q=q, k=k, v=v, do=do),
+            "flash_attn_jvp": dict(q=q, k=k, v=v, q_dot=randn(rng, q.shape), k_dot=k.copy(), v_dot=v.copy()),
+            "flash_attn_double_backward": dict(q=q, k=k, v=v, do=do, dq_bar=randn(rng, q.shape), dk_bar=k.copy(),
+                                               dv_bar=v.copy())}[name]
+    extra = dict(return_lse=True) if name in ("flash_attn", "flash_attn_jvp") else {}
+    want = getattr(tvm_fuel.reference, name)(*args.values(), **options, **extra)
+    got = Runner(build(lambda **a: getattr(op, name)(**a, **options, **extra),
+                       {n: (a.shape, str(a.dtype)) for n, a in args.items()}), HOST, kernels=kernels)(*args.values())
+    assert len(got) == len(want)
+    for index, (g, w) in enumerate(zip(got, want)):
+        is_lse = bool(extra) and index == len(want) - 1
+        assert g.shape == w.shape, (index, g.shape, w.shape)
+        assert np.all(np.isneginf(w)) if is_lse else np.all(w == 0), index
+        np.testing.assert_array_equal(g.astype(np.float64), w, err_msg=f"{name} output {index}")

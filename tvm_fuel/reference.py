@@ -67,7 +67,8 @@ def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, s
 def _softmax(logits):
     """(P, lse) with P = 0 and lse = -inf on rows that keep no key; a NaN logit makes its row NaN."""
     with np.errstate(invalid="ignore"):
-        row_max = logits.max(axis=-1, keepdims=True)  # NaN when the row holds one
+        # NaN when the row holds one; -inf for a row of no keys at all (Sk = 0), like a masked row
+        row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
         shift = np.where(np.isneginf(row_max), 0.0, row_max)
         # a dropped key weighs exactly 0, even in a row whose shift is NaN (exp(-inf - NaN) is NaN)
         e = np.where(np.isneginf(logits), 0.0, np.exp(logits - shift))
