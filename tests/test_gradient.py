@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from helpers import HOST, legalize_checked
 from tvm import relax
 
@@ -148,3 +149,40 @@ def test_softmax_gradients_use_softmax_backward(axis):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_require_grads_takes_what_relax_gradient_takes():
+    """Issue 29, item 8: one Var (which relax.transform.Gradient accepts), a list, an Array or a
+    tuple of parameters: the same adjoint, with a gradient for exactly those parameters."""
+    mod = _model()
+    q, k = mod["main"].params[:2]
+    one = tvm_fuel.transform.gradient(mod, require_grads=q)["main_adjoint"]
+    grads = one.ret_ty.fields[1]
+    assert len(grads.fields) == 1 and [int(n) for n in grads.fields[0].shape.values] == [B, HQ, SQ, D]
+    assert tvm_ffi.structural_equal(one, tvm_fuel.transform.gradient(mod, require_grads=[q])["main_adjoint"])
+    pair = tvm_fuel.transform.gradient(mod, require_grads=[k, q])["main_adjoint"]
+    for form in (tvm_ffi.convert([k, q]), (k, q)):
+        assert tvm_ffi.structural_equal(pair, tvm_fuel.transform.gradient(mod, require_grads=form)["main_adjoint"])
+
+
+def test_require_grads_outside_the_parameters_is_refused_by_name():
+    """Issue 29, item 8: a variable of the body, another function's Var of a parameter's name, a
+    parameter named twice, a non-Var, an unknown function: errors naming the function and the
+    variable (were: ``z is not in list``)."""
+    mod = _model()
+    q = mod["main"].params[0]
+    inner = mod["main"].body.blocks[0].bindings[0].var
+    where = r"tvm_fuel\.transform\.gradient: "
+    with pytest.raises(ValueError, match=where + rf"require_grads names '{inner.name}', which is not a parameter "
+                                               r"of 'main' \(its parameters: q, k, v, w\)$"):
+        tvm_fuel.transform.gradient(mod, require_grads=[inner])
+    with pytest.raises(ValueError, match=where + r"require_grads names 'q', .*another Var of that name"):
+        tvm_fuel.transform.gradient(mod, require_grads=relax.Var("q", q.ty))
+    with pytest.raises(ValueError, match=where + r"require_grads names parameter 'q' of 'main' twice"):
+        tvm_fuel.transform.gradient(mod, require_grads=[q, q])
+    with pytest.raises(TypeError, match=where + r"require_grads must hold relax\.Vars, got int"):
+        tvm_fuel.transform.gradient(mod, require_grads=[q, 1])
+    with pytest.raises(TypeError, match=where + r"require_grads must be a relax\.Var or a list of them, got str"):
+        tvm_fuel.transform.gradient(mod, require_grads="q")
+    with pytest.raises(ValueError, match=where + r"no Relax function 'train' in the module \(its Relax functions: main\)"):
+        tvm_fuel.transform.gradient(mod, "train")
