@@ -50,8 +50,15 @@ class ShapePoint:
 
 
 def symbolic_dims(func: relax.Function) -> dict[str, tvm.tirx.Var]:
-    """The symbolic dims a function's parameters define, by name."""
-    return {var.name: var for var in relax.analysis.defined_symbolic_vars(func)}
+    """The symbolic dims a function's parameters define, by name (not those its body defines
+    with ``R.match_cast``: they are known only once the body runs, so no call can dispatch on
+    them)."""
+    return {var.name: var for param in func.params for var in relax.analysis.definable_tir_vars_in_type(param.ty)}
+
+
+def _body_dims(func: relax.Function) -> set[str]:
+    """The names of the symbolic dims ``func``'s body defines (``R.match_cast``), not its parameters."""
+    return {var.name for var in relax.analysis.defined_symbolic_vars(func)} - set(symbolic_dims(func))
 
 
 @mutator
@@ -121,7 +128,8 @@ def specialize(mod: tvm.IRModule, points: Sequence[ShapePoint]) -> tvm.IRModule:
     Per function ``f`` with points: ``f__generic`` (the symbolic original), ``f__at_<dims>`` per
     point (its dims bound), and ``f`` itself dispatching on its dims at run time. A point naming a
     function the module lacks, or a dim the function does not have, is skipped (a tuning log's
-    points meet models they were not tuned for)."""
+    points meet models they were not tuned for); a dim its body defines (``R.match_cast``), not
+    its parameters, is refused by name: no call can be dispatched on it."""
     by_function: dict[str, list[ShapePoint]] = {}
     for point in points:
         by_function.setdefault(point.function, []).append(point)
@@ -132,6 +140,12 @@ def specialize(mod: tvm.IRModule, points: Sequence[ShapePoint]) -> tvm.IRModule:
         if not isinstance(func, relax.Function):
             continue
         dims = symbolic_dims(func)
+        inner = sorted({name for p in group for name in p.dims} & _body_dims(func))
+        if inner:
+            raise ValueError(
+                f"tvm_fuel.specialize: {name}'s dim{'s' if len(inner) > 1 else ''} {', '.join(map(repr, inner))} "
+                f"{'are' if len(inner) > 1 else 'is'} defined in its body (R.match_cast), not by its parameters: a "
+                f"shape point takes parameter dims only ({', '.join(map(repr, sorted(dims))) or 'none'} here)")
         group = [p for p in group if p.dims and set(p.dims) <= set(dims)]
         if not group:
             continue
