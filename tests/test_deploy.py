@@ -10,8 +10,11 @@ into records that ``tvm_fuel.compile`` applies.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +25,7 @@ import tvm
 import tvm_fuel
 from tvm_fuel import cuda
 from tvm_fuel.cli import main
+from tvm_fuel.deploy import bundle as bundle_module
 from tvm_fuel.deploy.bundle import build_bundle, tune_bucket
 from tvm_fuel.deploy.imports import import_results
 from tvm_fuel.deploy.node.environment import CubinStore, source_key
@@ -74,13 +78,18 @@ def test_llvm_bundle_passes_its_check_stage_without_apache_tvm(venv, llvm_bundle
     for stage in ("smoke", "check", "bench"):
         cases = report["stages"][stage]["cases"]
         assert len(cases) == sum(c["stage"] == stage for c in manifest["cases"])
+        assert f"{stage}: {len(cases)}/{len(cases)} passed" in done.stdout
         for case in cases:
             assert case["status"] == "pass" and case["checks"], case
             assert all(check["ok"] for check in case["checks"])
     assert {c["dtype"] for c in manifest["cases"]} == {"float32", "float16", "bfloat16"}
     assert all("reference" in c["checks"][0]["what"] for c in report["stages"]["check"]["cases"])
-    for case in report["stages"]["bench"]["cases"]:  # timed, and checked against the floor
-        assert case["timings"]["tuned"]["ms"] > 0 and case["timings"]["floor"]["ms"] > 0
+    specs = {c["name"]: c for c in manifest["cases"]}
+    for case in report["stages"]["bench"]["cases"]:  # timed (no PyTorch in this venv), checked against the floor
+        assert set(case["timings"]) == {"tuned", "floor"}
+        for timing in case["timings"].values():  # a finite time, and the rate of the case's own FLOP count
+            assert math.isfinite(timing["ms"])
+            assert timing["tflops"] == pytest.approx(specs[case["name"]]["flops"] / timing["ms"] / 1e9, rel=1e-12)
         assert any("vs floor" in check["what"] for check in case["checks"])
     ops = {c["op"] for c in manifest["cases"]}
     assert ops == {"flash_attn", "flash_attn_backward", "paged_attn"}
@@ -111,7 +120,10 @@ def test_a_wrong_answer_a_crash_and_a_foreign_results_file_are_reported(venv, ll
     assert statuses[wrong["name"]]["status"] == "fail"
     assert statuses[crashing["name"]]["status"] == "crashed" and "SIGABRT" in statuses[crashing["name"]]["error"]
     assert statuses[hanging["name"]]["status"] == "timeout"
-    assert [c for c in statuses.values() if c["status"] == "pass"], "the other cases still ran"
+    # every other case still ran and passed, and the summary line counts them
+    assert [c["status"] for c in statuses.values()].count("pass") == len(cases) - 3
+    assert re.search(r"^check: (\d+)/(\d+) passed", done.stdout, re.M).groups() == (str(len(cases) - 3),
+                                                                                   str(len(cases)))
     assert "NOT every check passed" in done.stdout
 
     report = json.loads(results.read_text())
@@ -120,6 +132,128 @@ def test_a_wrong_answer_a_crash_and_a_foreign_results_file_are_reported(venv, ll
     done = _run(venv, bundle, "--out", str(results))
     assert done.returncode == 2 and "holds the results of bundle another" in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+def _refused(done: subprocess.CompletedProcess, prefix: str) -> None:
+    """run.py said no in one line with exit status 2, and ran nothing."""
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.startswith(prefix) and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr and "passed" not in done.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--stages", ""], "argument --stages: '' names no stage"),
+    (["--stages", ","], "argument --stages: ',' names no stage"),
+    (["--stages", "smoke,smoke"], "names a stage twice"),
+    (["--stages", "tune"], "argument --stages: tune not in this bundle"),
+    (["--only", "no such case"], "argument --only: 'no such case' matches no case"),
+    (["--stages", "bench", "--only", "smoke/"], "matches no case of the stages bench"),
+    (["--case-timeout", "-1"], "argument --case-timeout: expected seconds > 0, got '-1'"),
+    (["--case-timeout", "0"], "expected seconds > 0"),
+    (["--case-timeout", "nan"], "expected seconds > 0"),
+    (["--verify-top", "-1"], "argument --verify-top: expected an integer >= 0"),
+    (["--verify-rounds", "0"], "argument --verify-rounds: expected an integer >= 1"),
+])
+def test_run_py_refuses_arguments_that_would_run_nothing_or_crash(llvm_bundle, tmp_path, args, says):
+    results = tmp_path / "results.json"
+    done = _run(Path(sys.executable), llvm_bundle, *args, "--out", str(results))
+    _refused(done, "run.py: error: ")
+    assert says in done.stderr and not results.exists()
+
+
+def test_run_py_refuses_a_bad_manifest_or_results_file_before_running(llvm_bundle, tmp_path):
+    manifest = json.loads((llvm_bundle / "manifest.json").read_text())
+    ours = {"bundle_id": manifest["bundle_id"], "bundle": manifest["bundle"]}
+    results = tmp_path / "results.json"
+    for broken, says in (
+            (ours, "it has no 'stages' object"),
+            ({**ours, "stages": {"smoke": {"cases": 3, "not_passed": 0}}}, "stages.smoke lacks its cases list or not_passed count"),
+            ({**ours, "stages": {"smoke": {"cases": [{"name": "x"}], "not_passed": 0}}}, "stages.smoke.cases holds an entry without a status"),
+            ({**ours, "stages": {"warmup": {"cases": [], "not_passed": 0}}}, "stages.warmup is not a stage of"),
+            ({**ours, "stages": {"tune": {"cases": [], "not_passed": 0, "buckets": [{"points": [{}]}]}}},
+             "stages.tune.buckets holds a bucket whose points lack status or hand_picked")):
+        results.write_text(json.dumps(broken))
+        done = _run(Path(sys.executable), llvm_bundle, "--stages", "smoke", "--out", str(results))
+        _refused(done, "run.py: cannot run this bundle here: ")
+        assert f"--out {results} is a results file of this bundle, but {says}" in done.stderr
+        assert "smoke:" not in done.stdout and json.loads(results.read_text()) == broken  # nothing ran or changed
+    copy = tmp_path / "copy"  # run.py and its code, with a manifest missing, not JSON, of another schema, cut
+    copy.mkdir()
+    shutil.copy(llvm_bundle / "run.py", copy / "run.py")
+    shutil.copytree(llvm_bundle / "fuel_node", copy / "fuel_node")
+    for text, says in ((None, f"{copy} holds no manifest.json"), ("[1", "cannot be read as JSON"),
+                       ("[1]", "a JSON list, not an object"),
+                       (json.dumps({**manifest, "schema": "tvm_fuel-bundle/0"}), "schema 'tvm_fuel-bundle/0'"),
+                       (json.dumps({**manifest, "cases": 3}), "'cases' is missing or not a list"),
+                       (json.dumps({**manifest, "files": ["../thesis.tex"]}), "'../thesis.tex' is not a plain")):
+        if text is not None:
+            (copy / "manifest.json").write_text(text)
+        done = _run(Path(sys.executable), copy, "--out", str(tmp_path / "r.json"))
+        _refused(done, "run.py: cannot run this bundle here: ")
+        assert says in done.stderr
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def test_bundle_out_refuses_a_folder_that_is_not_an_earlier_bundle(tmp_path, capsys):
+    """The folder of issue 29: a manifest.json of the user's own next to their thesis."""
+    thesis = tmp_path / "thesis"
+    (thesis / "src").mkdir(parents=True)
+    (thesis / "manifest.json").write_text(json.dumps({"title": "my thesis", "bundle_id": "0123456789ab"}))
+    (thesis / "src" / "thesis.tex").write_text("\\chapter{One}\n")
+    text = tmp_path / "notes.txt"
+    text.write_text("notes\n")
+    before = _snapshot(tmp_path)
+    for out in (thesis, text):
+        assert main(["bundle", "--target", "llvm", "--suite", "smoke", "--small", "--out", str(out)]) == 2
+    assert _snapshot(tmp_path) == before  # nothing removed, nothing left behind
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert err[0].startswith(f"python -m tvm_fuel bundle: error: --out {thesis} is not empty and is not an earlier "
+                             "bundle: ") and "schema None" in err[0]
+    assert err[1] == f"python -m tvm_fuel bundle: error: --out {text} is not a folder; choose another --out"
+
+
+def test_bundle_replaces_an_earlier_bundle_only_when_it_holds_nothing_else(venv, llvm_bundle, tmp_path, capsys,
+                                                                         monkeypatch):
+    out = tmp_path / "bundle"
+    shutil.copytree(llvm_bundle, out)
+    earlier = json.loads((out / "manifest.json").read_text())
+    # run here with the results kept inside: the node's unpacked wheels are the bundle's, the results are not
+    done = _run(venv, out, "--stages", "smoke", "--out", str(out / "results.json"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (out / "runtime" / "unpacked-apache_tvm_ffi" / ".unpacked").exists()
+    results = (out / "results.json").read_bytes()
+    options = ["bundle", "--target", "llvm", "--suite", "smoke", "--out", str(out)]
+    before = _snapshot(out)
+    assert main(options) == 2
+    assert _snapshot(out) == before
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err == (f"python -m tvm_fuel bundle: error: --out {out} holds an earlier bundle ({earlier['bundle_id']}) "
+                   "and 1 entry it did not write (results.json); move them out or choose another --out")
+    (out / "results.json").rename(tmp_path / "results.json")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and "__pycache__" not in
+                  p.parts and not any(part.startswith("unpacked-") for part in p.parts)) == earlier["files"]
+
+    def nvcc_fails(*args):
+        raise RuntimeError("tvm_fuel bundle: nvcc failed on module source 0123456789ab")
+
+    before = _snapshot(out)  # a build that fails leaves the earlier bundle, and nothing of its own
+    monkeypatch.setattr(bundle_module, "_build", nvcc_fails)
+    assert main(options) == 2
+    monkeypatch.undo()
+    assert _snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "results.json"]
+    assert "nvcc failed" in capsys.readouterr().err
+
+    manifest = build_bundle(out, target="llvm", suite="smoke", log=lambda line: None)
+    assert manifest["bundle_id"] != earlier["bundle_id"]
+    # the earlier bundle's check and bench modules and the unpacked wheels are gone; only the new files are there
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == manifest["files"]
+    assert {c["stage"] for c in manifest["cases"]} == {"smoke"} and not (out / "runtime" / "unpacked-ml_dtypes").exists()
+    assert (tmp_path / "results.json").read_bytes() == results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "results.json"]
 
 
 @needs_nvcc
@@ -231,14 +365,21 @@ def test_tune_stage_measures_points_side_by_side_and_imports_them(venv, llvm_bun
     results = tmp_path / "results.json"
     done = _run(venv, bundle, "--stages", "tune", "--verify-top", "2", "--verify-rounds", "3", "--out", str(results))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    (measured,) = json.loads(results.read_text())["stages"]["tune"]["buckets"]
-    assert [p["status"] for p in measured["points"]] == ["pass"] * 3 and all(p["seconds"] > 0 for p in measured["points"])
+    stage = json.loads(results.read_text())["stages"]["tune"]
+    (measured,) = stage["buckets"]
+    assert [p["status"] for p in measured["points"]] == ["pass"] * 3
+    runs = {c["name"].rsplit("/", 1)[1]: c["runs"] for c in stage["cases"]}
+    for point in measured["points"]:  # each point's time is the median of its three repeats
+        assert len(runs[point["function"]]) == 3 and point["seconds"] == statistics.median(runs[point["function"]])
     verified = measured["verified"]
     assert verified["status"] == "pass" and len(verified["seconds"]) == 3
     assert all(len(times) == 3 for times in verified["seconds"].values())
     logs = tmp_path / "logs"
     rows = import_results(results, logs, log=lambda line: None)
-    assert rows[0]["hand_picked_s"] > 0 and rows[0]["best_knobs"] in points
+    medians = {function: statistics.median(times) for function, times in verified["seconds"].items()}
+    best = min(medians, key=medians.get)
+    assert rows[0]["hand_picked_s"] == medians["point_0"] and rows[0]["best_s"] == medians[best]
+    assert rows[0]["best_knobs"] == points[int(best.split("_")[1])]
     found = TuningRecords([logs]).lookup(workload, target)
     knobs, source = found.knobs, found.source
     assert source.startswith(str(logs / "llvm-generic" / "flash_attn"))

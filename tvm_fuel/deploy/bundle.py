@@ -9,6 +9,13 @@ The bundle folder holds::
     runtime/tvm/              TVM without its compiler library (runtime-only)
     runtime/wheels/*.whl      the apache-tvm-ffi and ml_dtypes wheels for the node's Python
 
+The manifest (``node.manifest``: its schema) lists every file the build wrote. A build into a
+folder that holds an earlier bundle removes exactly those files and what that bundle's run.py
+wrote (unpacked wheels, ``__pycache__``), and only when the folder holds nothing else: a results
+file kept inside, a user's notes or any other folder make it refuse and leave everything as it
+was. The new bundle is written beside ``--out`` and moved in only when complete, so a failed
+build leaves the earlier bundle whole.
+
 Every case's module is built with ``tvm_fuel.compile``'s legalization and checked to run the
 performance-path kernels (a silent fall back to the floor is an error here, not a surprise on
 the node). The tune stage's modules hold every knob point of a CUDA kernel's space that fits
@@ -47,7 +54,8 @@ from ..tuning.measure import input_specs
 from ..tuning.tune import workloads_of
 from . import suites
 from .runtime import node_runtime
-from .node.environment import source_key
+from .node.environment import NodeError, source_key, written_by_node
+from .node.manifest import SCHEMA, bundle_files, read_manifest
 
 ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
 LIMIT_BYTES = 48_000_000  # 48 MB, counted the strict way
@@ -213,33 +221,114 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
     if target == "cuda" and not cuda.nvcc_available():
         raise RuntimeError("tvm_fuel bundle: a cuda bundle needs nvcc here (the node compiles nothing)")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not (out / "manifest.json").exists():
-            raise ValueError(f"tvm_fuel bundle: {out} is not empty and not a bundle; choose another --out")
-        shutil.rmtree(out)
-    (out / "modules").mkdir(parents=True)
-    start = time.perf_counter()
-    cubins = _Cubins(out / "cubins", arch)
+    _earlier_bundle(out)  # refused now, not after minutes of building
+    # built in a fresh folder beside ``out`` and moved in only when complete: a failed build
+    # leaves ``out`` as it was
+    real = out.resolve()
+    work = real.parent / f".{real.name}.building-{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True)
     try:
-        manifest = _build(out, tvm_target, arch, cases, cubins, tune, tune_points, log)
+        manifest, cubin_count, seconds = _fill(work, tvm_target, arch, cases, tune, tune_points, node_python,
+                                               dict(target=target, suite=suite, small=small), log)
+        size = _size(work)
+        log(f"bundle {manifest['bundle_id']} in {out}: {len(manifest['cases'])} cases, {cubin_count} cubins, "
+            f"{size / 1e6:.1f} MB, built in {seconds:.0f} s")
+        if size > LIMIT_BYTES:
+            raise RuntimeError(f"tvm_fuel bundle: {out} would be {size / 1e6:.1f} MB, over the 48 MB a bundle may "
+                               "take (fewer --tune-points make it smaller)")
+        _move_in(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # this build's own folder (empty once moved in)
+    return manifest
+
+
+def _fill(work: Path, tvm_target, arch, cases, tune, tune_points, node_python, options: dict, log):
+    """Write the bundle into the empty folder ``work``: (manifest, cubins, seconds)."""
+    (work / "modules").mkdir()
+    start = time.perf_counter()
+    cubins = _Cubins(work / "cubins", arch)
+    try:
+        manifest = _build(work, tvm_target, arch, cases, cubins, tune, tune_points, log)
     finally:
         cubins.pool.shutdown(cancel_futures=True)  # a failed build does not wait for nvcc
-    manifest["bundle"] = {"target": target, "arch": arch, "suite": suite, "small": small,
-                          "python": f"{node_python[0]}.{node_python[1]}", "tvm": tvm.__version__,
-                          "tvm_fuel": __version__, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    manifest["target"] = {"device": "cuda" if target == "cuda" else "cpu", "arch": arch}
-    manifest["runtime"] = node_runtime(out, "runtime", node_python)
-    shutil.copytree(_NODE, out / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(Path(__file__).parent.parent / "reference.py", out / "fuel_node" / "reference.py")
-    (out / "run.py").write_text(_RUN_PY)
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    size = _size(out)
-    log(f"bundle {manifest['bundle_id']} in {out}: {len(manifest['cases'])} cases, {len(cubins.jobs)} cubins, "
-        f"{size / 1e6:.1f} MB, built in {time.perf_counter() - start:.0f} s")
-    if size > LIMIT_BYTES:
-        raise RuntimeError(f"tvm_fuel bundle: {out} is {size / 1e6:.1f} MB, over the 48 MB a bundle may take "
-                           "(fewer --tune-points make it smaller)")
-    return manifest
+    manifest["bundle"] = {**options, "arch": arch, "python": f"{node_python[0]}.{node_python[1]}",
+                          "tvm": tvm.__version__, "tvm_fuel": __version__,
+                          "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest["target"] = {"device": "cuda" if options["target"] == "cuda" else "cpu", "arch": arch}
+    manifest["runtime"] = node_runtime(work, "runtime", node_python)
+    shutil.copytree(_NODE, work / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(__file__).parent.parent / "reference.py", work / "fuel_node" / "reference.py")
+    (work / "run.py").write_text(_RUN_PY)
+    # every file this build wrote: what a later build into the same folder may remove
+    files = sorted(str(f.relative_to(work).as_posix()) for f in work.rglob("*") if f.is_file())
+    manifest = {"schema": SCHEMA, **manifest, "files": sorted(files + ["manifest.json"])}
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest, len(cubins.jobs), time.perf_counter() - start
+
+
+def _earlier_bundle(out: Path) -> list[Path]:
+    """What must go before a bundle is written to ``out``: the files of the earlier bundle there
+    (deepest first, its folders after their files); ValueError where ``out`` holds anything else.
+
+    Only a folder whose manifest is a bundle manifest of this schema is replaced, and only when
+    every entry in it is a file that bundle listed as written, or one its run.py writes (unpacked
+    wheels, ``__pycache__``); anything else there (a results file, a user's notes, a symbolic
+    link) makes the command refuse, so that nothing it did not write is ever removed."""
+    if not out.exists() and not out.is_symlink():
+        return []
+    if not out.is_dir():
+        raise ValueError(f"tvm_fuel bundle: --out {out} is not a folder; choose another --out")
+    if not any(out.iterdir()):
+        return []
+    try:
+        manifest = read_manifest(out)
+    except NodeError as err:
+        raise ValueError(f"tvm_fuel bundle: --out {out} is not empty and is not an earlier bundle: {err}; "
+                         "choose another --out") from None
+    listed = {str(path) for path in bundle_files(manifest)}
+    holding = _folders(listed)
+    by_node = written_by_node(out, manifest)
+    ours, foreign = [], []
+    for where, folders, names in os.walk(out, topdown=False):  # files before the folders holding them
+        base = Path(where).relative_to(out)
+        for name in names:
+            relative = base / name
+            (ours if relative.as_posix() in listed or by_node(relative) else foreign).append(relative)
+        for name in folders:
+            relative = base / name
+            if (out / relative).is_symlink():  # never followed: its target is not the bundle's
+                foreign.append(relative)
+            elif any((out / relative).iterdir()) or relative.as_posix() + "/" in holding:
+                ours.append(relative)  # a folder whose entries are all checked in this walk
+            else:
+                foreign.append(relative)  # an empty folder the bundle did not make
+    if foreign:
+        shown = ", ".join(str(p) for p in sorted(foreign)[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
+                                                                 else "")
+        count = f"{len(foreign)} {'entry' if len(foreign) == 1 else 'entries'}"
+        raise ValueError(f"tvm_fuel bundle: --out {out} holds an earlier bundle ({manifest['bundle_id']}) and "
+                         f"{count} it did not write ({shown}); move them out or choose another --out")
+    return ours
+
+
+def _folders(files: set[str]) -> set[str]:
+    """The folders (``a/b/``) that hold the listed files."""
+    return {"/".join(f.split("/")[:i]) + "/" for f in files for i in range(1, f.count("/") + 1)}
+
+
+def _move_in(work: Path, out: Path) -> None:
+    """Replace the earlier bundle in ``out`` (checked again: minutes passed) by the finished ``work``."""
+    earlier = _earlier_bundle(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in earlier:
+        target = out / path
+        if target.is_dir() and not target.is_symlink():
+            target.rmdir()  # empty now (OSError, and the file stays, where one appeared meanwhile)
+        else:
+            target.unlink()
+    entries = sorted(work.iterdir(), key=lambda p: p.name == "manifest.json")  # the manifest last: complete
+    for entry in entries:
+        os.rename(entry, out / entry.name)
 
 
 def _build(out: Path, tvm_target, arch, cases, cubins: _Cubins, tune: bool, tune_points, log) -> dict:

@@ -11,6 +11,7 @@ of the CUDA source; a source it does not hold is compiled here (nvcc, else NVRTC
 Contents:
     NodeError            -- a one-line reason the node cannot run the bundle
     worker_environment   -- os.environ for a worker process
+    written_by_node      -- what run.py writes inside the bundle (a rebuild may remove it)
     load_tvm, load_cuda  -- in a worker
     CubinStore           -- the compile callback over the bundle's cubins
 """
@@ -40,11 +41,16 @@ def _python_tag() -> str:
     return f"cp{sys.version_info.major}{sys.version_info.minor}"
 
 
+def _unpack_folder(wheel: str) -> str:
+    """The name of the folder a wheel is unpacked into (not the package's: runtime/ is on the path)."""
+    return f"unpacked-{Path(wheel).name.split('-')[0]}"
+
+
 def _unpacked(bundle: Path, manifest: dict, wheel: Path) -> Path:
     """The folder holding ``wheel`` unpacked (once; in the bundle, or a temporary folder when the
     bundle is read-only)."""
     for parent in (bundle / "runtime", Path(tempfile.gettempdir()) / f"tvm_fuel_bundle_{manifest['bundle_id']}"):
-        target = parent / f"unpacked-{wheel.name.split('-')[0]}"  # not the package's name: runtime/ is on the path
+        target = parent / _unpack_folder(wheel.name)
         if (target / ".unpacked").exists():
             return target
         try:
@@ -56,6 +62,29 @@ def _unpacked(bundle: Path, manifest: dict, wheel: Path) -> Path:
         except OSError:
             continue
     raise NodeError(f"cannot unpack {wheel} (no writable folder)")
+
+
+def written_by_node(bundle: Path, manifest: dict):
+    """A test of a path relative to ``bundle``: whether the node's run.py writes such a file there
+    (the wheels' unpacked files, ``.unpacked``, and Python's ``__pycache__/*.pyc`` in its code), so
+    that a rebuild may remove it as the bundle's own."""
+    unpacked = set()
+    for wheel in manifest["runtime"]["wheels"].values():
+        folder = Path("runtime") / _unpack_folder(wheel)
+        try:
+            with zipfile.ZipFile(bundle / wheel) as archive:
+                names = [name for name in archive.namelist() if not name.endswith("/")]
+        except (OSError, zipfile.BadZipFile):
+            continue  # without its wheel nothing in that folder is known to be the node's
+        unpacked |= {str(folder / name) for name in names} | {str(folder / ".unpacked")}
+
+    def test(path) -> bool:
+        parts = Path(path).parts
+        if len(parts) > 2 and parts[0] in ("fuel_node", "runtime") and parts[-2] == "__pycache__":
+            return parts[-1].endswith(".pyc")
+        return str(Path(path)) in unpacked
+
+    return test
 
 
 def _for_this_python(bundle: Path, manifest: dict, name: str) -> Path | None:

@@ -11,23 +11,25 @@ Cases run in worker processes (``worker``, ``supervisor``); a worker that crashe
 ``--case-timeout`` or meets an error on the GPU is replaced and the rest go on, so every case
 gets a result.
 Results of a bundle accumulate in one file (a stage run again replaces its earlier results); a
-results file of another bundle is refused. Exit status: 0 when every smoke, check and bench
-case passed and every hand-picked tune point ran; 1 otherwise; 2 when the bundle cannot run here.
+results file of another bundle, or one this run could not extend, is refused before anything
+runs. Exit status: 0 when every smoke, check and bench case passed and every hand-picked tune
+point ran; 1 otherwise; 2, with one line saying why, when the bundle cannot run here, its
+manifest is missing or not of its schema, or the arguments would run no case.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from .environment import NodeError, worker_environment
+from .manifest import STAGES, read_manifest
 from .supervisor import Workers
-
-STAGES = ("smoke", "check", "bench", "tune")
 
 
 def _summary(result: dict) -> str:
@@ -98,7 +100,38 @@ def _previous(out: Path, manifest: dict) -> dict | None:
         other = previous.get("bundle_id") if isinstance(previous, dict) else None
         raise NodeError(f"{out} holds the results of bundle {other}, not of this bundle {manifest['bundle_id']}: "
                         "choose another --out")
+    problem = _results_problem(previous)
+    if problem:  # found now: after a stage has run, its results would be lost with the crash
+        raise NodeError(f"--out {out} is a results file of this bundle, but {problem}; repair it or choose "
+                        "another --out")
     return previous
+
+
+def _results_problem(report: dict) -> str | None:
+    """What in an earlier results file the run cannot extend (None when nothing): the fields that
+    ``_run`` and ``_ok`` read of every stage it holds."""
+    stages = report.get("stages")
+    if not isinstance(stages, dict):
+        return "it has no 'stages' object"
+    if not isinstance(report.get("bundle"), dict):
+        return "it has no 'bundle' object"
+    for name, stage in stages.items():
+        where = f"stages.{name}"
+        if name not in STAGES:
+            return f"{where} is not a stage of {list(STAGES)}"
+        if not isinstance(stage, dict) or not isinstance(stage.get("cases"), list) \
+                or type(stage.get("not_passed")) is not int:
+            return f"{where} lacks its cases list or not_passed count"
+        if not all(isinstance(c, dict) and isinstance(c.get("status"), str) for c in stage["cases"]):
+            return f"{where}.cases holds an entry without a status"
+        if name == "tune":
+            buckets = stage.get("buckets", [])
+            if not isinstance(buckets, list) or not all(
+                    isinstance(b, dict) and isinstance(b.get("points"), list)
+                    and all(isinstance(p, dict) and isinstance(p.get("status"), str) and "hand_picked" in p
+                            for p in b["points"]) for b in buckets):
+                return f"{where}.buckets holds a bucket whose points lack status or hand_picked"
+    return None
 
 
 def _write(out: Path, report: dict) -> None:
@@ -107,31 +140,73 @@ def _write(out: Path, report: dict) -> None:
     os.replace(temporary, out)  # a run killed mid-write leaves the previous file whole
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``run.py: error: argument ...``), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _number(kind, low: float, what: str):
+    """An argparse type: a finite ``kind`` of at least (``kind`` float: more than) ``low``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low or (kind is float and value == low):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _stages(parser: _Parser, text: str, held: list[str]) -> list[str]:
+    """The stages ``--stages`` names, each once; at least one, every one held by the bundle."""
+    stages = [s.strip() for s in text.split(",") if s.strip()]
+    if not stages:
+        parser.error(f"argument --stages: {text!r} names no stage (this bundle holds {','.join(held)})")
+    unknown = [s for s in stages if s not in held]
+    if unknown:
+        parser.error(f"argument --stages: {','.join(unknown)} not in this bundle (it holds {','.join(held)})")
+    if len(set(stages)) < len(stages):
+        parser.error(f"argument --stages: {text!r} names a stage twice")
+    return stages
+
+
 def main(argv: list[str] | None = None) -> int:
     bundle = Path(__file__).resolve().parent.parent
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    try:
+        manifest = read_manifest(bundle)
+    except NodeError as err:
+        print(f"run.py: cannot run this bundle here: {err}", file=sys.stderr)
+        return 2
     held = [s for s in STAGES if any(c["stage"] == s for c in manifest["cases"])]
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="run.py", description=__doc__.split("\n")[0])
     parser.add_argument("--stages", default=",".join(held), help=f"comma-separated, of {held} (default: all)")
     parser.add_argument("--out", default="results.json", help="results file (default results.json)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
-    parser.add_argument("--case-timeout", type=float, default=180.0, help="seconds one case may take")
-    parser.add_argument("--verify-top", type=int, default=3, help="tune: best points re-measured side by side")
-    parser.add_argument("--verify-rounds", type=int, default=5)
+    parser.add_argument("--case-timeout", type=_number(float, 0, "seconds > 0"), default=180.0,
+                        help="seconds one case may take")
+    parser.add_argument("--verify-top", type=_number(int, 0, "an integer >= 0"), default=3,
+                        help="tune: best points re-measured side by side")
+    parser.add_argument("--verify-rounds", type=_number(int, 1, "an integer >= 1"), default=5)
     args = parser.parse_args(argv)
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = [s for s in stages if s not in held]
+    stages = _stages(parser, args.stages, held)
+    selected = {stage: [c for c in manifest["cases"] if c["stage"] == stage and args.only in c["name"]]
+                for stage in stages}
+    if not any(selected.values()):  # nothing would run: not a pass
+        parser.error(f"argument --only: {args.only!r} matches no case of the stages {','.join(stages)}")
     try:
         try:
             import numpy  # noqa: F401
         except ImportError:
             raise NodeError("numpy is not installed for this Python") from None
-        if unknown:
-            raise NodeError(f"--stages {unknown}: this bundle holds {held}")
         out = Path(args.out)
         previous = _previous(out, manifest)
         workers = Workers(bundle, worker_environment(bundle, manifest), args.case_timeout)
-        return _run(manifest, workers, stages, out, previous, args)
+        return _run(manifest, workers, selected, out, previous, args)
     except NodeError as err:
         print(f"run.py: cannot run this bundle here: {err}", file=sys.stderr)
         return 2
@@ -148,13 +223,15 @@ def _reporter(start: float, label: str, total: int):
     return show
 
 
-def _run(manifest, workers: Workers, stages, out: Path, previous, args) -> int:
+def _run(manifest, workers: Workers, selected: dict[str, list[dict]], out: Path, previous, args) -> int:
     start = time.perf_counter()
     report = previous or {"bundle_id": manifest["bundle_id"], "bundle": manifest["bundle"], "stages": {}}
     print(f"bundle {manifest['bundle_id']}: {manifest['bundle']['target']} {manifest['bundle'].get('arch') or ''}, "
-          f"stages {stages}", flush=True)
-    for stage in stages:
-        cases = [c for c in manifest["cases"] if c["stage"] == stage and args.only in c["name"]]
+          f"stages {list(selected)}", flush=True)
+    for stage, cases in selected.items():
+        if not cases:  # --only leaves none of this stage: it did not run, so it neither passes nor fails
+            print(f"{stage}: no case matches --only {args.only!r}; not run", flush=True)
+            continue
         stage_start = time.perf_counter()
         results = workers.run(cases, _reporter(start, stage, len(cases)))
         if workers.device and "device" not in report:

@@ -30,6 +30,7 @@ from . import peers
 from .arrays import make_arrays
 from .compare import DEVICE_SCALE, LSE_TOLERANCE, TOLERANCE, compare
 from .environment import PROTOCOL_FD, CubinStore, NodeError, load_cuda, load_tvm
+from .manifest import read_manifest
 
 # HBM bandwidth of the data-center parts (bytes/s), by a substring of the device name
 HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -220,10 +221,9 @@ RUNNERS = {"op": run_op, "kernel": run_kernel, "verify": run_verify}
 
 def main(argv: list[str]) -> int:
     bundle = Path(argv[0]).resolve()
-    manifest = json.loads((bundle / "manifest.json").read_text())
     cases = json.loads(sys.stdin.read() or "[]")
     try:
-        node = Node(bundle, manifest)
+        node = Node(bundle, read_manifest(bundle))
         emit(device=node.describe())
     except NodeError as err:
         emit(fatal=str(err))
