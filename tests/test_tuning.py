@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import warnings
 
@@ -25,7 +26,7 @@ from tvm_fuel import reference as ref
 from tvm_fuel.schedules import rule_for, tuned_legalize_map
 from tvm_fuel.tuning import TuningLogWarning, shipped_logs, target_key, tune, tuning_report
 from tvm_fuel.tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module, parse_bucket
-from tvm_fuel.logs import RECORD_FILE, WORKLOAD_FILE, knobs_of
+from tvm_fuel.logs import RECORD_FILE, WORKLOAD_FILE, LogDatabase, knobs_of, replay
 from tvm_fuel.tuning.space import ValidKnobs, design_space, workload_module
 from tvm_fuel.tuning.tune import workloads_of
 
@@ -77,13 +78,40 @@ def tuned_root(tmp_path_factory):
     return root, results
 
 
+def _records(folder) -> list:
+    """The records of a log folder in file order (``logs.replay``: None for a failed measurement)."""
+    return [replay(raw) for raw in LogDatabase(folder, warn=False).get_all_tuning_records()]
+
+
+def _is_default(op: str, knobs: dict) -> bool:
+    (workload,) = workloads_of(bucket_module(op, BUCKETS[op]), HOST)
+    defaults = rule_for(op, HOST).default_knobs(workload, HOST)
+    return all(defaults.get(name) == value for name, value in knobs.items())
+
+
+def _check_verification(result, records: list, op: str) -> list:
+    """``result`` reports its latest side-by-side verification's records exactly: the hand-picked
+    point's median, and the fastest median with its knobs, among other points than the hand-picked."""
+    session = max(r.verified for r in records if r is not None)
+    verified = [r for r in records if r is not None and r.verified == session]
+    hand = [r.seconds for r in verified if _is_default(op, r.knobs)]
+    assert len(hand) == 1 and result.hand_picked_s == hand[0]
+    assert any(not _is_default(op, r.knobs) for r in verified), "only the hand-picked point was verified"
+    fastest = min(verified, key=lambda r: r.seconds)
+    assert (result.best_s, result.best_knobs) == (fastest.seconds, fastest.knobs)
+    return verified
+
+
 @pytest.mark.parametrize("op", list(BUCKETS))
 def test_tuned_records_build_and_match_the_floor(tuned_root, op):
     root, results = tuned_root
     (result,) = results[op]
-    assert result.trials >= 4 and result.hand_picked_s > 0
-    records = (root / target_key(HOST) / op / RECORD_FILE).read_text().splitlines()
-    assert len({json.dumps(json.loads(line)[1][0][1]) for line in records}) >= 3  # distinct points measured
+    assert result.trials == 4
+    records = _records(root / target_key(HOST) / op)
+    verified = _check_verification(result, records, op)
+    # the hand-picked point measured alone, the 4 trials, then the verification
+    assert len(records) == 1 + 4 + len(verified) and records[0] is not None and _is_default(op, records[0].knobs)
+    assert len({tuple(sorted(r.knobs.items())) for r in records if r is not None}) >= 3  # distinct points
     mod = bucket_module(op, BUCKETS[op])
     (row,) = tuning_report(mod, HOST, database=root, shipped_logs=False)
     assert row["knobs"] == str(root / target_key(HOST) / op / RECORD_FILE)
@@ -110,14 +138,20 @@ def test_build_uses_the_latest_side_by_side_verification(tuned_root, op):
 def test_tuning_resumes_from_its_database(tuned_root, tmp_path):
     root = tmp_path / "logs"
     shutil.copytree(tuned_root[0], root)  # the fixture's log stays as it was for the other tests
-    before = len((root / target_key(HOST) / "paged_attn" / RECORD_FILE).read_text().splitlines())
+    folder = root / target_key(HOST) / "paged_attn"
+    before = _records(folder)
     lines = []
     (again,) = tune(bucket_module("paged_attn", BUCKETS["paged_attn"]), HOST, trials=2, trials_per_iter=2,
                     work_dir=root, log=lines.append)
-    after = len((root / target_key(HOST) / "paged_attn" / RECORD_FILE).read_text().splitlines())
+    after = _records(folder)
     # the previous records count from the first line on (a fresh log says "no valid trial yet")
-    assert "trials 0/2, best" in lines[0] and "verified side by side" in lines[-1]
-    assert again.hand_picked_s > 0 and after >= before + 2
+    best_before = min(r.seconds for r in before if r is not None)
+    assert re.search(rf": trials 0/2, best {best_before * 1e3:.2f} ms \(", lines[0]), (lines[0], best_before)
+    # resumed: the hand-picked point is not measured alone again; 2 trials, then a new verification
+    assert after[:len(before)] == before
+    verified = _check_verification(again, after, "paged_attn")
+    assert len(after) == len(before) + 2 + len(verified)
+    assert re.search(rf"hand-picked {again.hand_picked_s * 1e3:.2f} ms, best {again.best_s * 1e3:.2f} ms", lines[-1])
 
 
 @pytest.mark.parametrize("op", list(BUCKETS))
