@@ -59,7 +59,7 @@ def test_jvp_is_the_forwards_directional_derivative(shape, case):
         moved = {name: a + sign * EPS * tangent[name] for name, a in x.items()}
         return ref.flash_attn(*moved.values(), return_lse=True, **kwargs)
 
-    (plus, lse_plus), (minus, lse_minus) = forward(1), forward(-1)
+    (plus, _), (minus, _) = forward(1), forward(-1)  # the JVP gives no lse tangent
     want_out, want_lse = ref.flash_attn(*x.values(), return_lse=True, **kwargs)
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
