@@ -340,3 +340,116 @@ def test_rules_decline_where_a_primitive_refuses():
                 rule.apply(func, HOST, False)  # a schedule or None, never an exception
     assert refused >= 1, "no function makes dlight's rule raise any more: this test checks nothing"
     tvm_fuel.compile(build_demo_module(), HOST)
+
+
+# -- exactness: what a rule cannot schedule exactly it declines (issue 29, items 1 and 3) --
+
+def _compiled(mod: tvm.IRModule, **options):
+    return relax.VirtualMachine(tvm_fuel.compile(mod, HOST, **options), tvm.cpu())
+
+
+def _plain(mod: tvm.IRModule):
+    """TVM's own build (no default schedules): the baseline every rule must reproduce."""
+    return relax.VirtualMachine(tvm.compile(mod, target=HOST), tvm.cpu())
+
+
+def test_a_reduction_over_a_size_one_axis_keeps_its_epilogue_apart():
+    """dlight calls a reduction over a size-1 axis injective (no reduced axis is left); inlining the
+    epilogue into it folded the subtraction into the update (x - (acc + x), from x - 0): [-3, -2, 1, -5]."""
+    params = dict(x=((4, 1), F32))
+    mod = _module(lambda x: relax.op.subtract(x, relax.op.mean(x, axis=[1], keepdims=True)), params)
+    x = np.array([[3], [2], [-1], [5]], F32)
+    for vm in (_compiled(mod), _plain(mod)):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), np.zeros((4, 1), F32))
+
+
+def test_rms_norm_over_one_feature():
+    """rms_norm with C = 1 is x / sqrt(x^2 + eps) ~ sign(x) (it gave [0.097, 0.079, nan, 0.125])."""
+    mod = _module(lambda x, g: relax.op.nn.rms_norm(x, g, axes=[-1]), dict(x=((4, 1), F32), g=((1,), F32)))
+    x = np.array([[3], [2], [-1], [5]], F32)
+    got = _compiled(mod)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(np.ones(1, F32))).numpy()
+    np.testing.assert_allclose(got, _rms_norm(x.astype(np.float64), 1.0), rtol=1e-6)
+
+
+def test_layer_norm_backward_floor_over_one_feature():
+    """With C = 1 every x_hat is 0 and dx = rstd (g - mean(g)) = 0, where rstd = 1/sqrt(eps) ~ 316
+    magnified any mis-scheduled mean into dx of +-1e5."""
+    from tvm_fuel import op
+    from tvm_fuel import reference as ref
+
+    rng = np.random.default_rng(7)
+    rows = 9
+    x = rng.standard_normal((rows, 1)).astype(F32)
+    arrays = dict(dy=rng.standard_normal((rows, 1)).astype(F32), x=x, gamma=np.array([1.5], F32),
+                  mean=x[:, 0].astype(F32), rstd=np.full(rows, 1 / np.sqrt(1e-5), F32))
+    mod = _module(lambda dy, x, g, m, r: op.layer_norm_backward(dy, x, g, m, r),
+                  {k: (a.shape, F32) for k, a in arrays.items()})
+    got = [o.numpy() for o in _compiled(mod)["main"](*map(tvm.runtime.tensor, arrays.values()))]
+    plain = [o.numpy() for o in _plain(tvm_fuel.build.legalize(mod, HOST))["main"](
+        *map(tvm.runtime.tensor, arrays.values()))]
+    for name, g, p, w in zip(("dx", "dgamma", "dbeta"), got, plain, ref.layer_norm_backward(*arrays.values())):
+        np.testing.assert_array_equal(g, p, err_msg=name)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4, err_msg=name)  # (rstd x float32 rounding)
+
+
+def test_gradient_of_layer_norm_over_a_size_one_axis():
+    """Gradient of sum(layer_norm(x) * c) normalizing over a size-1 axis, on the floor: the output
+    is beta whatever x is, so dx = 0 and dgamma = sum(c * x_hat) = 0; dbeta = sum(c) over the rows."""
+    from tvm_fuel.transform import gradient
+
+    rng = np.random.default_rng(8)
+    c = rng.standard_normal((6, 3, 1)).astype(F32)
+    bb = relax.BlockBuilder()
+    x, g, b = (relax.Var(n, relax.TensorType(s, F32)) for n, s in (("x", (6, 3, 1)), ("g", (1,)), ("b", (1,))))
+    with bb.function("main", [x, g, b]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1]))
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, relax.const(c))))
+        bb.emit_func_output(loss)
+    vm = _compiled(gradient(bb.get()))
+    inputs = [rng.standard_normal((6, 3, 1)).astype(F32), np.array([1.5], F32), np.array([0.25], F32)]
+    loss, (dx, dg, db) = vm["main_adjoint"](*map(tvm.runtime.tensor, inputs))
+    np.testing.assert_allclose(float(loss.numpy()), 0.25 * c.sum(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx.numpy(), 0, atol=1e-4)
+    np.testing.assert_allclose(dg.numpy(), 0, atol=1e-4)
+    np.testing.assert_allclose(db.numpy(), [c.sum()], rtol=1e-5)
+
+
+def test_bfloat16_intermediates_are_rounded():
+    """(x.bfloat16() * y.bfloat16()).float(): TVM computes bfloat16 in float32 and rounds where a value
+    is stored, so an inlined bfloat16 intermediate lost its rounding (26.25^2 gave 689.0625, not 688).
+    Every such intermediate must be stored (rounded) as TVM's own build stores it."""
+    import ml_dtypes
+
+    def make(x, y):
+        return relax.op.astype(relax.op.multiply(relax.op.astype(x, "bfloat16"), relax.op.astype(y, "bfloat16")), F32)
+
+    mod = _module(make, dict(x=((64,), F32), y=((64,), F32)))
+    rng = np.random.default_rng(9)
+    x, y = (rng.standard_normal(64) * 30).astype(F32), (rng.standard_normal(64) * 30).astype(F32)
+    x[0] = y[0] = 26.25
+    bf = ml_dtypes.bfloat16
+    want = (x.astype(bf) * y.astype(bf)).astype(F32)
+    assert want[0] == 688
+    for vm in (_compiled(mod), _plain(mod)):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y)).numpy(), want)
+
+
+def test_bfloat16_product_exported_from_pytorch():
+    """Issue 29's reproducer as PyTorch exports it: tvm_fuel.compile gives PyTorch's 688, not 689.5."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class Product(torch.nn.Module):
+        def forward(self, x, y):
+            return (x.bfloat16() * y.bfloat16()).float()
+
+    rng = np.random.default_rng(10)
+    x, y = (rng.standard_normal(64) * 30).astype(F32), (rng.standard_normal(64) * 30).astype(F32)
+    x[0], y[0] = 26.25, 26.25
+    mod = from_exported_program(torch.export.export(Product(), (torch.from_numpy(x), torch.from_numpy(y))))
+    out = _compiled(mod)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y))
+    got = out[0].numpy() if not isinstance(out, tvm.runtime.Tensor) else out.numpy()
+    want = Product()(torch.from_numpy(x), torch.from_numpy(y)).numpy()
+    assert want[0] == 688
+    np.testing.assert_array_equal(got, want)

@@ -14,6 +14,11 @@ Contents:
     ColumnReduction -- sums over outer axes (bias and norm-weight gradients): rows split per core
     RowReduction -- dlight's CPU reduction (norms, softmax rows)
     RULES        -- the rules in the order they are tried
+
+Every rule returns None for a function it cannot schedule exactly (what TVM's own build of the
+unscheduled loops computes, bit for bit but for the order of a sum): a reduction over size-1 axes
+(dlight counts it injective: none of its iterators reduces, but it still has an init) is never
+inlined into or out of, and no bfloat16 constant is stored in vectors (TVM cannot compile that).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.matmul import get_index_map
@@ -48,8 +54,101 @@ def _is_cpu(target: tvm.target.Target) -> bool:
     return target.kind.name == "llvm"
 
 
+# dtypes TVM's llvm pipeline computes in float32 (BF16ComputeLegalize, FP8ComputeLegalize)
+_PROMOTED = ("bfloat16", "float8", "float6", "float4")
+
+
+def _promoted(dtype) -> bool:
+    return str(dtype).startswith(_PROMOTED)
+
+
+def _reduces(stmt) -> bool:
+    """A reduction block, also one whose reduced axes all had extent 1 (normalized away, its init kept)."""
+    return stmt.init is not None or any(v.iter_type != tirx.IterVar.DataPar for v in stmt.iter_vars)
+
+
+def _inlines_exactly(sch: s_tir.Schedule, block) -> bool:
+    """``compute_inline(block)`` computes what the stored intermediate held: the block is one store, no
+    reduction (a reduction over size-1 axes inlined would drop its init)."""
+    stmt = sch.get(block)
+    return isinstance(stmt.body, tirx.BufferStore) and not _reduces(stmt)
+
+
+def _reverse_inlines_exactly(sch: s_tir.Schedule, block) -> bool:
+    """``reverse_compute_inline(block)`` keeps the epilogue apart from any update: no producer reduces
+    (inlined into a reduction over size-1 axes, x - mean(x) became x - (acc + x) from x - 0)."""
+    return _inlines_exactly(sch, block) and all(_inlines_exactly(sch, p) for p in sch.get_producers(block))
+
+
+def _spatial(sch: s_tir.Schedule, info) -> bool:
+    return info.is_injective() and not _reduces(sch.get(info.block_rv))
+
+
+def _try(primitive, block) -> bool:
+    try:
+        primitive(block)
+    except Exception:  # noqa: BLE001 -- the primitive refused (the schedule is left as it was)
+        return False
+    return True
+
+
+def _inline_spatial(sch: s_tir.Schedule, infos: list | None) -> list | None:
+    """dlight's ``try_inline_contiguous_spatial`` (each run of spatial blocks inlined where it can be,
+    the blocks left returned in order), inlining only where that is exact (``_inlines_exactly``)."""
+    if infos is None:
+        return None
+    remaining, run = [], []
+    for info in infos:
+        if _spatial(sch, info):
+            run.append(info)
+            continue
+        remaining += _inline_run(sch, run) + [info]
+        run = []
+    return remaining + _inline_run(sch, run)
+
+
+def _inline_run(sch: s_tir.Schedule, blocks: list) -> list:
+    blocks = list(blocks)
+    while True:
+        done = next((i for i, info in enumerate(blocks) if _inlines_exactly(sch, info.block_rv)
+                     and _try(sch.compute_inline, info.block_rv)), None)
+        if done is None:
+            done = next((i for i, info in enumerate(blocks) if _reverse_inlines_exactly(sch, info.block_rv)
+                         and _try(sch.reverse_compute_inline, info.block_rv)), None)
+        if done is None:
+            return blocks
+        blocks.pop(done)
+
+
+def _stores_promoted_constant(sch: s_tir.Schedule, stmt) -> bool:
+    """The block (or its init) stores a constant of a promoted dtype into a parameter: vectorized,
+    TVM's bfloat16 storage legalization fails on the broadcast (``dtype mismatch on BufferStore``;
+    a buffer inside the function is float32 by then)."""
+    params = sch.mod["main"].params
+    return any(isinstance(s, tirx.BufferStore) and isinstance(s.value, tirx.FloatImm) and _promoted(s.value.ty)
+               and any(s.buffer.same_as(p) for p in params) for s in (stmt.body, stmt.init))
+
+
+def _vectorizes_promoted_constant(sch: s_tir.Schedule) -> bool:
+    found = []
+
+    def loop(node):
+        if node.kind == tirx.ForKind.VECTORIZED:
+            tvm_ffi.structural_walk(node.body, (s_tir.SBlock, lambda b: found.append(b)
+                                                if _stores_promoted_constant(sch, b) else None))
+
+    tvm_ffi.structural_walk(sch.mod["main"].body, (tirx.For, loop))
+    return bool(found)
+
+
+def _checked(sch: s_tir.Schedule | None) -> s_tir.Schedule | None:
+    """A rule's schedule, or None where TVM could not compile it."""
+    return None if sch is None or _vectorizes_promoted_constant(sch) else sch
+
+
 def _consumer_chain(sch: s_tir.Schedule, block) -> list | None:
-    """The blocks after ``block``, when each has one consumer and all are spatial (an epilogue)."""
+    """The blocks after ``block``, when each has one consumer and all are spatial (an epilogue; a
+    reduction over size-1 axes is none)."""
     chain = []
     while True:
         consumers = sch.get_consumers(block)
@@ -58,7 +157,7 @@ def _consumer_chain(sch: s_tir.Schedule, block) -> list | None:
         if len(consumers) > 1:
             return None
         block = consumers[0]
-        if any(var.iter_type != tirx.IterVar.DataPar for var in sch.get(block).iter_vars):
+        if _reduces(sch.get(block)):
             return None
         chain.append(block)
 
@@ -66,6 +165,15 @@ def _consumer_chain(sch: s_tir.Schedule, block) -> list | None:
 def _writer(sch: s_tir.Schedule, block, read_index: int):
     buffer = sch.get(block).reads[read_index].source
     return next(b for b in sch.get_producers(block) if sch.get(b).writes[0].source.same_as(buffer))
+
+
+def _inline_producers(sch: s_tir.Schedule, block) -> bool:
+    """Inline the blocks before ``block`` (its reindex copy), each where that is exact; False where one is left."""
+    while sch.get_producers(block):
+        producer = sch.get_producers(block)[0]
+        if not (_inlines_exactly(sch, producer) and _try(sch.compute_inline, producer)):
+            return False
+    return True
 
 
 class Matmul(dl.ScheduleRule):
@@ -88,14 +196,14 @@ class Matmul(dl.ScheduleRule):
             return None
         tiles = self.tiles or MatmulTiles(lanes=vector_lanes(target))
         try:
-            return self._schedule(func, tiles)
+            return _checked(self._schedule(func, tiles))
         except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
             return None  # (layouts the normalization cannot express, blocks that do not compute-at)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: MatmulTiles):
         sch = s_tir.Schedule(func)
-        infos = dl.try_inline_contiguous_spatial(sch, dl.normalize_prim_func(sch))
+        infos = _inline_spatial(sch, dl.normalize_prim_func(sch))
         if not infos:
             return None
         reductions = [info for info in infos if info.is_reduction()]
@@ -124,21 +232,22 @@ class Matmul(dl.ScheduleRule):
         sch.parallel(task)
 
         a_pad = _writer(sch, main, 0)  # the reindex copy (padded where M needs it): one pass over A
-        for block in sch.get_producers(a_pad):
-            sch.compute_inline(block)
+        if not _inline_producers(sch, a_pad):
+            return None
         *rows, _ = sch.get_loops(a_pad)  # rows in parallel (a parallel K loop: a launch per row)
         sch.parallel(sch.fuse(*rows) if len(rows) > 1 else rows[0])
 
         b_tile = _writer(sch, main, 1)  # B's [K, cols] slice, per task
-        for block in sch.get_producers(b_tile):
-            sch.compute_inline(block)
+        if not _inline_producers(sch, b_tile):
+            return None
         sch.compute_at(b_tile, task)
         sch.set_scope(b_tile, 0, "local")
         sch.transform_layout(b_tile, ("write", 0), lambda s, j, kk: (s, kk, j))
 
         chain = _consumer_chain(sch, main)  # unpad, un-reindex, the model's epilogue
         for block in chain[:-1]:
-            sch.compute_inline(block)
+            if not (_inlines_exactly(sch, block) and _try(sch.compute_inline, block)):
+                return None
         store = chain[-1]
         sch.transform_block_layout(store, c_map)
         sch.reverse_compute_at(store, m_tile)
@@ -162,7 +271,7 @@ class Elementwise(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
         try:
-            return self._schedule(func, vector_lanes(target))
+            return _checked(self._schedule(func, vector_lanes(target)))
         except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
             return None
 
@@ -171,8 +280,8 @@ class Elementwise(dl.ScheduleRule):
         sch = s_tir.Schedule(func)
         infos = dl.normalize_prim_func(sch)
         if infos is None or any(not info.is_injective() for info in infos):
-            return None
-        infos = dl.try_inline_contiguous_spatial(sch, infos) or infos
+            return None  # (a reduction over size-1 axes counts: it is left whole, in its own loops)
+        infos = _inline_spatial(sch, infos) or infos
         for info in infos:
             loops = sch.get_loops(info.block_rv)
             if not loops:
@@ -181,7 +290,8 @@ class Elementwise(dl.ScheduleRule):
             # need a division per lane and the vectors would turn into gathers
             *outer, inner = loops
             extent = sch.get(inner).extent
-            if isinstance(extent, tirx.IntImm) and extent.value % lanes == 0:
+            if (isinstance(extent, tirx.IntImm) and extent.value % lanes == 0
+                    and not _stores_promoted_constant(sch, sch.get(info.block_rv))):
                 _, lane = sch.split(inner, [None, lanes])
                 sch.vectorize(lane)
                 if outer:
@@ -203,7 +313,7 @@ class ColumnReduction(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
         try:
-            return self._schedule(func, vector_lanes(target), cores(target))
+            return _checked(self._schedule(func, vector_lanes(target), cores(target)))
         except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
             return None
 
@@ -213,7 +323,7 @@ class ColumnReduction(dl.ScheduleRule):
         infos = dl.normalize_prim_func(sch)
         if infos is None:
             return None
-        infos = dl.try_inline_contiguous_spatial(sch, infos) or infos
+        infos = _inline_spatial(sch, infos) or infos
         reductions = [info for info in infos if info.is_reduction()]
         if len(reductions) != 1 or not all(info.is_injective() for info in infos if info is not reductions[0]):
             return None
@@ -275,7 +385,7 @@ class RowReduction(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
         try:
-            return self.rule.apply(func, target, tunable)
+            return _checked(self.rule.apply(func, target, tunable))
         except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
             return None
 
