@@ -124,7 +124,8 @@ def visible(spec: KernelSpec, mask, b, h, i, j, kv_len, delta):
 
 
 def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
-    """The logit from the capped score: + ALiBi + additive mask."""
+    """The logit from the capped score: + ALiBi + additive mask (bounded by ``semantics.add_mask``,
+    so a finite bias stays finite in the kernels that scale logits by log2 e)."""
     if spec.has_alibi:
         capped = capped + sem.alibi_bias(alibi[h], i, j, delta=delta)
     if spec.mask_dtype is not None and spec.mask_dtype != "bool":

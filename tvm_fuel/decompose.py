@@ -131,11 +131,22 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, cfg: AttnConfig, r
     return _attend(q, k, v, cfg, _dense_layout(q, k), alibi_slopes, attn_mask, return_lse)
 
 
-def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=None):
+def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=None, *, normalized=False):
     """(group, scale, capped scores, lse, P) of dense attention: P from the given lse (the
-    forward's) or from one recomputed."""
+    forward's) or from one recomputed, as the backward kernels take it; ``normalized``: P from the
+    recomputed row statistics, as an online softmax (the JVP kernel's) has it.
+
+    The two differ where a float32 lse cannot hold log(n) (a row whose every key carries a huge
+    finite bias): there ``exp(logit - lse)`` is P times a per-row factor (1 / P's row sum)."""
     layout = _dense_layout(q, k)
     capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
+    if normalized:
+        assert lse is None, "normalized probabilities come from the recomputed statistics"
+        p_unnorm, row_sum, lse = _softmax_stats(logits)
+        p = te.compute(logits.shape, lambda b, h, i, j: tirx.Select(
+            logits[b, h, i, j] == sem.NEG_INF, tirx.const(0.0, F32),
+            sem.normalize(p_unnorm[b, h, i, j], row_sum[b, h, i])), name="p")
+        return layout.group, _scale(cfg, q.shape[3]), capped, lse, p
     if lse is None:
         _, _, lse = _softmax_stats(logits)
     return layout.group, _scale(cfg, q.shape[3]), capped, lse, _probabilities(logits, lse)
@@ -202,7 +213,9 @@ def _row_times_values(rows, kv, group, name):
 
 
 def _do_dot_out(do, out, p, dp):
-    """D = rowsum(dO * O) [B, Hq, Sq]: from ``out`` when given (FlashAttention-2), else rowsum(P * dP)."""
+    """D = rowsum(dO * O) [B, Hq, Sq]: from ``out`` when given (FlashAttention-2), else
+    rowsum(P * dP) / rowsum(P), the forward's O without forming it. The kernels take O from the
+    forward: where P from the lse does not sum to 1 (``_dense_probabilities``) so must this."""
     B, Hq, Sq, D = do.shape
     if out is not None:
         e = te.reduce_axis((0, D), name="d_row")
@@ -210,9 +223,19 @@ def _do_dot_out(do, out, p, dp):
             do[b, h, i, e].astype(F32) * out[b, h, i, e].astype(F32), axis=e), name="do_dot_o")
     Sk = p.shape[3]
     jr = te.reduce_axis((0, Sk), name="j_row")
-    return _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]),
-                                                                     axis=jr),
-                                name="do_dot_o_acc"), Sk, 0.0, "do_dot_o")
+    acc = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]),
+                                                                    axis=jr),
+                               name="do_dot_o_acc"), Sk, 0.0, "do_dot_o_sum")
+    mass = _row_mass(p)
+    return te.compute((B, Hq, Sq), lambda b, h, i: sem.normalize(acc[b, h, i], mass[b, h, i]), name="do_dot_o")
+
+
+def _row_mass(p):
+    """rowsum(P) [B, Hq, Sq] (0 for a row without a visible key)."""
+    B, Hq, Sq, Sk = p.shape
+    j = te.reduce_axis((0, Sk), name="j_mass")
+    return _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j], axis=j), name="p_mass_acc"),
+                     Sk, 0.0, "p_mass")
 
 
 def _zeros(shape, dtype, name):
@@ -240,19 +263,40 @@ class _Tangent:
     capped: te.Tensor
     lse: te.Tensor
     p: te.Tensor
+    out: te.Tensor  # [B, Hq, Sq, D] float32, the forward's output
     logit_dot: te.Tensor | None
     p_dot: te.Tensor | None
     out_dot: te.Tensor  # [B, Hq, Sq, D], zeros when the whole direction is absent
 
 
-def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=None) -> _Tangent:
+def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=None, out=None, *,
+             online=False) -> _Tangent:
     """Scores, P and their derivatives along (q_dot, k_dot, v_dot):
 
     ``S_dot = scale (q_dot K^T + Q k_dot^T)``, ``logit_dot = softcap'(capped) S_dot``,
-    ``lse_dot = rowsum(P logit_dot)``, ``P_dot = P (logit_dot - lse_dot)``, ``out_dot = P_dot V + P v_dot``."""
+    ``lse_dot = rowsum(P logit_dot)``, ``P_dot = P (logit_dot - lse_dot)``,
+    ``out_dot = (P logit_dot) V + P v_dot - lse_dot O`` (= ``P_dot V + P v_dot``), as the kernels
+    (``schedules.cpu.higher_order``) take them: ``online`` (the JVP) P normalized, else P from the
+    lse; O the given ``out`` or P V / rowsum(P) (the two forms differ only where P from the lse does
+    not sum to 1, ``_dense_probabilities``)."""
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
-    group, scale, capped, lse, p = _dense_probabilities(q, k, cfg, alibi_slopes, attn_mask, lse)
+    group, scale, capped, lse, p = _dense_probabilities(q, k, cfg, alibi_slopes, attn_mask, lse, normalized=online)
+
+    def v_at(x, idx, j):
+        return x[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)
+
+    if out is None:
+        pv = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [sem.weighted(p[idx[0], idx[1], idx[2], j], v_at(v, idx, j))],
+                        "pv")
+        mass = _row_mass(p)
+        # the backward kernels read the forward op's output, rounded to q's dtype (the JVP's own is not)
+        dtype = F32 if online else str(q.dtype)
+        out = te.compute((B, Hq, Sq, D), lambda b, h, i, e: sem.normalize(pv[b, h, i, e], mass[b, h, i]).astype(
+            dtype).astype(F32), name="out_f32")
+    else:
+        out = te.compute((B, Hq, Sq, D), lambda *idx: out(*idx).astype(F32), name="out_f32")
+    lse_dot = None
     logit_dot = p_dot = None
     if q_dot is not None or k_dot is not None:
         d = te.reduce_axis((0, D), name="d_sdot")
@@ -277,26 +321,22 @@ def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=Non
     if p_dot is None and v_dot is None:
         out_dot = _zeros((B, Hq, Sq, D), F32, "out_dot")
     else:
-        out_dot = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [
-            None if p_dot is None else sem.weighted(
-                p_dot[idx[0], idx[1], idx[2], j], v[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)),
-            None if v_dot is None else sem.weighted(
-                p[idx[0], idx[1], idx[2], j], v_dot[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)),
-        ], "out_dot")
-    return _Tangent(capped, lse, p, logit_dot, p_dot, out_dot)
+        sums = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [
+            None if logit_dot is None else sem.weighted(
+                p[idx[0], idx[1], idx[2], j], logit_dot[idx[0], idx[1], idx[2], j] * v_at(v, idx, j)),
+            None if v_dot is None else sem.weighted(p[idx[0], idx[1], idx[2], j], v_at(v_dot, idx, j)),
+        ], "out_dot_sums")
+        out_dot = sums if lse_dot is None else te.compute(
+            (B, Hq, Sq, D), lambda b, h, i, e: sums[b, h, i, e] - lse_dot[b, h, i] * out[b, h, i, e], name="out_dot")
+    return _Tangent(capped, lse, p, out, logit_dot, p_dot, out_dot)
 
 
 def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=None, attn_mask=None, *,
                    cfg: AttnConfig, return_lse: bool = False):
     """Forward mode of dense attention: [out, out_dot] (+ lse), out and out_dot [B, Hq, Sq, D] in
     q's dtype, lse [B, Hq, Sq] float32 (-inf on rows without a visible key). Absent tangents are 0."""
-    B, Hq, Sq, D = q.shape
-    Sk = k.shape[2]
-    group = _dense_layout(q, k).group
-    t = _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask)
-    out = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [sem.weighted(
-        t.p[idx[0], idx[1], idx[2], j], v[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32))], "out_f32")
-    results = [_cast(out, q.dtype, "out"), _cast(t.out_dot, q.dtype, "out_dot")]
+    t = _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, online=True)
+    results = [_cast(t.out, q.dtype, "out"), _cast(t.out_dot, q.dtype, "out_dot")]
     return results + [t.lse] if return_lse else results
 
 
@@ -313,7 +353,7 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
     Hkv, Sk = k.shape[1], k.shape[2]
     group = _dense_layout(q, k).group
     scale = _scale(cfg, D)
-    t = _tangent(q, k, v, dq_bar, dk_bar, dv_bar, cfg, alibi_slopes, attn_mask, lse)
+    t = _tangent(q, k, v, dq_bar, dk_bar, dv_bar, cfg, alibi_slopes, attn_mask, lse, out)
     p, capped = t.p, t.capped
     dp = _row_times_values(do, v, group, "dp")
     row_dot = _do_dot_out(do, out, p, dp)

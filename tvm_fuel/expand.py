@@ -6,15 +6,15 @@ float32 with the results cast back to the input dtype, like the floor:
 
 * scores ``S = scale * Q K^T`` as one batched ``matmul`` per KV head: q [B, Hq, Sq, D] is viewed
   as [B, Hkv, group * Sq, D] (query head h = g * group + r), so K and V are read unrepeated;
-* softcap ``c * tanh(S / c)``; ALiBi ``-slope_h * |i + delta - j|`` and an additive mask as added
-  biases; the window, causal, bool-mask and ``-inf`` additive-mask rules as a ``where`` to
-  ``-inf``, bottom-right aligned (``delta = Sk - Sq``; paged: ``context_lens[b] - Sq``);
+* softcap ``c * tanh(S / c)``; ALiBi ``-slope_h * |i + delta - j|`` and an additive mask (bounded
+  to ``+-2^127``) as added biases; the window, causal, bool-mask and ``-inf`` additive-mask rules
+  as a ``where`` to ``-inf``, bottom-right aligned (``delta = Sk - Sq``; paged: ``context_lens[b] - Sq``);
 * ``nn.softmax`` over each row, guarded: a row without a kept key gets a finite stand-in row
   (so neither the softmax nor its gradient is NaN) and its probabilities are ``where``-ed to 0,
   so its output is 0 and its ``lse`` is ``-inf``;
-* the backward ops as FlashAttention-2's formulas: ``P`` from the logits and ``lse`` (recomputed
-  when not given), ``dP = dO V^T``, ``D = rowsum(dO * O)`` (``rowsum(P * dP)`` without ``out``),
-  ``dS = P * (dP - D) * softcap'`` (exactly 0 where ``P`` is 0), ``dq = scale dS K``,
+* the backward ops as FlashAttention-2's formulas: ``P`` from the logits and ``lse`` (the softmax
+  itself when not given: the whole row is at hand), ``dP = dO V^T``, ``D = rowsum(dO * O)`` (``rowsum(P * dP) / rowsum(P)``
+  without ``out``), ``dS = P * (dP - D) * softcap'`` (exactly 0 where ``P`` is 0), ``dq = scale dS K``,
   ``dk = scale dS^T Q`` and ``dv = P^T dO`` summed over the group by the same matmul;
 * ``paged_attn`` gathers the live blocks with ``take`` over the block table (ids clamped, dead
   entries read block 0) into [B, Hkv, max_blocks * block_size, D] and masks keys past
@@ -50,6 +50,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from . import semantics as sem
 from .config import AttnConfig
 from .op import SPECS, options_of
 from .rewrite import rewrite_functions
@@ -172,10 +173,13 @@ class _Expander:
         if attn_mask is not None:
             if str(attn_mask.ty.dtype) == "bool":
                 keep = attn_mask if keep is None else self.emit(_R.logical_and(keep, attn_mask))
-            else:  # a -inf entry drops its key even where the score is NaN (semantics.add_mask)
-                mask = self.f32(attn_mask)
+            else:  # a -inf entry drops its key even where the score is NaN; bounded (semantics.add_mask)
+                mask = self.emit(self.f32(attn_mask))
+                bound = sem.BIAS_BOUND
+                bounded = _R.where(_R.less(mask, _const(-bound)), _const(-bound),
+                                   _R.where(_R.greater(mask, _const(bound)), _const(bound), mask))
                 x = self.emit(_R.where(_R.equal(mask, _const(float("-inf"))), _const(float("-inf")),
-                                       _R.add(x, mask)))
+                                       _R.add(x, bounded)))
         if keep is not None:
             x = self.emit(_R.where(keep, x, _const(float("-inf"))))
         return x
@@ -239,8 +243,12 @@ def _expand_backward(ex: _Expander, call: relax.Call, spec, cfg: AttnConfig) -> 
     dp = ex.ungrouped(ex.emit(_R.matmul(grouped_do, ex.transposed(vf))), b, hq, sq)
     if args["out"] is not None:  # FlashAttention-2's D = rowsum(dO * O)
         row = ex.emit(_R.sum(_R.multiply(dof, ex.f32(args["out"])), axis=[-1], keepdims=True))
-    else:
-        row = ex.emit(_R.sum(_R.where(_R.equal(p, zero), zero, _R.multiply(p, dp)), axis=[-1], keepdims=True))
+    else:  # rowsum(P * dP) / rowsum(P): the forward's O, as the kernels take it (P from an lse too
+        # large to hold log(n) does not sum to 1)
+        mass = ex.emit(_R.sum(p, axis=[-1], keepdims=True))
+        total = _R.sum(_R.where(_R.equal(p, zero), zero, _R.multiply(p, dp)), axis=[-1], keepdims=True)
+        empty = ex.emit(_R.equal(mass, zero))  # a row without a visible key: D = 0 (no 0 / 0)
+        row = ex.emit(_R.where(empty, zero, _R.divide(total, _R.where(empty, _const(1.0), mass))))
     ds = _R.multiply(p, _R.subtract(dp, row))
     if cfg.softcap > 0:  # d(c tanh(s / c))/ds = 1 - (capped / c)^2 (semantics.softcap_grad)
         ratio = _R.divide(capped, _const(cfg.softcap))

@@ -60,7 +60,8 @@ def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, s
         else:
             additive = np.broadcast_to(_f64(mask), logits.shape)
             keep = keep & ~np.isneginf(additive)  # a -inf entry drops the key, even a NaN score
-            logits = logits + additive
+            # bounded to +-2^127 (semantics.add_mask): finfo(float32).min weighs a key down, not out
+            logits = logits + np.clip(additive, -2.0 ** 127, 2.0 ** 127)
     return capped, np.where(keep, logits, -np.inf)
 
 

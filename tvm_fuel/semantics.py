@@ -10,8 +10,8 @@ positions of the context, so the diagonal is aligned bottom-right):
 
 1. ``s = scale * q_i . k_j``
 2. ``softcap c > 0``: ``s = c * tanh(s / c)``
-3. ``s += -slope_h * |i + delta - j|`` (ALiBi) and ``s += mask`` (additive mask; a ``-inf``
-   entry drops the key whatever ``s`` is)
+3. ``s += -slope_h * |i + delta - j|`` (ALiBi) and ``s += mask`` (additive mask, bounded to
+   ``+-2^127`` so that finite biases stay finite; a ``-inf`` entry drops the key whatever ``s`` is)
 4. keep ``(i, j)`` iff ``j < kv_len``, inside the window, and the boolean mask allows it
 5. softmax over kept keys; a row without a kept key gives 0 and ``lse = -inf``.
 
@@ -23,7 +23,7 @@ may hold anything, and ``0 * NaN`` would otherwise be NaN. Whether a visible key
 underflows to 0 passes its NaN on is unspecified (the paths round differently).
 
 Contents:
-    kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask, masked, mask_index, NEG_INF,
+    kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask (BIAS_BOUND), masked, mask_index, NEG_INF,
     safe_row_max, normalize, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
     fast_exp2 (LOG2E, LN2), fast_tanh
     logit_tangent, prob_tangent, score_grad_tangent -- forward-mode pieces of the JVP and the
@@ -97,11 +97,21 @@ def mask_index(mask_shape, b, h, i, j):
     return tuple(0 if isinstance(n, (int, tirx.IntImm)) and int(n) == 1 else x for n, x in zip(mask_shape, full))
 
 
+# Kernels that take their softmax in base 2 multiply each logit by log2(e) = 1.44: finfo(float32).min
+# (Hugging Face's mask value) would become -inf there and drop a key a finite bias only weighs down
+# (a row of them is the mean of its values, not 0). Bounded at 2^127, a logit times log2(e) stays
+# finite with room for the score; only a row whose largest logit lies past it sees the difference.
+BIAS_BOUND = 2.0 ** 127
+
+
 def add_mask(logit, mask_value):
-    """``logit + mask`` for an additive mask; ``-inf`` where the mask is ``-inf`` (even for a NaN
-    logit: a key the mask drops never reaches the row)."""
+    """``logit + mask`` for an additive mask, the mask bounded to [-BIAS_BOUND, BIAS_BOUND]; ``-inf``
+    where the mask is ``-inf`` (even for a NaN logit: a key the mask drops never reaches the row).
+    A NaN mask stays NaN; ``+inf`` counts as BIAS_BOUND. The bound costs a min and a max per
+    loaded mask element."""
     mask_value = mask_value.astype("float32")
-    return tirx.Select(mask_value == NEG_INF, NEG_INF, logit + mask_value)
+    bounded = _clamp_keeping_nan(mask_value, -BIAS_BOUND, BIAS_BOUND)
+    return tirx.Select(mask_value == NEG_INF, NEG_INF, logit + bounded)
 
 
 def weighted(weight, value):

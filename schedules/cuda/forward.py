@@ -12,8 +12,9 @@ rows can see (causal/window bounds and the sequence length). K/V tiles stream th
 The paged kernel reads its key tiles through the block table (ids clamped into the cache: a
 device kernel cannot assert) and stops at ``context_lens[b]`` (clamped to the table's capacity),
 so only live blocks are visited. With ``splits > 1`` the blocks of one row tile share its key
-tiles; each writes a normalized partial output and its lse, and a merge kernel combines them
-(split-KV, for long contexts with few (batch, head) tasks). No buffer grows with Sq * Sk.
+tiles; each writes a normalized partial output and its row max and sum, and a merge kernel
+combines them (split-KV, for long contexts with few (batch, head) tasks). No buffer grows with
+Sq * Sk.
 
 Contents:
     dense_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
@@ -51,15 +52,15 @@ def _lse(row_max, row_sum):
 class _Params:
     """A forward kernel's buffers. ``table`` and ``num_blocks`` (the cache's block count: block ids
     are clamped into it) only on the paged path, ``mask`` and ``lse`` only where the kernel has
-    them (None otherwise); ``part_o`` and ``part_lse`` hold the splits' partial results (one
-    element each without split-KV)."""
+    them (None otherwise); ``part_o`` and ``part_stats`` hold the splits' partial results (O, and
+    the row max and sum; one element each without split-KV)."""
 
     q: Any
     k: Any
     v: Any
     out: Any
     part_o: Any
-    part_lse: Any
+    part_stats: Any
     alibi: Any = None
     mask: Any = None
     lse: Any = None
@@ -255,8 +256,10 @@ class _Body:
         @T.macro
         def emit_lse(prm, blk, row, row_max, row_sum):
             if blk.live(row):
-                if SPLITS > 1:
-                    prm.part_lse[*blk.task(row), blk.split] = _lse(row_max, row_sum)
+                if SPLITS > 1:  # the max and the sum, not their lse: a float32 lse of a huge
+                    # finite logit cannot hold log(sum), and the merge would weigh splits alike
+                    prm.part_stats[*blk.task(row), blk.split, 0] = row_max
+                    prm.part_stats[*blk.task(row), blk.split, 1] = row_sum
                 elif spec.return_lse:
                     prm.lse[*blk.task(row)] = _lse(row_max, row_sum)
 
@@ -652,7 +655,7 @@ class _Body:
 
         @T.macro
         def merge(prm, B, Sq, tx, bx):
-            # out = sum_s w_s O_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log sum w_s
+            # out = sum_s w_s O_s / sum_s w_s with w_s = l_s exp(m_s - max m); lse = max m + log sum w_s
             top = T.alloc_buffer((1,), F32, scope=local)
             weight = T.alloc_buffer((1,), F32, scope=local)
             acc = T.alloc_buffer((1,), F32, scope=local)
@@ -660,13 +663,14 @@ class _Body:
             if e < B * Hq * Sq * D:
                 top[0] = T.float32(_NEG_INF)
                 for s in range(SPLITS):
-                    top[0] = T.max(top[0], prm.part_lse[*task_of(e, Sq), s])
+                    top[0] = T.max(top[0], prm.part_stats[*task_of(e, Sq), s, 0])
                 weight[0] = T.float32(0)
                 acc[0] = T.float32(0)
                 for s in range(SPLITS):
-                    weight[0] = weight[0] + T.exp(prm.part_lse[*task_of(e, Sq), s] - sem.safe_row_max(top[0]))
-                    acc[0] = acc[0] + T.exp(prm.part_lse[*task_of(e, Sq), s] - sem.safe_row_max(top[0])) * prm.part_o[
-                        *task_of(e, Sq), s, e % D]
+                    w = T.meta_var(prm.part_stats[*task_of(e, Sq), s, 1] * T.exp(
+                        prm.part_stats[*task_of(e, Sq), s, 0] - sem.safe_row_max(top[0])))
+                    weight[0] = weight[0] + w
+                    acc[0] = acc[0] + w * prm.part_o[*task_of(e, Sq), s, e % D]
                 prm.out[*task_of(e, Sq), e % D] = T.Cast(spec.dtype, sem.normalize(acc[0], weight[0]))
                 if spec.return_lse:
                     if e % D == 0:
@@ -695,10 +699,10 @@ class _Body:
 
 
 def _partials(B, Sq, spec: KernelSpec, splits: int):
-    """Shapes of the split-KV partial O and lse (one element each without splits)."""
+    """Shapes of the split-KV partial O and (row max, row sum) (one element each without splits)."""
     if splits > 1:
-        return (B, spec.num_q_heads, Sq, splits, spec.head_dim), (B, spec.num_q_heads, Sq, splits)
-    return (1, 1, 1, 1, 1), (1, 1, 1, 1)
+        return (B, spec.num_q_heads, Sq, splits, spec.head_dim), (B, spec.num_q_heads, Sq, splits, 2)
+    return (1, 1, 1, 1, 1), (1, 1, 1, 1, 2)
 
 
 def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None = None,
@@ -708,7 +712,7 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     launch = launch or Launch(tiles.threads)
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     body = _Body(spec, tiles, launch, paged=False)
-    part_o_shape, part_lse_shape = _partials(B, Sq, spec, tiles.splits)
+    part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
 
     @T.prim_func
     def fuel_flash_attn_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
@@ -718,8 +722,8 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
             spec, dict(B=B, Sq=Sq, Sk=Sk),
             q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
-        part_lse = T.alloc_buffer(part_lse_shape, F32)
-        body.launch_grid(_Params(q, k, v, out, part_o, part_lse, alibi=alibi, mask=mask, lse=lse), B, Sq,
+        part_stats = T.alloc_buffer(part_stats_shape, F32)
+        body.launch_grid(_Params(q, k, v, out, part_o, part_stats, alibi=alibi, mask=mask, lse=lse), B, Sq,
                          lambda b: Sk)
 
     unused = ({"alibi"} if not spec.has_alibi else set()) | ({"mask"} if not spec.mask_broadcast else set())
@@ -734,7 +738,7 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     launch = launch or Launch(tiles.threads)
     B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
     body = _Body(spec, tiles, launch, paged=True)
-    part_o_shape, part_lse_shape = _partials(B, Sq, spec, tiles.splits)
+    part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
 
     def context_len(lens, b):  # a device kernel cannot assert: a length past the table's capacity is clamped
         return T.max(T.min(T.Cast("int64", lens[b]), max_blocks * spec.block_size), T.int64(0))
@@ -747,8 +751,8 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
             spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
             q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
-        part_lse = T.alloc_buffer(part_lse_shape, F32)
-        body.launch_grid(_Params(q, k_cache, v_cache, out, part_o, part_lse, alibi=alibi, table=table,
+        part_stats = T.alloc_buffer(part_stats_shape, F32)
+        body.launch_grid(_Params(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi, table=table,
                                  num_blocks=num_blocks), B, Sq, lambda b: context_len(lens, b))
 
     return finish(drop_params(fuel_paged_attn_cuda, set() if spec.has_alibi else {"alibi"}))
