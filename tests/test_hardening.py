@@ -279,6 +279,8 @@ def test_nan_key_reaches_only_the_key_gradients_of_rows_that_see_it(kernels):
 def test_no_keys_gives_empty_rows_in_the_reference_and_compiled(kernels, name, options):
     """Issue 29, item 7: Sk = 0 (every row sees no key): out = 0, lse = -inf and every gradient
     and tangent 0 (k's and v's empty), in the numpy reference exactly as on every compiled path."""
+    if "cuda" in str(kernels) and name in ("flash_attn_jvp", "flash_attn_double_backward"):
+        pytest.skip(f"{name} has no CUDA kernel: the floor, covered by the llvm paths")
     rng = np.random.default_rng(11)
     q, k, v, do = _dense(rng, 5, 0)
     args = {"flash_attn": dict(q=q, k=k, v=v),
