@@ -184,3 +184,13 @@ def assert_pinned(func: tirx.PrimFunc, **knobs):
     """The kernel was built with these knob values (no silent fallback to other knobs)."""
     applied = applied_knobs(func)
     assert {name: applied.get(name) for name in knobs} == knobs, (applied, knobs)
+
+
+def has_torch() -> bool:
+    """Whether PyTorch (the peer the suite compares against) is importable."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+

@@ -6,6 +6,8 @@ import pytest
 
 from tvm_fuel.cli import main
 
+from helpers import has_torch
+
 
 # the demo's checks and the most each may be: a bound loosened in the demo fails here
 DEMO_BOUNDS = {
@@ -22,14 +24,6 @@ TORCH_CHECKS = {"greedy tokens differing from PyTorch's", "full-sequence logits 
                 "fused vs PyTorch math double backward"}
 
 
-def _has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def test_demo_runs_the_ops_the_decoder_training_and_second_order(capsys, monkeypatch):
     """``demo`` exits 0, and every check it made is one we expect, within its bound, with its number."""
     from tvm_fuel import demo
@@ -41,13 +35,13 @@ def test_demo_runs_the_ops_the_decoder_training_and_second_order(capsys, monkeyp
     printed = capsys.readouterr().out
     checks = {c.name: c for c in made}
     assert len(checks) == len(made), "a check name printed twice"
-    expected = set(DEMO_BOUNDS) | {"fused vs expanded penalized loss"} | (TORCH_CHECKS if _has_torch() else set())
+    expected = set(DEMO_BOUNDS) | {"fused vs expanded penalized loss"} | (TORCH_CHECKS if has_torch() else set())
     assert set(checks) == expected
     for name, bound in DEMO_BOUNDS.items():
         assert checks[name].tolerance <= bound and checks[name].error <= checks[name].tolerance, checks[name]
     for name in checks.keys() & TORCH_CHECKS:
         assert checks[name].ok, checks[name]
-    if _has_torch():
+    if has_torch():
         assert checks["greedy tokens differing from PyTorch's"].error == 0
     assert f"all {len(made)} checks hold" in printed
 

@@ -14,7 +14,7 @@ import tvm_fuel
 from tvm_fuel import op
 from tvm_fuel import reference as ref
 
-from helpers import HOST, NP_DTYPE, Runner, assert_close
+from helpers import HOST, NP_DTYPE, Runner, assert_close, has_torch
 
 TOLERANCE_SCALE = {"float64": 1e-6}  # (float64 is not in the suite's per-dtype table)
 
@@ -133,14 +133,6 @@ def test_symbolic_dims_that_differ_are_refused_at_run_time():
         vm["main"](*map(tvm.runtime.tensor, arrays))
 
 
-def _has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def test_the_benchmark_rows_run(monkeypatch):
     """``bench``'s norm rows on a small shape: each implementation timed, ratios to the kernel."""
     from tvm_fuel import bench_norm
@@ -149,7 +141,7 @@ def test_the_benchmark_rows_run(monkeypatch):
     report = bench_norm.norm_rows()
     assert [(r["kind"], r["N"], r["C"]) for r in report["rows"]] == [("layer", 33, 40), ("rms", 33, 40)]
     for row in report["rows"]:
-        assert set(row["ms"]) == {"kernel", "floor", "composition"} | ({"torch"} if _has_torch() else set())
+        assert set(row["ms"]) == {"kernel", "floor", "composition"} | ({"torch"} if has_torch() else set())
         assert min(row["runs"].values()) >= 4  # the timing loop's floor of rounds
         # every timed implementation gave the kernel's answer
         assert max(row["error_vs_kernel"].values()) < 1e-5, row["error_vs_kernel"]
