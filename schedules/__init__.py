@@ -70,7 +70,7 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
                        rules: Sequence[KernelRule] | None = None) -> dict[str, Callable]:
     """op name -> legalization through the performance path (floor where no rule applies);
     ``rules`` replaces the default rules (the tests pass the CUDA rules' llvm emulation)."""
-    from ..legalize import LEGALIZE, emit_kernel
+    from ..op.legalize import LEGALIZE, emit_kernel
     from ..op import SPECS
 
     rules = rules_for(target, rules)

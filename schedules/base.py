@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import tvm
 from tvm import relax, tirx
 
-from ..config import AttnConfig
+from ..op.config import AttnConfig
 from ..op import SPECS
 from .workload import KernelSpec, Workload
 

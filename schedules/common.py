@@ -9,8 +9,9 @@ Contents:
     balanced_order    -- a task order whose contiguous chunks carry equal causal work
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
     row_head, row_position -- the GQA row packing of the forward kernels
-    visible, biased, masked_logit -- the element-wise mask and logit transform (via tvm_fuel.semantics)
+    visible, biased, masked_logit -- the element-wise mask and logit transform (via tvm_fuel.op.semantics)
     mask_shape, mask_at, param_buffers, drop_params, finish
+    ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import semantics as sem
-from ..config import AttnConfig  # noqa: F401 (annotations)
-from .workload import KernelSpec  # noqa: F401 (the kernels' spec, re-exported)
+from ..op import semantics as sem
+from ..op.config import AttnConfig
+from .workload import KernelSpec
 
 F32 = "float32"
+NEG_INF = float("-inf")  # a Python float: T.float32(NEG_INF) is the -inf literal
+
+
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) of two Python ints (loop trip counts, slots per thread)."""
+    return -(-a // b)
 
 
 def key_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta):

@@ -1,37 +1,40 @@
-"""Fixtures shared by the test modules, and the tiers every test is marked with.
+"""Fixtures shared by the test modules, and the tiers every test module declares.
 
-Tiers (README, "Tests"): ``unit`` (checks and parsing, no kernel), ``numerics`` (ops against the
-reference on every path), ``integration`` (Relax passes, models, tuning, CLI, bundles); ``slow``
-marks what ``pytest -m "not slow"`` leaves out to run in a few minutes: the integration modules
-that tune or build bundles, the CUDA kernels' emulation and nvcc builds; ``gpu`` needs a device.
+Tests live by subject (``op/``, ``schedules/``, ``transform/``, ``autodiff/``, ``tuning/``,
+``deploy/``, ``models/``, ``reference/``, ``package/``). Each module declares its tier itself, in
+its ``pytestmark``: ``unit`` (checks and parsing, no kernel), ``numerics`` (ops against the
+reference on every path) or ``integration`` (Relax passes, models, tuning, CLI, bundles), and
+``slow`` where ``pytest -m "not slow"`` should leave it out to run in a few minutes (the modules
+that tune or build bundles or models, the CUDA kernels' nvcc builds). A module without exactly one
+tier stops the collection. The CUDA kernels' llvm emulation (the ``cuda-emulated`` parameter of
+the ``kernels`` fixture) is slow wherever it runs; ``gpu`` needs a device.
 """
 
-from pathlib import Path
+from __future__ import annotations
 
 import pytest
 
-_TIERS = {
-    "unit": ("test_infer", "test_misuse", "test_threads", "test_packaging"),
-    "numerics": ("test_flash_attn", "test_backward", "test_paged_attn", "test_hardening", "test_cpu_kernels",
-                 "test_cuda_kernels", "test_reference_vs_torch", "test_gradient", "test_log_hardening",
-                 "test_knob_paths", "test_expand", "test_reference_higher_order", "test_higher_order",
-                 "test_second_order", "test_generic_schedules", "test_generic_differential", "test_autodiff",
-                 "test_autodiff_attention",
-                 "test_autodiff_shapes", "test_norm_backward", "test_train_imported"),
-    "integration": ("test_models", "test_deploy", "test_cli", "test_tuning", "test_tuning_rpc", "test_fuse_attention",
-                    "test_nn", "test_kv_cache", "test_script_and_compile", "test_log_portability",
-                    "test_model_tuning"),
-}
-_SLOW_MODULES = ("test_models", "test_deploy", "test_cli", "test_tuning", "test_tuning_rpc", "test_cuda_kernels",
-                 "test_model_tuning")
+TIERS = ("unit", "numerics", "integration")
 
 
+def module_tier(module) -> str:
+    """The one tier ``module`` declares in its ``pytestmark``; UsageError naming the file otherwise."""
+    marks = getattr(module, "pytestmark", [])
+    marks = marks if isinstance(marks, (list, tuple)) else [marks]
+    tiers = [mark.name for mark in marks if getattr(mark, "name", None) in TIERS]
+    if len(tiers) != 1:
+        raise pytest.UsageError(
+            f"{getattr(module, '__file__', module)}: declare exactly one tier of {TIERS} in the module's "
+            f"pytestmark (e.g. pytestmark = pytest.mark.numerics); found {tiers or 'none'}")
+    return tiers[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected module is checked
 def pytest_collection_modifyitems(config, items):
-    tier_of = {module: tier for tier, modules in _TIERS.items() for module in modules}
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        module_tier(module)
     for item in items:
-        module = Path(str(item.fspath)).stem
-        item.add_marker(getattr(pytest.mark, tier_of.get(module, "integration")))
-        if module in _SLOW_MODULES or "cuda-emulated" in item.nodeid:
+        if "cuda-emulated" in item.nodeid:
             item.add_marker(pytest.mark.slow)
 
 

@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 
 import tvm_fuel
-from tvm_fuel.transform import gradient, with_objective
+from tvm_fuel.transform.gradient import gradient, with_objective
 
 from helpers import HOST
 

@@ -80,7 +80,7 @@ def paged_inputs(rng, lens, *, Hq=6, Hkv=2, Sq=1, D=40, dtype="float32", num_blo
                 context_lens=np.asarray(lens, table_dtype if table_dtype != "int64" else "int32"))
 
 
-HOST = tvm_fuel.build.host_target()
+HOST = tvm_fuel.host_target()
 # the floor's PrimFunc names of the ops the CPU rules serve (softmax_backward has no kernel)
 FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_attn_backward",
                            "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v",
@@ -105,11 +105,11 @@ def legalize_cuda_emulated(mod: tvm.IRModule, target: tvm.target.Target, records
 def legalize_checked(mod: tvm.IRModule, target, kernels: str, **logs) -> tvm.IRModule:
     """``mod`` lowered through ``kernels`` (decomposed, tuned or cuda-emulated); a kernel path
     must not silently run the floor of an op that has a kernel (asserted)."""
-    target = tvm_fuel.build.as_target(target)
+    target = tvm_fuel.target.as_target(target)
     if kernels == CUDA_EMULATED:
         legalized = legalize_cuda_emulated(mod, target)
     else:
-        legalized = tvm_fuel.build.legalize(mod, target, kernels=kernels, **logs)
+        legalized = tvm_fuel.transform.legalize(mod, target, kernels=kernels, **logs)
     if kernels != "decomposed":
         floors = [gv.name_hint for gv in legalized.functions if gv.name_hint in FLOORS_WITH_CPU_KERNELS]
         assert not floors, f"kernels={kernels!r} fell back to the floor for {floors}"
@@ -120,7 +120,7 @@ class Runner:
     """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
 
     def __init__(self, mod: tvm.IRModule, target="llvm", *, kernels: str = "decomposed", **logs):
-        target = tvm_fuel.build.as_target(target)
+        target = tvm_fuel.target.as_target(target)
         legalized = legalize_checked(mod, target, kernels, **logs)
         self.vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
 
@@ -194,3 +194,13 @@ def has_torch() -> bool:
         return False
     return True
 
+
+# the attention windows the forward tests sweep (the floor's, the kernels', the expansion's)
+WINDOWS = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "left": dict(window_size=(5, -1)),
+    "right": dict(window_size=(-1, 3)),
+    "two_sided": dict(window_size=(4, 2)),
+    "causal_left": dict(causal=True, window_size=(6, -1)),
+}

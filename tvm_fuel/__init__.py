@@ -6,14 +6,16 @@ thread pool to the physical cores where the user set neither ``TVM_NUM_THREADS``
 ``OMP_NUM_THREADS`` (``tvm_fuel.threads``; TVM alone would use half of them).
 
 Contents:
-    op         -- Relax constructors: flash_attn, flash_attn_backward(_q/_k/_v), paged_attn,
-                  softmax_backward, flash_attn_jvp (forward mode), flash_attn_double_backward
-                  (the backward's vector-Jacobian product)
+    op         -- the ops: Relax constructors (flash_attn, flash_attn_backward(_q/_k/_v), paged_attn,
+                  softmax_backward, flash_attn_jvp (forward mode), flash_attn_double_backward (the
+                  backward's vector-Jacobian product), layer_norm_backward, rms_norm_backward), their
+                  type rules, floor (TE decomposition) and registration
     reference  -- numpy references of every op (the oracle)
     compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
                   with the knobs of matching tuning records)
-    transform  -- Relax passes: FuseAttention, ShareForwardState, UseSoftmaxBackward, gradient
-                  (flash_attn's gradient is registered)
+    transform  -- Relax passes, one per file: FuseAttention, ShareForwardState, UseSoftmaxBackward,
+                  gradient, ExpandAttention, LegalizeFuel, ...
+    autodiff   -- gradients of the fuel ops and of the Relax ops TVM leaves without one
     nn         -- FlashAttention, PagedAttention modules for tvm.relax.frontend.nn (import tvm_fuel.nn)
     kv_cache   -- PagedKVCache: blocks, appends through the block table, frees (import tvm_fuel.kv_cache)
     models     -- end-to-end: a Llama-style decoder served over the paged cache, a training run
@@ -72,18 +74,18 @@ from . import threads  # noqa: E402
 
 threads.configure()  # before any TVM kernel starts the runtime's thread pool
 
-from . import op, reference, transform  # noqa: E402
-from .build import compile, host_target, pipeline  # noqa: A004,E402  (mirrors tvm.compile)
-from .config import AttnConfig  # noqa: E402
-from .specialize import ShapePoint, specialize  # noqa: E402
-from .registry import register as _register  # noqa: E402
+from . import autodiff, op, reference, transform  # noqa: E402
+from .build import compile, pipeline  # noqa: A004,E402  (mirrors tvm.compile)
+from .op import AttnConfig  # noqa: E402
+from .target import host_target  # noqa: E402
+from .transform import ShapePoint, specialize  # noqa: E402
 
-_register()
-
+op.register()
+autodiff.register()  # after the ops: their gradients, and those of the Relax ops TVM gives none
 
 
 def tune(*args, **kwargs):
-    """``tvm_fuel.tuning.tune`` (imported on first use: it loads MetaSchedule)."""
+    """``tvm_fuel.tuning.kernels.tune`` (imported on first use: it loads MetaSchedule)."""
     from .tuning import tune as _tune
 
     return _tune(*args, **kwargs)

@@ -29,7 +29,7 @@ _MAX_DIM = 2**31 - 1  # a larger dim is no workload to tune: it would only fail 
 def _shape_bucket(text: str) -> dict:
     """argparse type of --shapes: a bucket whose every value is checked here, so a mistake is an
     ``error: argument --shapes: ...`` naming the key, not a traceback from deep in the build."""
-    from .config import FLOAT_DTYPES, MAX_WINDOW, finite_nonzero_float32
+    from .op.config import FLOAT_DTYPES, MAX_WINDOW, finite_nonzero_float32
     from .tuning.buckets import parse_bucket
 
     def bad(message: str):
@@ -85,7 +85,7 @@ def _int_at_least(least: int):
 
 def _work_dir(text: str) -> str:
     """argparse type of tune's --work-dir: a directory this user can write (created later, by tune)."""
-    from .tuning.tune import check_writable_dir
+    from .tuning.kernels import check_writable_dir
 
     try:
         check_writable_dir(text, "--work-dir", who="tvm_fuel tune")
@@ -124,24 +124,24 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.target == "cuda":
-        from .gpu import run_gpucheck
+        from .deploy.gpucheck import run_gpucheck
 
         return run_gpucheck(out_dir=args.out, suite="bench")
-    from .bench import run_bench
+    from .bench.attention import run_bench
 
     if not args.higher_order_only:
         run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
                   sweep=not args.no_sweep)
     if not args.higher_order_only and not args.no_decoder:
-        from . import bench_decoder
+        from .bench import decoder as bench_decoder
 
         _bench_rows(args.out, "decoder.json", bench_decoder.decoder_rows(), bench_decoder.print_rows)
     if not args.higher_order_only and not args.no_norm:
-        from . import bench_norm
+        from .bench import norm as bench_norm
 
         _bench_rows(args.out, "norm.json", bench_norm.norm_rows(), bench_norm.print_rows)
     if not args.no_higher_order:
-        from . import bench_higher_order
+        from .bench import higher_order as bench_higher_order
 
         _bench_rows(args.out, "higher_order.json", bench_higher_order.higher_order_rows(memory=not args.no_long_context),
                     bench_higher_order.print_rows)
@@ -157,7 +157,7 @@ def _bench_rows(out: str, file_name: str, report: dict, print_rows) -> None:
 
 
 def _gpucheck(args: argparse.Namespace) -> int:
-    from .gpu import run_gpucheck
+    from .deploy.gpucheck import run_gpucheck
 
     return run_gpucheck(out_dir=args.out, suite=args.suite)
 
@@ -174,7 +174,7 @@ def _bundle(args: argparse.Namespace) -> int:
 def _target(text: str):
     import json
 
-    from .build import as_target, host_target
+    from .target import as_target, host_target
 
     if text == "host":
         return host_target()
@@ -183,7 +183,7 @@ def _target(text: str):
 
 def _workloads(ops: list[str], shapes: list[dict] | None, target) -> list:
     from .tuning.buckets import benchmark_buckets, bucket_module
-    from .tuning.tune import workloads_of
+    from .tuning.kernels import workloads_of
 
     found = []
     for name in ops:
@@ -244,7 +244,7 @@ def _load_model(text: str):
 
     import tvm
 
-    from .specialize import ShapePoint
+    from .transform.specialize import ShapePoint
 
     if os.path.isfile(text) and not text.endswith(".py"):
         return _read_module(text, "--model"), []
@@ -277,11 +277,11 @@ def _load_model(text: str):
         points = list(points)
     except TypeError:
         raise ValueError(f"--model {text}: tuning_module()'s shape points must be a list of "
-                         f"tvm_fuel.specialize.ShapePoint, got {_kind(points)}") from None
+                         f"tvm_fuel.ShapePoint, got {_kind(points)}") from None
     for index, point in enumerate(points):
         if not isinstance(point, ShapePoint):
             raise ValueError(f"--model {text}: tuning_module()'s shape point {index} must be a "
-                             f"tvm_fuel.specialize.ShapePoint, got {_kind(point)}")
+                             f"tvm_fuel.ShapePoint, got {_kind(point)}")
     return mod, points
 
 
@@ -300,7 +300,7 @@ def _kind(value) -> str:
 
 def _shape_point(text: str):
     """argparse type of --at: FUNC:NAME=VALUE[,NAME=VALUE...]."""
-    from .specialize import ShapePoint
+    from .transform.specialize import ShapePoint
 
     function, _, dims = text.partition(":")
     try:
@@ -352,7 +352,7 @@ def _logs(args: argparse.Namespace) -> int:
     import warnings
 
     from .tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module
-    from .logs import TuningRecords, shipped_logs, target_key
+    from .tuning.records import TuningRecords, shipped_logs, target_key
     from .tuning.report import format_report, tuning_report
 
     target = _target(args.target)
@@ -403,7 +403,7 @@ def _read_module(path: str, flag: str = "--module"):
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser (defaults such as tune's --work-dir are read from the environment now)."""
     from .tuning.buckets import TUNABLE_OPS
-    from .tuning.tune import WORK_DIR_ENV, default_work_dir
+    from .tuning.kernels import WORK_DIR_ENV, default_work_dir
 
     parser = argparse.ArgumentParser(prog="python -m tvm_fuel", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

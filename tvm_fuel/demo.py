@@ -303,7 +303,8 @@ def _penalty_modules(p: dict) -> dict[str, tvm.IRModule]:
     """``penalized`` = loss + lam |dloss/dq|^2 built on the model's adjoint (``with_objective``), and
     its adjoint: second derivatives through the fused double backward ("fused"), or through the
     ops expanded to Relax primitives first ("expanded")."""
-    from .transform import ExpandAttention, gradient, with_objective
+    from .transform.expand_attention import ExpandAttention
+    from .transform.gradient import gradient, with_objective
 
     mod = _penalty_model(p)
 
@@ -359,7 +360,7 @@ def _hvp_reference(p: dict, arrays: dict, u: np.ndarray) -> np.ndarray:
 
 def run_second_order(*, target="llvm", seed: int = 0, steps: int = 5) -> list[Check]:
     """Gradient-penalty descent (fused vs expanded vs PyTorch) and a Hessian-vector product."""
-    from .transform import gradient, with_objective
+    from .transform.gradient import gradient, with_objective
 
     p = PENALTY
     rng = np.random.default_rng(seed)

@@ -32,7 +32,7 @@ import numpy as np
 import tvm
 from tvm.script import tirx as T
 
-from .config import as_int
+from .op.config import as_int
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +118,7 @@ class PagedKVCache:
         if target is None:
             target = ({"kind": "cuda", "arch": "sm_" + self.device.compute_version.replace(".", "")} if self.gpu
                       else {"kind": "llvm"})
-        from .build import as_target
+        from .target import as_target
 
         self._append = tvm.compile(append_kernel(dtype, num_kv_heads, head_dim, self.gpu), target=as_target(target))
         shape = (num_layers * num_blocks, block_size, num_kv_heads, head_dim)

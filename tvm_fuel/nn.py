@@ -26,7 +26,7 @@ from __future__ import annotations
 from tvm.relax.frontend import nn
 
 from . import op
-from .config import AttnConfig
+from .op.config import AttnConfig
 
 
 def _expr(tensor: nn.Tensor | None):

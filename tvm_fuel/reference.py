@@ -4,7 +4,7 @@ These are the oracle of the test suite; they share no code with the TE decomposi
 kernels. Inputs may be float32, float16 or bfloat16 (ml_dtypes) arrays; outputs are float64
 (``lse`` too), so callers compare in the precision they choose.
 
-Non-finite inputs follow the NaN rule (``tvm_fuel.semantics``): a NaN or Inf a row uses reaches
+Non-finite inputs follow the NaN rule (``tvm_fuel.op.semantics``): a NaN or Inf a row uses reaches
 it; a weight of exactly 0 (a dropped key) never multiplies anything into a sum, and a ``-inf``
 additive mask drops its key whatever the score.
 

@@ -13,7 +13,7 @@ Three parallel stages in one PrimFunc:
 
 Scratch per task is O((block_q + block_k) * D); the dq partials are [splits, B, Hq, Sq, D].
 
-The NaN rule (``tvm_fuel.semantics``): dS is 0 wherever P is (a dropped key's dP may be NaN),
+The NaN rule (``tvm_fuel.op.semantics``): dS is 0 wherever P is (a dropped key's dP may be NaN),
 and a GEMM whose values (a key tile, or a query tile's q or do) hold a NaN or Inf skips zero
 weights; the tiles are counted for non-finite elements as they are loaded, so finite inputs
 run the plain GEMMs.
@@ -30,7 +30,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ... import semantics as sem
+from ...op import semantics as sem
 from ..common import (F32, balanced_order, biased, drop_params, finish, KernelSpec, param_buffers, query_tile_range,
                       shape_vars, visible)
 from .common import absent_inputs, Buffers

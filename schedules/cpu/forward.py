@@ -32,7 +32,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ... import semantics as sem
+from ...op import semantics as sem
 from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
                       param_buffers, row_head, row_position, shape_vars, tile_is_interior, tile_width)
 from .common import absent_inputs, Buffers, prefetch

@@ -21,7 +21,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ... import semantics as sem
+from ...op import semantics as sem
 from .tiles import CpuTiles
 
 

@@ -31,7 +31,8 @@ from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dim
 from ..workload import NormSpec, Workload
 from .backward import flash_backward
 from .forward import dense_forward, paged_forward
-from .higher_order import COTANGENTS, flash_double_backward, flash_jvp, JVP_TANGENTS
+from .double_backward import flash_double_backward
+from .tangent import COTANGENTS, JVP_TANGENTS, flash_jvp
 from .norm import NormTiles, norm_backward, norm_tiles
 from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
 

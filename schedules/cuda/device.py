@@ -167,7 +167,7 @@ class TileOps:
     def zero_nonfinite(self, rows: int, width: int):
         """Macro ``zero_nonfinite(X, row0, flags, flag, tx)``: ``flags[flag] = 1`` if rows ``row0 ..
         row0 + rows`` (``width`` columns) of a shared tile hold a NaN or Inf, and then those become
-        0. Tensor cores cannot skip a zero weight (the NaN rule, tvm_fuel.semantics): a tile an
+        0. Tensor cores cannot skip a zero weight (the NaN rule, tvm_fuel.op.semantics): a tile an
         mma multiplies by weights that may be 0 is zeroed first, and its non-finite elements are
         added back, to the rows that weigh them, by ``WarpTiles.nonfinite_terms``. The caller
         resets the flag before (and a barrier separates the reset from this). A finite tile costs

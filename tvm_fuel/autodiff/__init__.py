@@ -1,5 +1,5 @@
-"""Gradients (``FPrimalGradient``) for Relax ops that TVM 0.27 leaves without one, so that
-``relax.transform.Gradient`` trains models that use them.
+"""Gradients (``FPrimalGradient``) of the fuel ops and of the Relax ops that TVM 0.27 leaves
+without one, so that ``relax.transform.Gradient`` trains models that use them.
 
 Each gradient is a composition of Relax primitives that have gradients themselves (these
 included), so ``Gradient`` of an adjoint differentiates it again (second derivatives). The
@@ -13,6 +13,7 @@ One module per family, each with its ``GRADIENTS`` table and the formulas in its
     indexing    -- repeat, strided_slice
     spatial     -- conv2d_transpose, adaptive_avg_pool2d
     attention   -- nn.attention, nn.attention_bias
+    fuel_ops    -- the fuel ops (flash_attn's backward, the backward's double backward, ...)
     common      -- what they share
 
 Contents:
@@ -25,10 +26,10 @@ from __future__ import annotations
 import tvm
 from tvm.relax.op.base import register_gradient
 
-from . import attention, elementwise, indexing, norms, spatial
+from . import attention, elementwise, fuel_ops, indexing, norms, spatial
 
 GRADIENTS = {**elementwise.GRADIENTS, **norms.GRADIENTS, **indexing.GRADIENTS, **spatial.GRADIENTS,
-             **attention.GRADIENTS}
+             **attention.GRADIENTS, **fuel_ops.GRADIENTS}
 
 
 def register() -> list[str]:

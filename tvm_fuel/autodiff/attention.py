@@ -46,7 +46,7 @@ from tvm import relax, sym, tirx
 from tvm.relax.op.grad import no_grad
 
 from .. import op
-from ..nn_attention import flash_options
+from ..op.nn_attention import flash_options
 from .common import composition_vjp
 
 R = relax.op

@@ -35,7 +35,7 @@ import tvm
 from tvm import relax
 
 from .. import op
-from ..infer import norm_stats_dtype
+from ..op.infer import norm_stats_dtype
 from .common import broadcast_weight, composition_vjp, const, normalized_axes, tuple_adjoints, weight_sum
 
 R = relax.op
@@ -200,8 +200,8 @@ def rms_norm_backward(dy, x, weight, rstd) -> list[relax.Expr]:
 
 def _norm_backward_composition(dy, x, weight, mean, rstd):
     dtype, acc = str(x.ty.dtype), str(rstd.ty.dtype)
-    widen = (lambda e: e) if dtype == acc else (lambda e: R.astype(e, acc))  # noqa: E731
-    narrow = (lambda e: e) if dtype == acc else (lambda e: R.astype(e, dtype))  # noqa: E731
+    widen = (lambda e: e) if dtype == acc else (lambda e: R.astype(e, acc))
+    narrow = (lambda e: e) if dtype == acc else (lambda e: R.astype(e, dtype))
     dya, xa = widen(dy), widen(x)
     r = R.expand_dims(rstd, [1])
     x_hat = R.multiply(xa if mean is None else R.subtract(xa, R.expand_dims(mean, [1])), r)
@@ -220,7 +220,7 @@ def _fused_gradient(composition, count: int):
     return gradient
 
 
-# the fused ops' gradients (registered with the fuel ops, ``tvm_fuel.grad``)
+# the fused ops' gradients (registered with the fuel ops, ``tvm_fuel.autodiff.fuel_ops``)
 FUSED_GRADIENTS = {
     "layer_norm_backward": _fused_gradient(layer_norm_backward, 3),
     "rms_norm_backward": _fused_gradient(rms_norm_backward, 2),

@@ -45,13 +45,14 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
-from .. import __version__, cuda
-from ..build import legalize
+from .. import __version__
+from . import nvcc as cuda
+from ..transform.legalize_fuel import legalize
 from ..schedules import rule_for
 from ..schedules.cuda.device import SHARED_MEMORY_LIMIT
 from ..tuning.buckets import bucket_module
 from ..tuning.measure import input_specs
-from ..tuning.tune import workloads_of
+from ..tuning.kernels import workloads_of
 from . import suites
 from .runtime import node_runtime
 from .node.environment import NodeError, source_key, written_by_node
@@ -122,7 +123,7 @@ class _Cubins:
         for key, job in self.jobs.items():
             try:
                 job.result()
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise RuntimeError(f"tvm_fuel bundle: nvcc failed on module source {key[:12]}: {err}") from err
 
 

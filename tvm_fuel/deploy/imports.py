@@ -21,9 +21,10 @@ from pathlib import Path
 import tvm
 
 from ..schedules.workload import Workload
-from ..logs import LogDatabase, kernel_family, knobs_of, replay, target_key
+from ..tuning.records import kernel_family, knobs_of, replay, target_key
+from ..tuning.log_database import LogDatabase
 from ..tuning.space import fixed_point, workload_module
-from ..tuning.tune import commit_record, default_work_dir
+from ..tuning.kernels import commit_record, default_work_dir
 
 
 def _load(path: Path) -> tuple[dict, list[dict]]:

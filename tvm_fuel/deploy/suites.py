@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 
 from .. import op as fuel_op
-from ..shapes import FLOOR_MAX_SCORES, FlashCase, PagedCase, cuda_suite, default_suite
+from ..bench.cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, cuda_suite, default_suite
 
 SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
           "all": ("smoke", "check", "bench", "tune")}

@@ -336,7 +336,7 @@ DEMO_POINTS = (("prefill", {"batch": 1, "seq_len": 1000}), ("decode", {"batch": 
 
 def tuning_module():
     """The demo decoder (default ``LlamaConfig``) and its shape points, for ``tune --model``."""
-    from ..specialize import ShapePoint
+    from ..transform.specialize import ShapePoint
 
     mod, _ = serving_module(LlamaConfig())
     return mod, [ShapePoint(function, dims) for function, dims in DEMO_POINTS]

@@ -38,7 +38,7 @@ from tvm.relax.training.optimizer import Adam
 
 from ..build import compile as fuel_compile
 from ..nn import FlashAttention
-from ..transform import gradient
+from ..transform.gradient import gradient
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,28 @@
-"""MetaSchedule auto-tuning of the fuel kernels (the logs it writes are read at build by
-``tvm_fuel.logs``, one layer below; re-exported here).
+"""MetaSchedule auto-tuning of the fuel kernels, and the tuning records a build reads.
 
 Contents:
+    records  -- tuning logs: where they live, their targets, the knobs they give (read at every build)
     space    -- kernels as design spaces (sampled knobs, mutator, features, validity check)
     measure  -- the lean builder and the valid-argument runners (local, RPC)
-    tune     -- ``tune``: tasks from a module's fuel calls, search, progress, resume
+    kernels  -- ``tune``: the kernels' knobs: tasks from a module's fuel calls, search, progress, resume
+    model    -- ``tune_model``: every task of a model (kernels' knobs and its other TIR functions)
+    buckets  -- the benchmark's shape buckets as tuning tasks
     report   -- which kernels of a module use a record and which the hand-picked knobs
 """
 
-from ..logs import TuningLogWarning, TuningRecords, shipped_logs, target_key
-from .report import tuning_report
-from .tune import default_work_dir, tune
+import importlib
 
-__all__ = ["tune", "tuning_report", "TuningRecords", "TuningLogWarning", "shipped_logs", "target_key",
-           "default_work_dir"]
+from .records import TuningLogWarning, TuningRecords, shipped_logs, target_key
+
+# imported on first use: every build reads ``records``, while ``kernels`` loads MetaSchedule (which
+# ``import tvm_fuel`` should not pay for) and ``report`` builds
+_LAZY = {"tuning_report": "report", "default_work_dir": "kernels", "tune": "kernels"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+
+
+__all__ = ["TuningLogWarning", "TuningRecords", "shipped_logs", "target_key", *_LAZY]

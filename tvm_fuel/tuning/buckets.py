@@ -101,7 +101,7 @@ def bucket_module(op: str, bucket: dict) -> tvm.IRModule:
 
 def benchmark_buckets(op: str) -> list[dict]:
     """The shapes ``python -m tvm_fuel bench`` runs for ``op``."""
-    from ..shapes import default_suite
+    from ..bench.cases import default_suite
 
     flash, paged = default_suite()
     if op == "paged_attn":

@@ -34,7 +34,7 @@ EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=Fa
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
     """The kernel of a scheduled tuning module (its knob annotations), compiled for ``target``."""
     from ..schedules import rule_for
-    from ..logs import knobs_of
+    from .records import knobs_of
 
     workload, knobs = knobs_of(mod)
     rule = rule_for(workload.op, target)

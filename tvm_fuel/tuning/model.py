@@ -38,11 +38,15 @@ from tvm import relax, s_tir
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..build import LegalizeFuel, as_target, fuse, unscheduled
-from ..logs import MODEL_FOLDER, LogDatabase, target_key, write_points
-from ..specialize import ShapePoint, specialize
+from ..transform.legalize_fuel import LegalizeFuel
+from ..target import as_target
+from ..transform.legalize_and_fuse import fuse
+from ..transform.common import unscheduled
+from .records import MODEL_FOLDER, target_key, write_points
+from .log_database import LogDatabase
+from ..transform.specialize import ShapePoint, specialize
 from . import measure
-from .tune import TaskResult, check_writable_dir, commit_record, default_work_dir, tune, workloads_of
+from .kernels import TaskResult, check_writable_dir, commit_record, default_work_dir, tune, workloads_of
 
 
 @dataclass

@@ -142,12 +142,12 @@ def load_tvm(bundle: Path, manifest: dict):
     _fallbacks(bundle, manifest)
     try:
         import tvm
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise NodeError(f"the bundle's TVM runtime does not import here: {type(err).__name__}: {err}") from err
     where = Path(tvm.__file__).resolve()
     if (bundle / "runtime").resolve() not in where.parents:
         raise NodeError(f"tvm was imported from {where.parent}, not from the bundle")
-    if not tvm.base._RUNTIME_ONLY:
+    if not tvm.base._RUNTIME_ONLY:  # noqa: SLF001 (TVM says it only there)
         raise NodeError("the bundle's TVM did not start runtime-only")
     return tvm
 
@@ -179,7 +179,7 @@ def load_cuda(tvm) -> None:
         raise NodeError(f"TVM's CUDA backend does not load (driver missing?): {err}") from err
     try:
         exists = tvm.cuda(0).exist
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise NodeError(f"CUDA does not start: {err}") from err
     if not exists:
         raise NodeError("no CUDA device is visible (tvm.cuda(0).exist is False)")

@@ -1,0 +1,70 @@
+"""tvm_fuel.nn: the ops as relax.frontend.nn modules, exported and compiled like any nn model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from helpers import HOST, legalize_checked
+from tvm import relax
+from tvm.relax.frontend import nn
+
+import tvm_fuel
+import tvm_fuel.nn
+from tvm_fuel import reference
+
+pytestmark = pytest.mark.integration
+
+
+class _Attention(nn.Module):
+    def __init__(self, **options):
+        self.attn = tvm_fuel.nn.FlashAttention(**options)
+
+    def forward(self, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, slopes: nn.Tensor):
+        return self.attn(q, k, v, slopes)
+
+
+class _Decode(nn.Module):
+    def __init__(self, **options):
+        self.attn = tvm_fuel.nn.PagedAttention(**options)
+
+    def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, table: nn.Tensor, lens: nn.Tensor):
+        return self.attn(q, k_cache, v_cache, table, lens)
+
+
+def _run(model: nn.Module, arrays: dict, kernels: str) -> list[np.ndarray]:
+    mod, _ = model.export_tvm({"forward": {n: nn.spec.Tensor(a.shape, str(a.dtype)) for n, a in arrays.items()}})
+    vm = relax.VirtualMachine(tvm.compile(legalize_checked(mod, HOST, kernels), target=HOST), tvm.cpu())
+    result = vm["forward"](*[tvm.runtime.tensor(a) for a in arrays.values()])
+    return [result.numpy()] if isinstance(result, tvm.runtime.Tensor) else [r.numpy() for r in result]
+
+
+def test_flash_attention_module(kernels):
+    rng = np.random.default_rng(0)
+    arrays = dict(q=rng.standard_normal((2, 6, 17, 40)), k=rng.standard_normal((2, 2, 23, 40)),
+                  v=rng.standard_normal((2, 2, 23, 40)), slopes=rng.uniform(0, 0.2, 6))
+    arrays = {n: a.astype("float32") for n, a in arrays.items()}
+    options = dict(causal=True, softcap=5.0)
+    out, lse = _run(_Attention(return_lse=True, **options), arrays, kernels)
+    want, want_lse = reference.flash_attn(*arrays.values(), return_lse=True, **options)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_attention_module(kernels):
+    rng = np.random.default_rng(1)
+    table = rng.permutation(12)[:8].reshape(2, 4).astype("int32")
+    arrays = dict(q=rng.standard_normal((2, 8, 1, 64)).astype("float32"),
+                  k_cache=rng.standard_normal((12, 16, 2, 64)).astype("float32"),
+                  v_cache=rng.standard_normal((12, 16, 2, 64)).astype("float32"),
+                  table=table, lens=np.array([17, 64], "int32"))
+    (out,) = _run(_Decode(window_size=(31, 0)), arrays, kernels)
+    want = reference.paged_attn(*arrays.values(), window_size=(31, 0))
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_options_fail_at_construction_by_name():
+    with pytest.raises(ValueError, match="tvm_fuel.nn.FlashAttention"):
+        tvm_fuel.nn.FlashAttention(window_size=(-3, 0))
+    with pytest.raises((ValueError, TypeError), match="tvm_fuel.nn.PagedAttention"):
+        tvm_fuel.nn.PagedAttention(softmax_scale="big")

@@ -1,0 +1,170 @@
+"""The package's layout: its import graph has no cycle and points downward only (ops, then kernels
+and gradients, then passes, the build, tuning, and the commands on top), no module imports
+another's private names, the top level stays small and no source file is long; every test
+module declares its tier (issue 30)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+# the layer of each module (its longest matching prefix): a module may import its own layer and those below
+LAYERS = {
+    # leaves: no tvm_fuel import outside themselves (deploy.node runs on GPU nodes without TVM)
+    "tvm_fuel.diagnostics": 0, "tvm_fuel.threads": 0, "tvm_fuel.target": 0, "tvm_fuel.reference": 0,
+    "tvm_fuel.bench.cases": 0, "tvm_fuel.deploy.node": 0, "tvm_fuel.deploy.nvcc": 0, "tvm_fuel.tuning_logs": 0,
+    "tvm_fuel.op": 1,
+    "tvm_fuel.schedules": 2, "tvm_fuel.autodiff": 2,
+    "tvm_fuel.transform": 3, "tvm_fuel.tuning.records": 3, "tvm_fuel.tuning.log_database": 3,
+    "tvm_fuel.build": 4, "tvm_fuel.nn": 4, "tvm_fuel.kv_cache": 4,
+    "tvm_fuel.tuning": 5, "tvm_fuel.models": 5,
+    "tvm_fuel.bench": 6, "tvm_fuel.deploy": 6, "tvm_fuel.demo": 6,
+    "tvm_fuel.cli": 7, "tvm_fuel.__main__": 7,
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for root, prefix in ((REPO / "tvm_fuel", "tvm_fuel"), (REPO / "schedules", "tvm_fuel.schedules"),
+                         (REPO / "tuning_logs", "tvm_fuel.tuning_logs")):
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join((prefix, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for each tvm_fuel import of ``name``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "tvm_fuel":
+                continue
+            names = [a.name for a in node.names]
+            submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+            found += [(sub, []) for sub in submodules]
+            # (the root's dunders, ``__version__``, are facts of the package, not a dependency on its modules)
+            rest = [n for n in names if f"{module}.{n}" not in MODULES and not n.startswith("__")]
+            if rest:  # (``from . import a, b`` of modules alone runs the package, imported already)
+                found.append((module, rest))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.split(".")[0] == "tvm_fuel"]
+    return found
+
+
+def _layer(name: str) -> int:
+    if name == "tvm_fuel":
+        return 8
+    prefix = max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len, default=None)
+    assert prefix is not None, f"{name} has no layer in test_layout.LAYERS: add it where it belongs"
+    return LAYERS[prefix]
+
+
+def _edges() -> dict[str, set[str]]:
+    return {name: {m for m, _ in _imports(name, path) if m in MODULES and m != name}
+            for name, path in MODULES.items()}
+
+
+def _cycle(edges: dict[str, set[str]], skip: set[str]) -> list[str] | None:
+    """A cycle among the modules (package ``__init__``s in ``skip`` left out), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node] - skip):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(set(edges) - skip):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    # a package's __init__ re-exports its modules (the public names): a module importing the names of
+    # its own package's __init__ would be a cycle, so they are kept, except the root's (which imports all)
+    assert _cycle(_edges(), skip={"tvm_fuel"}) is None
+
+
+def test_a_cycle_is_found():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}, skip=set()) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}, skip=set()) is None
+
+
+def test_imports_point_downward():
+    upward = [f"{name} (layer {_layer(name)}) imports {dep} (layer {_layer(dep)})"
+              for name, deps in _edges().items() for dep in deps if _layer(dep) > _layer(name)]
+    assert upward == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    private = [f"{name} imports {n} from {module}" for name, path in MODULES.items()
+               for module, names in _imports(name, path) for n in names
+               if n.startswith("_") and not n.startswith("__") and module != name]
+    assert private == []
+
+
+def test_the_top_level_is_small_and_no_source_file_is_long():
+    top = sorted(p.name for p in (REPO / "tvm_fuel").glob("*.py"))
+    assert len(top) <= 12, top
+    long = [f"{path.relative_to(REPO)}: {n} lines" for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > 600]
+    assert long == []
+
+
+def test_every_module_declares_one_tier():
+    import conftest
+
+    bare, both, one = (types.ModuleType(name) for name in ("bare", "both", "one"))
+    both.pytestmark = [pytest.mark.unit, pytest.mark.numerics]
+    one.pytestmark = [pytest.mark.numerics, pytest.mark.slow]
+    for module in (bare, both):
+        with pytest.raises(pytest.UsageError, match="declare exactly one tier"):
+            conftest.module_tier(module)
+    assert conftest.module_tier(one) == "numerics"
+
+
+def test_a_new_test_file_without_a_tier_stops_the_collection(tmp_path):
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_tiered.py").write_text("import pytest\npytestmark = pytest.mark.unit\n\ndef test_a():\n    pass\n")
+    (tmp_path / "test_untiered.py").write_text("def test_b():\n    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "."],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout + run.stderr
+    assert "test_untiered.py: declare exactly one tier" in run.stdout + run.stderr
+    (tmp_path / "test_untiered.py").unlink()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr

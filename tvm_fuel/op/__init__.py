@@ -1,0 +1,31 @@
+"""The fuel ops: what each one is, its type rule, its floor and its registration with TVM.
+
+``tvm_fuel.op.flash_attn(...)`` and the other constructors return Relax calls that print as
+``R.fuel.<name>(...)``. Importing ``tvm_fuel`` registers them (``register``).
+
+Modules, from the bottom up:
+    config       -- AttnConfig (the validated attention options), accepted dtypes, bounds
+    semantics    -- the attention math on TIR expressions, shared by the floor and every kernel
+    spec         -- OpSpec and SPECS: each op's name, arguments and attributes; options_of
+    attention    -- the attention constructors (flash_attn, its backward, JVP and double backward,
+                    paged_attn, softmax_backward)
+    norm         -- the norms' backward constructors (layer_norm_backward, rms_norm_backward)
+    dims         -- which dims of the arguments must agree
+    infer        -- type inference (FInferType)
+    decompose    -- the TE compute of every op (the materialized, always-correct floor)
+    legalize     -- FLegalize: host-side checks, then the floor (or a kernel: emit_kernel)
+    nn_attention -- what TVM's R.nn.attention means in flash_attn's terms
+    registry     -- registers the ops with TVM and the TVMScript parser
+"""
+
+from .attention import (flash_attn, flash_attn_backward, flash_attn_backward_k, flash_attn_backward_q,
+                        flash_attn_backward_v, flash_attn_double_backward, flash_attn_jvp, paged_attn,
+                        softmax_backward)
+from .config import AttnConfig
+from .norm import layer_norm_backward, rms_norm_backward
+from .registry import register
+from .spec import SPECS, OpSpec, options_of
+
+__all__ = ["flash_attn", "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
+           "flash_attn_backward_v", "paged_attn", "softmax_backward", "flash_attn_jvp", "flash_attn_double_backward",
+           "layer_norm_backward", "rms_norm_backward", "OpSpec", "SPECS", "options_of", "AttnConfig", "register"]

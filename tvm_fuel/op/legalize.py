@@ -1,0 +1,250 @@
+"""Legalization (``FLegalize``) of the fuel ops to the TE decomposition: the correctness floor.
+
+Each rule is a thin adapter: read the call's arguments and config, and emit ``bb.call_te`` on the
+matching function of ``tvm_fuel.op.decompose``. Two host-side checks run first, on the floor and
+before every kernel alike, so bad input raises instead of reading out of bounds:
+
+- the dims that must agree (``tvm_fuel.op.dims``) but that type inference could not prove equal
+  (symbolic ones) are compared when the module runs;
+- paged attention's block table and context lengths are validated on CPU targets (a bad live
+  block id or an oversized context).
+
+Contents:
+    LEGALIZE     -- op name -> legalization function ``(bb, call) -> relax.Expr`` (the floor)
+    emit_kernel  -- call a performance-path kernel in place of the floor
+    checked_dims -- the run-time check of the dims type inference could not prove equal
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tvm
+from tvm import relax, tirx
+from tvm.script import tirx as T
+
+from . import decompose
+from .config import AttnConfig
+from .dims import DimRule, dim_rules, positive_dims
+from .spec import SPECS
+
+
+def _config(name: str, call: relax.Call) -> AttnConfig:
+    return AttnConfig.from_attrs(SPECS[name].label, call.attrs)
+
+
+def _unproven(name: str, args: dict) -> tuple[list[DimRule], list[tuple[str, int, str]]]:
+    """The rules between present arguments whose dims type inference could not prove equal, and
+    the dims that must be >= 1 but are symbolic (static ones were checked by type inference)."""
+    analyzer = tvm.sym.Analyzer()
+    first = SPECS[name].required[0]
+    pairs = []
+    for rule in dim_rules(name, args[first].ty.ndim):
+        a, b = args.get(rule.arg), args.get(rule.ref)
+        if a is None or b is None:
+            continue
+        if not analyzer.can_prove_equal(a.ty.shape.values[rule.axis], b.ty.shape.values[rule.ref_axis]):
+            pairs.append(rule)
+    positive = [(arg, axis, what) for arg, axis, what in positive_dims(name)
+                if not isinstance(args[arg].ty.shape.values[axis], tirx.IntImm)]
+    return pairs, positive
+
+
+@functools.lru_cache(maxsize=None)
+def _dims_check_func(op: str, rules: tuple[DimRule, ...], positive: tuple[tuple[str, int, str], ...],
+                     tensors: tuple[tuple[str, str, int], ...]):
+    """A host PrimFunc over ``tensors`` ((name, dtype, ndim), the first one passed through in
+    place) that raises ValueError naming the op and the arguments when a rule's dims differ or a
+    dim that must be positive is 0. It reads shapes only, never data: it runs on the host for
+    any target."""
+    # written as TVMScript text: the number of parameters varies with the arguments present
+    dims = {name: [f"{name}_shape{axis}" for axis in range(ndim)] for name, _, ndim in tensors}
+    lines = ["@T.prim_func(private=True)", f"def check({', '.join(f'{n}_handle: T.handle' for n, _, _ in tensors)}):",
+             '    T.func_attr({"tirx.is_scheduled": True})']
+    lines += [f"    {d} = T.int64()" for names in dims.values() for d in names]
+    lines += [f"    T.match_buffer({n}_handle, ({', '.join(dims[n])},), {dtype!r})" for n, dtype, _ in tensors]
+    checks = [(f"{dims[arg][axis]} >= T.int64(1)", f"{op}: the {what} of {arg!r} ({arg}.shape[{axis}]) must be >= 1")
+              for arg, axis, what in positive]
+    checks += [(f"{dims[r.arg][r.axis]} == {dims[r.ref][r.ref_axis]}", r.message(op)) for r in rules]
+    lines += [f"    assert {condition}, ('ValueError', [{message!r}])" for condition, message in checks]
+    return tvm.script.from_source("\n".join(lines), extra_vars={"T": T})
+
+
+def checked_dims(bb: relax.BlockBuilder, name: str, args: dict) -> dict:
+    """``args`` with its first tensor passed through a run-time check of the dims that must agree
+    but that type inference could not prove equal (nothing is emitted where it proved them all).
+    The check is one host call per op call; the pass-through orders it before the op's reads."""
+    spec = SPECS[name]
+    first = spec.required[0]
+    rules, positive = _unproven(name, args)
+    if not rules and not positive:
+        return args
+    names = [first] + sorted(({n for r in rules for n in (r.arg, r.ref)} | {p[0] for p in positive}) - {first})
+    tensors = tuple((n, str(args[n].ty.dtype), args[n].ty.ndim) for n in names)
+    check = _dims_check_func(spec.label, tuple(rules), tuple(positive), tensors)
+    gvar = bb.add_func(check, f"fuel_{name}_check_dims")
+    checked = dict(args)
+    # in place: the check writes nothing, so its "output" is the first tensor itself (no copy), and
+    # the op reads it through the check: a data dependency that orders the check first
+    checked[first] = bb.emit(relax.call_tir_inplace(gvar, [args[n] for n in names], 0, args[first].ty))
+    return checked
+
+
+def _flash_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_dims(bb, "flash_attn", SPECS["flash_attn"].split_args(call))
+    fn = functools.partial(decompose.flash_attn, cfg=_config("flash_attn", call),
+                           return_lse=bool(call.attrs["return_lse"]))
+    return bb.call_te(fn, a["q"], a["k"], a["v"], a["alibi_slopes"], a["attn_mask"],
+                      primfunc_name_hint="fuel_flash_attn")
+
+
+def _backward(name: str):
+    grads = SPECS[name].grads
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        a = checked_dims(bb, name, SPECS[name].split_args(call))
+        fn = functools.partial(decompose.flash_attn_backward, cfg=_config(name, call), grads=grads)
+        return bb.call_te(fn, a["q"], a["k"], a["v"], a["do"], a["alibi_slopes"], a["attn_mask"], a["out"],
+                          a["lse"], primfunc_name_hint=f"fuel_{name}")
+
+    return legalize
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_check_func(cache_dtype: str, table_dtype: str, lens_dtype: str) -> tvm.tirx.PrimFunc:
+    """A host PrimFunc that validates the live part of the block table and returns context_lens."""
+
+    # fmt: off
+    @T.prim_func
+    def fuel_paged_attn_check(k_cache: T.handle, block_table: T.handle, context_lens: T.handle,
+                              checked_lens: T.handle):
+        num_blocks, block_size, hkv, d = T.int64(), T.int64(), T.int64(), T.int64()
+        batch, max_blocks = T.int64(), T.int64()
+        T.match_buffer(k_cache, (num_blocks, block_size, hkv, d), cache_dtype)
+        table = T.match_buffer(block_table, (batch, max_blocks), table_dtype)
+        lens = T.match_buffer(context_lens, (batch,), lens_dtype)
+        out = T.match_buffer(checked_lens, (batch,), lens_dtype)
+        for b in range(batch):
+            assert T.Cast("int64", lens[b]) >= T.int64(0) and T.Cast("int64", lens[b]) <= max_blocks * block_size, \
+                "fuel.paged_attn: context_lens[b] must be in [0, max_blocks * block_size] (the block table's capacity)"
+            # the live blocks alone (what the kernels read): a table's capacity may be millions of entries
+            for n in range((T.Cast("int64", lens[b]) + block_size - T.int64(1)) // block_size):
+                assert T.Cast("int64", table[b, n]) >= T.int64(0) and T.Cast("int64", table[b, n]) < num_blocks, \
+                    "fuel.paged_attn: block_table[b, n] of a live block must be a block id in [0, num_blocks)"
+            out[b] = lens[b]
+    # fmt: on
+
+    return fuel_paged_attn_check
+
+
+def _on_gpu() -> bool:
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and "gpu" in [str(key) for key in target.keys]
+
+
+def _checked_context_lens(bb: relax.BlockBuilder, args: dict) -> relax.Expr:
+    """context_lens, validated with the block table first on CPU targets (see module docstring)."""
+    lens = args["context_lens"]
+    if _on_gpu():  # device kernels cannot assert; there the kernels only clamp
+        return lens
+    check = _paged_check_func(str(args["k_cache"].ty.dtype), str(args["block_table"].ty.dtype), str(lens.ty.dtype))
+    gvar = bb.add_func(check, "fuel_paged_attn_check")
+    return bb.emit(relax.call_tir(gvar, [args["k_cache"], args["block_table"], lens], out_ty=lens.ty))
+
+
+def _live_len(bb: relax.BlockBuilder, args: dict, lens: relax.Expr) -> tirx.Var:
+    """A variable bound at run time to the longest context (``decompose.paged_live_len``): the
+    floor's buffers are sized by it, so they scale with the live context, not the table."""
+    longest = bb.emit(bb.call_te(decompose.paged_live_len, args["block_table"], lens, args["k_cache"].ty.shape[1],
+                                 primfunc_name_hint="fuel_paged_attn_live_len"))
+    live_len = tirx.Var("live_len", "int64")
+    bb.match_cast(bb.emit(relax.op.tensor_to_shape(longest)), relax.ShapeType([live_len]))
+    return live_len
+
+
+def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_dims(bb, "paged_attn", SPECS["paged_attn"].split_args(call))
+    lens = _checked_context_lens(bb, a)
+    fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
+    # live_len through call_te (not the partial): call_te passes the variables it is given to the PrimFunc
+    return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
+                      live_len=_live_len(bb, a, lens), primfunc_name_hint="fuel_paged_attn")
+
+
+def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,
+                args: dict | None = None) -> relax.Expr:
+    """Call a performance-path PrimFunc whose parameters are the op's present arguments, in
+    order, followed by its outputs. ``args`` overrides the call's arguments by name."""
+    spec = SPECS[name]
+    args = checked_dims(bb, name, dict(args) if args is not None else spec.split_args(call))
+    if name == "paged_attn":
+        args["context_lens"] = _checked_context_lens(bb, args)
+    inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
+    out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
+    # the kernel's symbol is its (unique) global var's name: two instances of one template in a
+    # module would otherwise share the template's name
+    gvar = bb.add_func(func.without_attr("global_symbol"), f"fuel_{name}_kernel")
+    bb.update_func(gvar, func.with_attr("global_symbol", gvar.name_hint))
+    return relax.call_tir(gvar, inputs, out_ty=out_ty)
+
+
+def _flash_attn_jvp(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_dims(bb, "flash_attn_jvp", SPECS["flash_attn_jvp"].split_args(call))
+    fn = functools.partial(decompose.flash_attn_jvp, cfg=_config("flash_attn_jvp", call),
+                           return_lse=bool(call.attrs["return_lse"]))
+    return bb.call_te(fn, a["q"], a["k"], a["v"], a["q_dot"], a["k_dot"], a["v_dot"], a["alibi_slopes"],
+                      a["attn_mask"], primfunc_name_hint="fuel_flash_attn_jvp")
+
+
+def _flash_attn_double_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    name = "flash_attn_double_backward"
+    a = checked_dims(bb, name, SPECS[name].split_args(call))
+    fn = functools.partial(decompose.flash_attn_double_backward, cfg=_config(name, call))
+    return bb.call_te(fn, *(a[n] for n in SPECS[name].required + SPECS[name].optional),
+                      primfunc_name_hint=f"fuel_{name}")
+
+
+def _softmax_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_dims(bb, "softmax_backward", SPECS["softmax_backward"].split_args(call))
+    fn = functools.partial(decompose.softmax_backward, axis=int(call.attrs["axis"]))
+    return bb.call_te(fn, a["probs"], a["dprobs"], primfunc_name_hint="fuel_softmax_backward")
+
+
+def _norm_backward(name: str):
+    """The floor of layer_norm_backward / rms_norm_backward: one PrimFunc per reduction or map
+    (row means, dx, column sums), each a pattern the default schedules serve."""
+    weight = "gamma" if name == "layer_norm_backward" else "weight"
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        a = checked_dims(bb, name, SPECS[name].split_args(call))
+        dy, x, w, mean, rstd = a["dy"], a["x"], a[weight], a.get("mean"), a["rstd"]
+
+        def te(fn, *args, hint, **kwargs):
+            return bb.emit(bb.call_te(functools.partial(fn, **kwargs), *args, primfunc_name_hint=f"fuel_{name}_{hint}"))
+
+        row_mean = functools.partial(te, decompose.norm_backward_row_mean, dy, x, w, mean, rstd)
+        g_mean = None if mean is None else row_mean(hint="g_mean", times_x_hat=False)
+        gx_mean = row_mean(hint="gx_mean", times_x_hat=True)
+        dx = te(decompose.norm_backward_dx, dy, x, w, mean, rstd, g_mean, gx_mean, hint="dx")
+        column_sum = functools.partial(te, decompose.norm_backward_column_sum, dy, x, mean, rstd)
+        grads = [dx, column_sum(hint="dweight", times_x_hat=True)]
+        if mean is not None:
+            grads.append(column_sum(hint="dbias", times_x_hat=False))
+        return relax.Tuple(grads)
+
+    return legalize
+
+
+LEGALIZE = {
+    "flash_attn": _flash_attn,
+    "flash_attn_backward": _backward("flash_attn_backward"),
+    "flash_attn_backward_q": _backward("flash_attn_backward_q"),
+    "flash_attn_backward_k": _backward("flash_attn_backward_k"),
+    "flash_attn_backward_v": _backward("flash_attn_backward_v"),
+    "paged_attn": _paged_attn,
+    "softmax_backward": _softmax_backward,
+    "flash_attn_jvp": _flash_attn_jvp,
+    "flash_attn_double_backward": _flash_attn_double_backward,
+    "layer_norm_backward": _norm_backward("layer_norm_backward"),
+    "rms_norm_backward": _norm_backward("rms_norm_backward"),
+}

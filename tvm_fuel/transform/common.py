@@ -1,0 +1,36 @@
+"""What the passes of ``tvm_fuel.transform`` share.
+
+Contents:
+    rewrite_functions -- a module with every Relax function visited by a PyExprMutator
+    op_name           -- the name of the op a call calls (None: not an op call)
+    unscheduled       -- the TIR functions of a module that no schedule has touched
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator
+
+
+def rewrite_functions(mod: tvm.IRModule, make_mutator: Callable[[tvm.IRModule], PyExprMutator]) -> tvm.IRModule:
+    """``mod`` with each Relax function replaced by what ``make_mutator(mod)`` makes of it (one
+    mutator, so the functions it adds share its block builder)."""
+    rewriter = make_mutator(mod)
+    for gvar, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
+    return rewriter.builder_.get()
+
+
+def op_name(expr) -> str | None:
+    """The name of the op ``expr`` calls, or None where it is no call of an op."""
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
+
+
+def unscheduled(mod: tvm.IRModule) -> dict:
+    """GlobalVar -> PrimFunc of the TIR functions of ``mod`` that no schedule has touched."""
+    return {gvar: func for gvar, func in mod.functions.items() if isinstance(func, tvm.tirx.PrimFunc)
+            and not (func.attrs is not None and func.attrs.get("tirx.is_scheduled", False))}

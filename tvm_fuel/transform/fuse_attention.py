@@ -1,0 +1,383 @@
+"""``FuseAttention``: attention written out in Relax -> ``flash_attn``, where the semantics match exactly.
+
+R.nn.attention (FX import) and the unfused softmax(mask(scale Q K^T)) V graphs of exported
+programs (causal, bool and additive masks, GQA) become one fused call; anything else is left as it
+is. What R.nn.attention means in flash_attn's terms is ``tvm_fuel.op.nn_attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
+
+from .. import op
+from ..op.config import FLOAT_DTYPES, finite_nonzero_float32
+from ..op.nn_attention import causal_options, flash_options, static_dims
+from .common import op_name
+
+
+def _any(*patterns: DFPattern) -> DFPattern:
+    return functools.reduce(operator.or_, patterns)
+
+
+def _calls(*names: str) -> DFPattern:
+    """A call of any of the ops ``names``, whatever its arguments."""
+    return _any(*(is_op(name)(varg_default_wildcard=True) for name in names))
+
+
+_NN_ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")  # the second carries a bias
+
+
+def _fuse_nn_attention(call: relax.Call, _matched) -> relax.Expr:
+    """``R.nn.attention`` ([B, S, H, D] layout) -> permute, ``flash_attn``, permute back."""
+    options = flash_options(call)
+    if options is None:
+        return call  # not expressible exactly: left as it is
+    q, k, v = (relax.op.permute_dims(x, [0, 2, 1, 3]) for x in call.args[:3])
+    bias = call.args[3] if len(call.args) > 3 else None
+    return relax.op.permute_dims(op.flash_attn(q, k, v, None, bias, **options), [0, 2, 1, 3])
+
+
+def _scalar(expr) -> float | None:
+    """The value of a scalar float constant (None if ``expr`` is not one)."""
+    value = _constant(expr)
+    return float(value.reshape(())) if value is not None and value.size == 1 and value.dtype.kind == "f" else None
+
+
+def _constant(expr) -> np.ndarray | None:
+    if not isinstance(expr, tvm.ir.expr.Constant):
+        return None
+    return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
+
+
+_LIKE = ("relax.full_like", "relax.ones_like", "relax.zeros_like")
+
+
+def _unlike(call: relax.Call, _matched) -> relax.Expr:
+    """``full_like(x, c)`` (``ones_like``, ``zeros_like``) of a static shape -> ``full(shape, c)``: a
+    mask built from ``ones_like(scores)`` then no longer keeps the unfused scores alive."""
+    shape, dtype, name = static_dims(call), str(call.ty.dtype), op_name(call)
+    if None in shape:
+        return call
+    if name == "relax.full_like":
+        return relax.op.full(shape, call.args[1], dtype)
+    return (relax.op.ones if name == "relax.ones_like" else relax.op.zeros)(shape, dtype)
+
+
+_NEG_INF = float("-inf")
+_VIEWS = ("relax.reshape", "relax.broadcast_to")
+_DEPTH = 6  # views and scales followed between two ops of the pattern (the importers write up to 3)
+_MASK_ELEMENTS = 1 << 24  # larger bool masks are passed on as tensors, not evaluated
+
+
+class _Chain:
+    """``leaf`` under up to ``_DEPTH`` views (reshape, broadcast_to) and, where ``scaled``, products
+    and quotients by a constant; matched greedily (the leaf is none of these ops)."""
+
+    def __init__(self, leaf: DFPattern, scaled: bool):
+        def step(x: DFPattern, const: DFPattern) -> DFPattern:
+            scales = [is_op("relax.multiply")(x, const), is_op("relax.divide")(x, const)] if scaled else []
+            return _any(*(is_op(name)(x, wildcard()) for name in _VIEWS), *scales)
+
+        self.leaf, self.steps = leaf, []  # steps: (pattern, its constant), bottom up
+        bottom = leaf & ~step(wildcard(), is_const())
+        self.pattern = bottom
+        for _ in range(_DEPTH):
+            const = is_const()
+            self.steps.append((step(self.pattern, const), const))
+            self.pattern = self.steps[-1][0] | bottom
+
+    def matched(self, m) -> list[tuple]:
+        """(constant pattern, expression) of each step matched, top down."""
+        return [(const, m[step]) for step, const in reversed(self.steps) if step in m]
+
+    def peel(self, m) -> tuple[relax.Expr, list[float], bool]:
+        """(where the peeling stops, the scale factors above it, whether that is the leaf): it stops
+        at a view that changes the element count and at a product or quotient by anything but a
+        float scalar (a nonzero one for a quotient)."""
+        scales: list[float] = []
+        for const, value in self.matched(m):
+            name = op_name(value)
+            if name in _VIEWS:
+                if _numel(value.args[0]) != _numel(value):
+                    return value, scales, False
+                continue
+            factor = _scalar(m[const])
+            if factor is None or name == "relax.divide" and not factor:
+                return value, scales, False
+            scales.append(factor if name == "relax.multiply" else 1.0 / factor)
+        return m[self.leaf], scales, True
+
+
+class _KV:
+    """k or v under a chain, GQA's head repeat undone: ``expand_dims(x, 2)`` broadcast to
+    [B, Hkv, group, S, D] (and merged), so head h reads x's head h // group."""
+
+    def __init__(self, scaled: bool):
+        self.inner = _Chain(wildcard(), scaled)
+        self.expand = is_op("relax.expand_dims")(self.inner.pattern)
+        self.chain = _Chain(self.expand | wildcard(), scaled)
+        self.pattern = self.chain.pattern
+
+    def peel(self, m) -> tuple[relax.Expr, int, list[float]]:
+        """(k or v, its group, the scale factors)."""
+        x, scales, whole = self.chain.peel(m)
+        steps = self.chain.matched(m)
+        repeat = steps[-1][1] if steps and self.expand in m else None  # the step right above expand_dims
+        if op_name(repeat) == "relax.broadcast_to" and (whole or x.same_as(repeat)):
+            expand = m[self.expand]
+            src, out = static_dims(expand.args[0]), static_dims(repeat)
+            if ([int(a) % 5 for a in expand.attrs.axis] == [2] and len(src) == 4 and None not in src + out
+                    and out == [src[0], src[1], out[2], src[2], src[3]]):
+                x, more, _ = self.inner.peel(m)
+                return x, out[2], scales + more
+        return x, 1, scales
+
+
+class _UnfusedAttention:
+    """``reshape(matmul(P, V))`` with ``P = softmax(mask(scale * Q @ K^T))`` as frontends write it
+    out -> ``flash_attn``: the pattern, and the rewrite that checks what a pattern does not say
+    (shapes, axes, constants) and declines where the semantics differ."""
+
+    def __init__(self):
+        self.q, self.k = _Chain(wildcard(), scaled=True), _KV(scaled=True)
+        self.transpose = is_op("relax.permute_dims")(self.k.pattern)
+        self.k_t = _Chain(self.transpose, scaled=True)
+        self.qk = is_op("relax.matmul")(self.q.pattern, self.k_t.pattern)
+        self.scores = _Chain(self.qk, scaled=True)
+        s = self.scores.pattern
+        # scores + bias (either order; a where(keep, 0, -inf) bias is its keep mask), where(keep, scores, -inf)
+        # and where(drop, -inf, scores) (masked_fill(~keep, -inf)); no scale above them (it would scale the bias)
+        self.bias_keep, self.bias_fills = wildcard(), (is_const(), is_const())
+        self.bias = is_op("relax.where")(self.bias_keep, *self.bias_fills) | wildcard()
+        self.keep, self.keep_fill, self.drop_keep, self.drop_fill = wildcard(), is_const(), wildcard(), is_const()
+        self.drop = _any(*(is_op(name)(self.drop_keep) for name in ("relax.logical_not", "relax.bitwise_not")),
+                         wildcard())
+        self.add = is_op("relax.add")(s, self.bias) | is_op("relax.add")(self.bias, s)
+        self.where_keep = is_op("relax.where")(self.keep, s, self.keep_fill)
+        self.where_drop = is_op("relax.where")(self.drop, self.drop_fill, s)
+        self.masked = _Chain(_any(self.add, self.where_keep, self.where_drop), scaled=False)
+        self.logits = self.masked.pattern | s
+        self.softmax = is_op("relax.nn.softmax")(self.logits)
+        # PyTorch's guard where(no logit of the row is finite, 0, softmax):
+        # not(astype(max(astype(not(logits == -inf), int8), -1, keepdims), bool))
+        self.guard_inf, self.zero = is_const(), is_const()
+        self.row_max = is_op("relax.max")(is_op("relax.astype")(is_op("relax.logical_not")(
+            is_op("relax.equal")(self.logits, self.guard_inf))))
+        empty_rows = is_op("relax.logical_not")(is_op("relax.astype")(self.row_max))
+        zeros = _any(*(is_op(name)(wildcard(), self.zero) for name in ("relax.full", "relax.full_like")),
+                     *(is_op(name)(wildcard()) for name in ("relax.zeros", "relax.zeros_like")))
+        self.guard = is_op("relax.where")(empty_rows, zeros, self.softmax)
+        self.probs, self.v = _Chain(self.guard | self.softmax, scaled=False), _KV(scaled=False)
+        self.pv = is_op("relax.matmul")(self.probs.pattern, self.v.pattern)
+        self.pattern = is_op("relax.reshape")(self.pv, wildcard())
+        self.fused = 0
+        self.bindings: dict = {}
+        self.evaluated: dict[int, list[tuple]] = {}  # (function, value) of the masks evaluated, by structural hash
+
+    def __call__(self, func: relax.Function) -> relax.Function:
+        """``func`` with its unfused attention fused (``func`` itself where there is none)."""
+        prepared = rewrite_call(_calls(*_LIKE), _unlike, func)
+        self.bindings = {binding.var: binding.value for block in prepared.body.blocks  # what _evaluate may copy
+                         if isinstance(block, relax.DataflowBlock)
+                         for binding in block.bindings if isinstance(binding, relax.VarBinding)}
+        before = self.fused
+        fused = rewrite_call(self.pattern, self._rewrite, prepared)
+        return fused if self.fused > before else func
+
+    def _rewrite(self, call: relax.Call, m) -> relax.Expr:
+        fused = self._fuse(call, m)
+        self.fused += fused is not None
+        return call if fused is None else fused
+
+    def _fuse(self, call: relax.Call, m) -> relax.Call | None:
+        found = self._mask(m) if self._softmax_checked(m) else None
+        if found is None:
+            return None
+        mask, masked = found
+        chains = (self.probs, self.scores, self.k_t) + ((self.masked,) if masked is not None else ())
+        peeled = {chain: chain.peel(m) for chain in chains}  # each must reach its leaf
+        if not all(whole for _, _, whole in peeled.values()) or not _swaps_last_two(m[self.transpose]):
+            return None
+        q, q_scale, _ = self.q.peel(m)
+        (k, group, k_scale), (v, v_group, _) = self.k.peel(m), self.v.peel(m)
+        shapes = [static_dims(t) if len(static_dims(t)) == 4 else None for t in (q, k, v)]
+        if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != static_dims(call):
+            return None
+        (b, h, sq, d), (bk, hk, sk, dk), vs = shapes
+        if (bk, hk, sk, dk) != tuple(vs) or group != v_group or (b, h, d) != (bk, hk * group, dk):
+            return None
+        # every product runs over the same (batch, head) pairs: operands are [B, H, m, n] or [B*H, m, n]
+        qk, transpose, pv = m[self.qk], m[self.transpose], m[self.pv]
+        expected = ((qk.args[0], (sq, d)), (qk.args[1], (d, sk)), (transpose, (d, sk)), (transpose.args[0], (sk, d)),
+                    (m[self.scores.pattern], (sq, sk)), (m[self.logits], (sq, sk)), (pv.args[0], (sq, sk)),
+                    (pv.args[1], (sk, d)), (pv, (sq, d))) + (((masked, (sq, sk)),) if masked is not None else ())
+        if not all(_merged(static_dims(t), (b, h), tail) for t, tail in expected):
+            return None
+        scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
+        if not finite_nonzero_float32(scale):
+            return None  # the kernels scale the logits in float32 (and a 0 scale makes each row uniform)
+        options = dict(softmax_scale=scale)
+        if mask is not None:
+            found = self._mask_options(mask, masked, (b, h, sq, sk))
+            if found is None:
+                return None
+            mask, more = found
+            options.update(more)
+        return op.flash_attn(q, k, v, None, mask, **options)
+
+    def _softmax_checked(self, m) -> bool:
+        """Whether the softmax is over the last axis, and the guard (if any) is PyTorch's "no logit
+        of the row is finite", which zeroes only the rows fuel outputs as 0."""
+        if not _last_axis(m[self.logits], m[self.softmax].attrs.axis):
+            return False
+        if self.guard not in m:
+            return True
+        row_max = m[self.row_max]
+        axis = row_max.attrs.axis
+        return (bool(row_max.attrs.keepdims) and axis is not None and len(axis) == 1 and _last_axis(row_max, axis[0])
+                and _scalar(m[self.guard_inf]) == _NEG_INF and (self.zero not in m or _scalar(m[self.zero]) == 0.0))
+
+    def _mask(self, m) -> tuple | None:
+        """(mask, masked): the float bias or the bool keep mask, and the tensor it is applied to;
+        (None, None) without a mask; None for a ``where`` that fills with anything but -inf."""
+        if self.masked.leaf not in m:
+            return None, None
+        masked = m[self.masked.leaf]
+        if self.add in m:
+            keep = self.bias_keep in m and [_scalar(m[fill]) for fill in self.bias_fills] == [0.0, _NEG_INF]
+            return m[self.bias_keep] if keep else m[self.bias], masked
+        if _scalar(m[self.keep_fill if self.where_keep in m else self.drop_fill]) != _NEG_INF:
+            return None  # an empty row would be uniform, not 0
+        if self.where_keep in m:
+            return m[self.keep], masked
+        drop = m[self.drop]
+        if self.drop_keep in m and str(drop.ty.dtype) == "bool":
+            return m[self.drop_keep], masked  # masked_fill(~keep, -inf)
+        return relax.BlockBuilder().normalize(relax.op.logical_not(drop)), masked
+
+    def _mask_options(self, mask, masked, dims: tuple[int, int, int, int]) -> tuple | None:
+        """(attn_mask, options) for a float bias or bool keep ``mask`` broadcast against
+        ``masked`` ([B, H, Sq, Sk] or [B * H, Sq, Sk]): a causal keep mask becomes options, any
+        other mask flash_attn's attn_mask. None where the mask's shape is unknown, or a scalar
+        (flash_attn takes no 0-d mask)."""
+        b, h, sq, sk = dims
+        shape, dtype = static_dims(mask), str(mask.ty.dtype)
+        if not shape or None in shape or dtype not in ("bool",) + FLOAT_DTYPES:
+            return None
+        keep = self._evaluate(mask) if dtype == "bool" else None
+        if keep is not None and all(n == 1 for n in keep.shape[:-2]):
+            grid = np.broadcast_to(keep.reshape(keep.shape[-2:]), (sq, sk))
+            for diagonal in (0, sk - sq):  # top-left (torch's is_causal, tril) and bottom-right
+                options = causal_options(sq, sk, diagonal)
+                if options is not None and np.array_equal(grid, np.tri(sq, sk, diagonal, dtype=bool)):
+                    return None, options
+        if len(static_dims(masked)) == 3 and len(shape) == 3 and shape[0] != 1:
+            mask = relax.op.reshape(mask, [b, h, *shape[1:]])  # [B * H, ...] -> [B, H, ...]
+        return mask, {}  # otherwise the broadcast against [B * H, Sq, Sk] is the one against [B, H, Sq, Sk]
+
+    def _evaluate(self, expr: relax.Expr) -> np.ndarray | None:
+        """The value of a tensor computed from constants alone (a causal mask's index arithmetic) as
+        TVM computes it: the dataflow bindings it reads, copied into a function of no parameters,
+        legalized and folded (``relax.transform.FoldConstant``). None where it reads anything else."""
+        if math.prod(static_dims(expr)) > _MASK_ELEMENTS:
+            return None
+        needed, todo = set(), list(relax.analysis.free_vars(expr))
+        while todo:
+            var = todo.pop()
+            if var not in self.bindings:
+                return None
+            if var not in needed:
+                needed.add(var)
+                todo.extend(relax.analysis.free_vars(self.bindings[var]))
+        out = relax.Var("mask", expr.ty)
+        bindings = [relax.VarBinding(var, value) for var, value in self.bindings.items() if var in needed]
+        func = relax.Function([], relax.SeqExpr([relax.DataflowBlock([*bindings, relax.VarBinding(out, expr)])], out),
+                              expr.ty)
+        known = self.evaluated.setdefault(tvm_ffi.structural_hash(func), [])
+        for other, value in known:
+            if tvm_ffi.structural_equal(other, func):
+                return value
+        folded = relax.transform.FoldConstant()(relax.transform.LegalizeOps()(tvm.IRModule({"main": func})))
+        known.append((func, _constant(folded["main"].body.body)))
+        return known[-1][1]
+
+
+def _swaps_last_two(call) -> bool:
+    """Whether ``call`` is a ``permute_dims`` that swaps the last two axes (k -> K^T)."""
+    if op_name(call) != "relax.permute_dims" or call.attrs.axes is None:
+        return False
+    n = len(call.attrs.axes)
+    return [int(a) % n for a in call.attrs.axes] == [*range(n - 2), n - 1, n - 2]
+
+
+def _last_axis(tensor, axis) -> bool:
+    rank = len(static_dims(tensor))
+    return int(axis) % rank == rank - 1
+
+
+def _merged(shape: list, lead: tuple, tail: tuple) -> bool:
+    """``shape`` is ``[*lead, *tail]`` or ``[prod(lead), *tail]``."""
+    return list(shape) in ([*lead, *tail], [lead[0] * lead[1], *tail])
+
+
+def _numel(expr) -> int | None:
+    dims = static_dims(expr)
+    return None if None in dims else math.prod(dims)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fuel.FuseAttention")
+class FuseAttention:
+    """Replace attention by ``flash_attn`` where the semantics match exactly: ``R.nn.attention``
+    (and ``attention_bias``) calls, and the unfused ``softmax(mask(scale * Q @ K^T)) @ V`` graphs.
+
+    ``R.nn.attention`` is what TVM's FX importer (``relax.frontend.torch.from_fx``) makes of
+    ``scaled_dot_product_attention``. Its [B, S, H, D] operands are permuted to fuel's
+    [B, H, S, D] and back; ``bias`` becomes the additive ``attn_mask``; ``BottomRight`` is fuel's
+    causal; ``TopLeft`` is causal when Sq == Sk and a right-bounded window when Sq > Sk. Left
+    untouched: ``TopLeft`` with Sk > Sq or symbolic lengths, ``window_size`` (TVM's own sliding
+    window convention), a value head dim unlike the query's, and a bias that is not a 4-D float.
+
+    The unfused form is what ``relax.frontend.torch.from_exported_program`` makes of a hand-written
+    block or of ``scaled_dot_product_attention``: batched matmuls over merged [B * H] dims (every
+    operand's shape is checked), scalar constants on q, k or the scores (their product is the
+    softmax scale), SDPA's guard that zeroes fully masked rows (fuel does the same), GQA's head
+    repeat of k and v (``enable_gqa``, ``repeat_interleave``: fuel reads them unrepeated), and a
+    mask between the scale and the softmax:
+
+    * ``scores + bias`` (either order) with a float bias -> ``attn_mask``; a
+      ``where(keep, 0, -inf)`` bias (SDPA's causal or bool ``attn_mask``) and
+      ``where(keep, scores, -inf)`` / ``masked_fill(~keep, -inf)`` -> the bool ``attn_mask`` keep;
+    * a keep mask computed from constants alone that is the top-left causal ``tril`` (torch's
+      ``is_causal``) -> ``causal`` when Sq == Sk and a right-bounded window when Sq > Sk (with
+      Sk > Sq it stays a mask tensor); the bottom-right one -> ``causal``;
+    * a mask over merged [B * H, Sq, Sk] scores is reshaped to [B, H, Sq, Sk]; ``ones_like(scores)``
+      and the like in a mask become constants of the shape, so the unfused scores are dropped.
+
+    A row whose logits are all masked is 0; an unguarded graph (a hand-written ``masked_fill``)
+    gives NaN there. Left untouched: a softmax over another axis, a mask after the softmax (a
+    ``where`` that is not SDPA's empty-row guard), a scale after the bias, a finite fill value
+    (its empty rows are uniform, not 0), a bias added on another view of the scores than
+    [B, H, Sq, Sk] or [B * H, Sq, Sk], a scalar bias, dropout (``R.nn.dropout``; PyTorch's
+    importer drops dropout itself), a scale that is 0 or not finite in float32, and anything with
+    symbolic shapes.
+
+    Both are ``relax.dpl`` patterns rewritten by ``rewrite_call``; a keep mask built from constants
+    is evaluated by TVM itself (``LegalizeOps`` and ``FoldConstant`` of the bindings it reads).
+    """
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        unfused, fused = _UnfusedAttention(), mod.clone()
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                fused.update_func(gvar, unfused(rewrite_call(_calls(*_NN_ATTENTION), _fuse_nn_attention, func)))
+        return relax.transform.DeadCodeElimination()(fused)
+
+

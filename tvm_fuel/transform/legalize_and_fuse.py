@@ -1,0 +1,34 @@
+"""TVM's CPU legalization and fusion as ``default_pipeline`` runs them before it schedules: the TIR
+functions a build schedules or tunes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tvm
+
+from ..target import as_target
+from .round_bfloat16_results import RoundBfloat16Results
+
+
+def fuse(mod: tvm.IRModule, target: Any) -> tvm.IRModule:
+    """``mod`` (fuel ops already lowered) legalized and fused as ``default_pipeline`` does before
+    it schedules: the TIR functions a build tunes or schedules (``tvm_fuel.tuning.model``'s tasks)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_backend
+
+    target = as_target(target)
+    with target:
+        return tvm.transform.Sequential(cpu_backend.library_dispatch_passes(target)
+                                        + cpu_legalize_passes(target))(mod)
+
+
+def cpu_legalize_passes(target: tvm.target.Target) -> list:
+    """TVM's CPU legalization and fusion, each op's bfloat16 results rounded where the op stores them
+    (``RoundBfloat16Results``, before FuseOps)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_backend
+
+    passes = cpu_backend.legalize_passes(target)
+    # after the op patterns are read (the rounding would hide a reduction's pattern from FuseOps)
+    at = next(i for i, p in enumerate(passes) if p.info.name == "AnnotateTIROpPattern") + 1
+    return passes[:at] + [RoundBfloat16Results()] + passes[at:]
