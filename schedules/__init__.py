@@ -13,7 +13,7 @@ Contents:
     base      -- KernelRule, the dlight-style contract
     workload  -- KernelSpec, Workload (what a kernel is built for; keys of tuning records)
     common    -- pieces every target's kernels share (tile ranges, masking, GQA row packing)
-    cpu       -- llvm kernels (forward, backward, paged) and their rules
+    cpu       -- llvm kernels (forward, backward, paged, JVP, double backward, norm backward) and their rules
     cuda      -- sm_80/sm_90 kernels (forward, backward, paged) and their rules
     KnobSource, KnobMatch -- where tuned knobs come from, and what a lookup finds
     rules_for, rule_for, tuned_legalize_map

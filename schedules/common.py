@@ -9,7 +9,8 @@ Contents:
     balanced_order    -- a task order whose contiguous chunks carry equal causal work
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
     row_head, row_position -- the GQA row packing of the forward kernels
-    visible, biased, masked_logit -- the element-wise mask and logit transform (via tvm_fuel.op.semantics)
+    visible, biased, masked_logit, probability -- the element-wise mask, logit and softmax weight (via
+                      tvm_fuel.op.semantics)
     mask_shape, mask_at, param_buffers, drop_params, finish
     ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima
 """
@@ -171,6 +172,14 @@ def masked_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delt
     the key is dropped. What every kernel computes per score element."""
     return sem.masked(visible(spec, mask, b, h, i, j, kv_len, delta),
                       biased(spec, capped, alibi, mask, b, h, i, j, delta))
+
+
+def probability(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse, *, fast: bool = False):
+    """P = exp(logit - lse) of query (b, h, i) and key j from the (softcapped) score and the row's
+    lse, 0 where the key is dropped: what every backward kernel recomputes per score element."""
+    return T.Select(visible(spec, mask, b, h, i, j, kv_len, delta),
+                    sem.probability(biased(spec, capped, alibi, mask, b, h, i, j, delta), lse, fast=fast),
+                    T.float32(0))
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

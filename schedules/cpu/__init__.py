@@ -1,1 +1,15 @@
-"""CPU (llvm) kernels of the performance path."""
+"""CPU (llvm) kernels of the performance path.
+
+Modules:
+    rules           -- the dlight-style rules that put the kernels in place of the floor
+    tiles           -- the knobs (tile sizes, vector lanes, splits) and their spaces, from the target
+    micro           -- register-tiled GEMMs, online softmax, lane reductions (TVMScript macros)
+    tasks           -- the task skeletons the kernels share (split partials)
+    forward         -- flash_attn and paged_attn
+    backward        -- flash_attn_backward (dq, dk, dv)
+    tangent         -- the tangent pass, and flash_attn_jvp on it
+    double_backward -- flash_attn_double_backward
+    norm            -- layer_norm_backward, rms_norm_backward
+    generic         -- default schedules of a model's other TIR functions
+    common          -- prefetch, absent inputs, the parameter bundles' base
+"""

@@ -31,15 +31,16 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, balanced_order, biased, drop_params, finish, KernelSpec, param_buffers, query_tile_range,
-                      shape_vars, visible)
-from .common import absent_inputs, Buffers
+from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, param_buffers, probability,
+                      query_tile_range, shape_vars)
+from .common import Buffers, absent_inputs
 from .micro import Micro
+from .tasks import sum_split_partials
 from .tiles import CpuTiles
 
 
 @dataclass(frozen=True)
-class _Params(Buffers):
+class BackwardBuffers(Buffers):
     """The parameter buffers the backward's macros read and write; None where the kernel has none
     (no ALiBi, no mask, a gradient it does not produce)."""
 
@@ -101,13 +102,10 @@ class _Body:
         # LLVM takes 70 s to compile the dv kernel
         capped_stored = cfg.softcap > 0
 
-        def probability(capped, lse_row, params, pair, r, c):
+        def pair_probability(capped, lse_row, params, pair, r, c):
             # P = exp(logit - lse) of one score from its capped value, 0 where the key is dropped
-            return T.Select(
-                visible(spec, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c, Sk, Sk - Sq),
-                sem.probability(biased(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r,
-                                       pair.key_start + c, Sk - Sq), lse_row, fast=True),
-                T.float32(0))
+            return probability(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c,
+                               Sk, Sk - Sq, lse_row, fast=True)
 
         @T.macro
         def load_keys(keys, params, b, g, kt):
@@ -157,9 +155,9 @@ class _Body:
                     for c in T.vectorized(BK):
                         if capped_stored:
                             Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
-                            S[r, c] = probability(Cap[r, c], lse_r[r], params, pair, r, c)
+                            S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, pair, r, c)
                         else:
-                            S[r, c] = probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), lse_r[r],
+                            S[r, c] = pair_probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), lse_r[r],
                                                   params, pair, r, c)
                 else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                     for c in T.vectorized(BK):
@@ -213,7 +211,7 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         q, k, v, do, alibi, mask, out, lse, dq, dk, dv = param_buffers(
             spec, dict(B=B, Sq=Sq, Sk=Sk),
             q=q_h, k=k_h, v=v_h, do=do_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, dq=dq_h, dk=dk_h, dv=dv_h)
-        params = T.meta_var(_Params.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi, mask=mask))
+        params = T.meta_var(BackwardBuffers.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi, mask=mask))
         row_dot = T.alloc_buffer((B, Hq, Sq), F32)
         dq_part = T.alloc_buffer((splits, B, Hq, (Sq + BQ - 1) // BQ * BQ, DP) if want_dq else (1,), F32)
         n_key_tiles = (Sk + BK - 1) // BK
@@ -284,13 +282,7 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                 body.store_key_grads(keys, params, b, g, kt)
         # 3. dq = sum of the splits' partials
         if want_dq:
-            for bh in T.parallel(B * Hq):
-                for i, d in T.grid(Sq, D):
-                    total = T.alloc_buffer((1,), F32, scope="local")
-                    total[0] = T.float32(0)
-                    for c in range(splits):
-                        total[0] = total[0] + dq_part[c, bh // Hq, bh % Hq, i, d]
-                    dq[bh // Hq, bh % Hq, i, d] = total[0].astype(dtype)
+            sum_split_partials(dq_part, dq, B, Hq, Sq, D, splits, dtype)
     # fmt: on
 
     return finish(drop_params(fuel_flash_attn_backward_cpu, unused))

@@ -29,21 +29,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (
-    F32,
-    KernelSpec,
-    balanced_order,
-    biased,
-    drop_params,
-    finish,
-    param_buffers,
-    query_tile_range,
-    shape_vars,
-    visible,
-)
+from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, param_buffers, probability,
+                      query_tile_range, shape_vars)
 from .common import absent_inputs
 from .micro import Micro
-from .tangent import COTANGENTS, Direction, TangentParams, TangentPass
+from .tangent import COTANGENTS, Direction, TangentBuffers, TangentPass
+from .tasks import sum_split_partials
 from .tiles import CpuTiles
 
 
@@ -147,10 +138,10 @@ class _KeyPass:
                     t.Kt[d, c] = t.Kn[c, d]
                     t.Vt[d, c] = T.if_then_else(live, params.v[b, g, j, d].astype(F32), T.float32(0))
                     if direction.k:
-                        t.Kbn[c, d] = T.if_then_else(live, params.k_t[b, g, j, d].astype(F32), T.float32(0))
+                        t.Kbn[c, d] = T.if_then_else(live, params.k_dot[b, g, j, d].astype(F32), T.float32(0))
                         t.Kbt[d, c] = t.Kbn[c, d]
                     if direction.v:
-                        t.Vbt[d, c] = T.if_then_else(live, params.v_t[b, g, j, d].astype(F32), T.float32(0))
+                        t.Vbt[d, c] = T.if_then_else(live, params.v_dot[b, g, j, d].astype(F32), T.float32(0))
                 for d in range(D, DP):
                     t.Kn[c, d] = T.float32(0)
                     if direction.k:
@@ -186,11 +177,8 @@ class _KeyPass:
                         t.Cap[r, c] = sem.softcap(cfg, t.S[r, c] * T.float32(scale), fast=True)
                     if direction.scores:
                         t.St[r, c] = sem.logit_tangent(cfg, capped(t, r, c), t.St[r, c] * T.float32(scale))
-                    t.S[r, c] = T.Select(
-                        visible(spec, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c, Sk, Sk - Sq),
-                        sem.probability(biased(spec, capped(t, r, c), params.alibi, params.mask, pair.b, pair.h,
-                                               pair.i0 + r, pair.key_start + c, Sk - Sq), rows.lse_r[r], fast=True),
-                        T.float32(0))
+                    t.S[r, c] = probability(spec, capped(t, r, c), params.alibi, params.mask, pair.b, pair.h,
+                                            pair.i0 + r, pair.key_start + c, Sk, Sk - Sq, rows.lse_r[r], fast=True)
                     t.dPt[r, c] = sem.score_grad_tangent(
                         cfg, t.S[r, c], sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), rows.lsed_r[r]), t.dP[r, c],
                         dp_dot(t, r, c), rows.D_r[r], rows.Dd_r[r], capped(t, r, c), logit_dot(t, r, c),
@@ -303,7 +291,7 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             spec, dict(B=B, Sq=Sq, Sk=Sk), q=q_h, k=k_h, v=v_h, do=do_h, dq_bar=dq_bar_h, dk_bar=dk_bar_h,
             dv_bar=dv_bar_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, q_grad=q_grad_h, k_grad=k_grad_h,
             v_grad=v_grad_h, do_grad=do_grad_h)
-        params = T.meta_var(TangentParams.of(unused, q=q, k=k, v=v, q_t=dq_bar, k_t=dk_bar, v_t=dv_bar, alibi=alibi,
+        params = T.meta_var(TangentBuffers.of(unused, q=q, k=k, v=v, q_dot=dq_bar, k_dot=dk_bar, v_dot=dv_bar, alibi=alibi,
                                        mask=mask, do=do, out=out, lse=lse))
         q_tiles = T.alloc_buffer((B, Hq, padded_sq, DP), F32)
         q_bar_tiles = T.alloc_buffer((B, Hq, padded_sq, DP) if direction.q else (1,), F32)
@@ -353,13 +341,7 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
                         key_pass.step(t, query, params, pair, q_grad_tile)
                 key_pass.store_keys(t, params, k_grad, v_grad, b, g, kt)
         # 3. q_grad = the sum of the splits' partials
-        for bh in T.parallel(B * Hq):
-            for i, d in T.grid(Sq, D):
-                total = T.alloc_buffer((1,), F32, scope="local")
-                total[0] = T.float32(0)
-                for c in range(splits):
-                    total[0] = total[0] + q_part[c, bh // Hq, bh % Hq, i, d]
-                q_grad[bh // Hq, bh % Hq, i, d] = total[0].astype(dtype)
+        sum_split_partials(q_part, q_grad, B, Hq, Sq, D, splits, dtype)
     # fmt: on
 
     return finish(drop_params(fuel_flash_attn_double_backward_cpu, unused))

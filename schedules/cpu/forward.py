@@ -17,7 +17,7 @@ The paged kernel reads its key tiles through the block table (no gather) and sto
 
 Contents:
     KernelSpec     -- the static facts of one kernel instance
-    Params         -- the parameter buffers a task's macros read and write
+    ForwardBuffers         -- the parameter buffers a task's macros read and write
     RowTile        -- the rows one task owns and the keys they may see
     dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
     paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
@@ -41,7 +41,7 @@ from .tiles import STREAMING_ROWS, CpuTiles
 
 
 @dataclass(frozen=True)
-class Params(Buffers):
+class ForwardBuffers(Buffers):
     """The parameter buffers a forward task's macros read and write; None where the kernel has
     none (no ALiBi, no mask, no lse; only the paged kernel has the caches and the block table)."""
 
@@ -127,7 +127,7 @@ class _Scratch:
 class _Body:
     """The macros of a forward task, specialised to one spec and tile configuration.
 
-    Their arguments: scratch buffers (or a ``_Scratch``), then the ``Params`` and the ``RowTile``.
+    Their arguments: scratch buffers (or a ``_Scratch``), then the ``ForwardBuffers`` and the ``RowTile``.
     """
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles):
@@ -227,7 +227,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
         q, k, v, alibi, mask, out, lse = param_buffers(
             spec, dict(B=B, Sq=Sq, Sk=Sk),
             q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
-        params = T.meta_var(Params.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
+        params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         # K and V are packed once into float32 key tiles shared by every task of the KV head:
@@ -461,7 +461,7 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
         q, k_cache, v_cache, table, lens, alibi, out = param_buffers(
             spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
             q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
-        params = T.meta_var(Params.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
+        params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
                                       table=table))
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ

@@ -18,7 +18,7 @@ Finite inputs: the GEMMs do not skip zero weights (the NaN rule is not modelled 
 ``tvm_fuel.reference``); a dropped key still weighs exactly 0.
 
 Contents:
-    TangentPass, TangentParams, Direction -- the pass, its tensors, the tangents present
+    TangentPass, TangentBuffers, Direction -- the pass, its tensors, the tangents present
     flash_jvp -- PrimFunc(q, k, v, [q_dot], [k_dot], [v_dot], [alibi], [mask], out, out_dot, [lse])
 """
 
@@ -31,19 +31,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (
-    F32,
-    KernelSpec,
-    balanced_order,
-    biased,
-    drop_params,
-    finish,
-    key_tile_range,
-    masked_logit,
-    param_buffers,
-    shape_vars,
-    visible,
-)
+from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tile_range, masked_logit, param_buffers,
+                      probability, shape_vars)
 from .common import Buffers, absent_inputs
 from .micro import Micro, lane_tree
 from .tiles import CpuTiles
@@ -57,17 +46,17 @@ def _add(a, b):
 
 
 @dataclass(frozen=True)
-class TangentParams(Buffers):
-    """The parameter buffers the macros read; the direction (``q_t``, ``k_t``, ``v_t``: the JVP's
+class TangentBuffers(Buffers):
+    """The parameter buffers the macros read; the direction (``q_dot``, ``k_dot``, ``v_dot``: the JVP's
     tangents or the double backward's cotangents) is None where absent, as are ALiBi, the mask
     and ``lse`` / ``do`` / ``out`` where the kernel has none."""
 
     q: tirx.Buffer
     k: tirx.Buffer
     v: tirx.Buffer
-    q_t: tirx.Buffer | None = None
-    k_t: tirx.Buffer | None = None
-    v_t: tirx.Buffer | None = None
+    q_dot: tirx.Buffer | None = None
+    k_dot: tirx.Buffer | None = None
+    v_dot: tirx.Buffer | None = None
     alibi: tirx.Buffer | None = None
     mask: tirx.Buffer | None = None
     do: tirx.Buffer | None = None
@@ -147,20 +136,24 @@ class TangentPass:
     """
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, direction: Direction, B, Sq, Sk, *, online: bool):
-        micro = Micro(tiles)
-        cfg, D = spec.cfg, spec.head_dim
-        BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
-        DP = tiles.padded_dim(D)
-        KV, DV = tiles.key_vecs, tiles.dim_vecs
-        scale = spec.scale
-        group, Hkv = spec.group, spec.num_kv_heads
-        n_key_tiles = (Sk + BK - 1) // BK
-        softcapped = cfg.softcap > 0
-        dead_weight = float("-inf") if online else 0.0  # a row past Sq: a logit (online) or P
+        self.spec, self.tiles, self.direction, self.online = spec, tiles, direction, online
+        self.B, self.Sq, self.Sk = B, Sq, Sk
+        self.micro = Micro(tiles)
+        self.n_key_tiles = (Sk + tiles.block_k - 1) // tiles.block_k
+        self.load_rows, self.load_keys = self._loads()
+        self.weights, self.tangent_sums = self._weights()
+        self.pack, self.key_tile = self._key_tiles()
+        self.stage = self._stage()
 
-        def capped(scores, r, c):
-            # the softcapped scaled score, kept in Cap only where softcap' needs it
-            return scores.Cap[r, c] if softcapped else scores.S[r, c] * T.float32(scale)
+    def _sizes(self):
+        """(D, BQ, BK, DP): head dim, query and key tile, padded head dim."""
+        tiles = self.tiles
+        return self.spec.head_dim, tiles.block_q, tiles.block_k, tiles.padded_dim(self.spec.head_dim)
+
+    def _loads(self):
+        """A query tile's rows and state into scratch; a key tile (and its tangents) into packed tiles."""
+        D, BQ, BK, DP = self._sizes()
+        Sq, Sk, direction, online = self.Sq, self.Sk, self.direction, self.online
 
         @T.macro
         def load_rows(rows, params, tile):
@@ -169,7 +162,7 @@ class TangentPass:
                     for d in range(D):
                         rows.Qs[r, d] = params.q[tile.b, tile.h, tile.i0 + r, d].astype(F32)
                         if direction.q:
-                            rows.Qt[r, d] = params.q_t[tile.b, tile.h, tile.i0 + r, d].astype(F32)
+                            rows.Qt[r, d] = params.q_dot[tile.b, tile.h, tile.i0 + r, d].astype(F32)
                     if not online:
                         rows.m[r] = params.lse[tile.b, tile.h, tile.i0 + r]
                 else:
@@ -199,9 +192,9 @@ class TangentPass:
                         keys.Kt[d, c] = params.k[b, g, kt * BK + c, d].astype(F32)
                         keys.Vn[c, d] = params.v[b, g, kt * BK + c, d].astype(F32)
                         if direction.k:
-                            keys.Ktt[d, c] = params.k_t[b, g, kt * BK + c, d].astype(F32)
+                            keys.Ktt[d, c] = params.k_dot[b, g, kt * BK + c, d].astype(F32)
                         if direction.v:
-                            keys.Vtn[c, d] = params.v_t[b, g, kt * BK + c, d].astype(F32)
+                            keys.Vtn[c, d] = params.v_dot[b, g, kt * BK + c, d].astype(F32)
                 else:
                     for d in range(D):
                         keys.Kt[d, c] = T.float32(0)
@@ -214,6 +207,19 @@ class TangentPass:
                     keys.Vn[c, d] = T.float32(0)
                     if direction.v:
                         keys.Vtn[c, d] = T.float32(0)
+
+        return load_rows, load_keys
+
+    def _weights(self):
+        """S and S_dot of a (query tile, key tile) pair -> the softmax weights and W = P * logit_dot."""
+        spec, direction, online, Sq, Sk = self.spec, self.direction, self.online, self.Sq, self.Sk
+        cfg, scale, BQ, BK, L = spec.cfg, spec.scale, self.tiles.block_q, self.tiles.block_k, self.tiles.lanes
+        softcapped = cfg.softcap > 0
+        dead_weight = float("-inf") if online else 0.0  # a row past Sq: a logit (online) or P
+
+        def capped(scores, r, c):
+            # the softcapped scaled score, kept in Cap only where softcap' needs it
+            return scores.Cap[r, c] if softcapped else scores.S[r, c] * T.float32(scale)
 
         @T.macro
         def weights(rows, scores, params, tile, key_start):
@@ -232,12 +238,9 @@ class TangentPass:
                                                         tile.h, tile.i0 + r, key_start + c, Sk,
                                                         Sk - Sq) * T.float32(sem.LOG2E)
                         else:
-                            scores.S[r, c] = T.Select(
-                                visible(spec, params.mask, tile.b, tile.h, tile.i0 + r, key_start + c, Sk, Sk - Sq),
-                                sem.probability(biased(spec, capped(scores, r, c), params.alibi, params.mask, tile.b,
-                                                       tile.h, tile.i0 + r, key_start + c, Sk - Sq), rows.m[r],
-                                                fast=True),
-                                T.float32(0))
+                            scores.S[r, c] = probability(spec, capped(scores, r, c), params.alibi, params.mask, tile.b,
+                                                         tile.h, tile.i0 + r, key_start + c, Sk, Sk - Sq, rows.m[r],
+                                                         fast=True)
                 else:  # rows past Sq weigh nothing
                     for c in T.vectorized(BK):
                         scores.S[r, c] = T.float32(dead_weight)
@@ -259,6 +262,16 @@ class TangentPass:
                     rows.lse_dot[r] = rows.lse_dot[r] * rows.alpha[r] + lane_tree(_add, part, L)
                 else:
                     rows.lse_dot[r] = rows.lse_dot[r] + lane_tree(_add, part, L)
+
+        return weights, tangent_sums
+
+    def _key_tiles(self):
+        """Packing one key tile, and the pass of a query tile over one packed key tile."""
+        D, BQ, BK, DP = self._sizes()
+        KV, DV = self.tiles.key_vecs, self.tiles.dim_vecs
+        group, Hkv, n_key_tiles = self.spec.group, self.spec.num_kv_heads, self.n_key_tiles
+        micro, direction, online = self.micro, self.direction, self.online
+        load_keys, weights, tangent_sums = self.load_keys, self.weights, self.tangent_sums
 
         def tile_offset(b, g, kt, size: int):
             # element offset of packed tile (b, g, kt)
@@ -312,6 +325,15 @@ class TangentPass:
                 micro.scale_rows(rows.Ot, rows.alpha, BQ, DP)
             if direction.v:
                 micro.gemm(rows.Ot, scores.S, Vtn, BQ, DP, BK, DV, accumulate=True)
+
+        return pack, key_tile
+
+    def _stage(self):
+        """The whole pass: K, V and their tangents packed once, then a task per query tile."""
+        D, BQ, BK, DP = self._sizes()
+        spec, direction, B, Sq, Sk = self.spec, self.direction, self.B, self.Sq, self.Sk
+        cfg, Hkv, n_key_tiles = spec.cfg, spec.num_kv_heads, self.n_key_tiles
+        load_rows, pack, key_tile = self.load_rows, self.pack, self.key_tile
 
         @T.macro
         def run(rows, scores, packed, params, tile):
@@ -367,7 +389,7 @@ class TangentPass:
                 tile = T.meta_var(_RowTile(b, h, i0))
                 task(Qs, Qt, packed, params, tile, stores, outputs)
 
-        self.stage = stage
+        return stage
 
 
 def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
@@ -405,7 +427,7 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
         q, k, v, q_dot, k_dot, v_dot, alibi, mask, out, out_dot, lse = param_buffers(
             spec, dict(B=B, Sq=Sq, Sk=Sk), q=q_h, k=k_h, v=v_h, q_dot=q_dot_h, k_dot=k_dot_h, v_dot=v_dot_h,
             alibi=alibi_h, mask=mask_h, out=out_h, out_dot=out_dot_h, lse=lse_h)
-        params = T.meta_var(TangentParams.of(unused, q=q, k=k, v=v, q_t=q_dot, k_t=k_dot, v_t=v_dot, alibi=alibi,
+        params = T.meta_var(TangentBuffers.of(unused, q=q, k=k, v=v, q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, alibi=alibi,
                                        mask=mask))
         outputs = T.meta_var(_JvpOutputs(out, out_dot, lse))
         tangent_pass.stage(params, store, outputs)

@@ -4,7 +4,9 @@ Contents:
     device   -- Launch (threads / emulation on llvm), TileOps (syncs, copies, pipeline, SIMT GEMM)
     mma      -- warp register tiles (ldmatrix + mma.sync, quad reductions) and their lane-faithful emulation
     tiles    -- CudaTiles, WarpLayout and shared-memory sizes
-    forward  -- dense flash attention forward and paged attention (split-KV)
-    backward -- flash attention backward (FlashAttention-2 structure)
+    forward  -- dense flash attention forward and paged attention (split-KV); forward_registers: its
+                register-tile (mma.sync) path for float16/bfloat16
+    backward -- flash attention backward (FlashAttention-2 structure); backward_registers: its
+                register-tile path
     rules    -- the rules that put them in place of the floor on cuda targets
 """

@@ -46,25 +46,15 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (
-    KernelSpec,
-    biased,
-    ceil_div,
-    drop_params,
-    finish,
-    key_tile_range,
-    param_buffers,
-    query_tile_range,
-    shape_vars,
-    visible,
-)
+from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tile_range, param_buffers, probability,
+                      query_tile_range, shape_vars)
 from .backward_registers import RegisterTiles, Scratch
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
 from .tiles import CudaTiles
 
 
 @dataclass(frozen=True)
-class _Params:
+class BackwardBuffers:
     """The backward kernels' buffers: the parameters (``alibi`` and ``mask`` read only where the
     spec has them, ``dq``, ``dk``, ``dv`` written only where wanted) and ``row_dot``, the D
     scratch of the first kernel."""
@@ -128,7 +118,7 @@ class _QueryBlock:
         return _Tile(self.b, self.h, self.i0, j0, self.Sq, self.Sk)
 
 
-class _Body(RegisterTiles):
+class BackwardMacros(RegisterTiles):
     """The macros of the backward blocks, specialised to a spec, tiles, launch and grads:
     ``row_dots``, ``key_block`` (dk/dv) and ``query_block`` (dq)."""
 
@@ -150,17 +140,15 @@ class _Body(RegisterTiles):
 
     # ---- the rules every block applies ----
 
-    def probability(self, sc: Scratch, prm: _Params, at: _Tile, score, row, key):
+    def probability(self, sc: Scratch, prm: BackwardBuffers, at: _Tile, score, row, key):
         """P of the tile's query row ``row`` and key ``key`` (offsets into the tiles) from the raw
         score: 0 for a dropped key, a row past Sq (lazy: the mask is not read there) or a fully
         masked row."""
         spec = self.spec
         i, j = at.i0 + row, at.j0 + key
         capped = sem.softcap(spec.cfg, score * T.float32(spec.scale))
-        return T.if_then_else(i < at.Sq, T.Select(
-            visible(spec, prm.mask, at.b, at.h, i, j, at.Sk, at.delta),
-            sem.probability(biased(spec, capped, prm.alibi, prm.mask, at.b, at.h, i, j, at.delta), sc.lse_r[row]),
-            T.float32(0)), T.float32(0))
+        return T.if_then_else(i < at.Sq, probability(spec, capped, prm.alibi, prm.mask, at.b, at.h, i, j, at.Sk, at.delta,
+                                                     sc.lse_r[row]), T.float32(0))
 
     def score_grad(self, sc: Scratch, p, dp, row, score):
         """dS of the tile's query row ``row`` (tvm_fuel.op.semantics.score_grad, from the raw score)."""
@@ -432,7 +420,7 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
         raise ValueError(f"flash_backward: grads must be a non-empty subset of dq, dk, dv, got {grads!r}")
     launch = launch or Launch(tiles.threads)
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
-    body = _Body(spec, tiles, launch, grads)
+    body = BackwardMacros(spec, tiles, launch, grads)
     Hq, Hkv = spec.num_q_heads, spec.num_kv_heads
     BQ, BK, NT = tiles.block_q, tiles.block_k, launch.threads
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
@@ -448,7 +436,7 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
             q=q_h, k=k_h, v=v_h, do=do_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, dq=dq_h, dk=dk_h, dv=dv_h)
         row_dot = T.alloc_buffer((B, Hq, Sq) if want_ds else (1, 1, 1), F32)
         # T.meta_var: the bundle stays a Python value (an assignment would make it a TIR variable)
-        prm = T.meta_var(_Params(q, k, v, do, alibi, mask, out, lse, row_dot, dq, dk, dv))
+        prm = T.meta_var(BackwardBuffers(q, k, v, do, alibi, mask, out, lse, row_dot, dq, dk, dv))
         # 1. D = rowsum(do * out)
         if want_ds:
             for bx in launch.grid((B * Hq * Sq + NT - 1) // NT, "x"):

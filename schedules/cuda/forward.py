@@ -30,20 +30,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (
-    NEG_INF,
-    KernelSpec,
-    ceil_div,
-    drop_params,
-    finish,
-    key_tile_range,
-    masked_logit,
-    param_buffers,
-    row_head,
-    row_position,
-    shape_vars,
-    tile_is_interior,
-)
+from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tile_range, masked_logit, param_buffers,
+                      row_head, row_position, shape_vars, tile_is_interior)
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
 from .forward_registers import RegisterTiles
 from .tiles import CudaTiles
@@ -55,7 +43,7 @@ def _lse(row_max, row_sum):
 
 
 @dataclass(frozen=True)
-class _Params:
+class ForwardBuffers:
     """A forward kernel's buffers. ``table`` and ``num_blocks`` (the cache's block count: block ids
     are clamped into it) only on the paged path, ``mask`` and ``lse`` only where the kernel has
     them (None otherwise); ``part_o`` and ``part_stats`` hold the splits' partial results (O, and
@@ -131,7 +119,7 @@ class _SimtScratch:
     O: Any
 
 
-class _Body(RegisterTiles):
+class ForwardMacros(RegisterTiles):
     """The macros of one forward block, specialised to a spec, tiles and launch: ``launch_grid``
     is the kernel body (the blocks, then the split-KV merge)."""
 
@@ -165,7 +153,7 @@ class _Body(RegisterTiles):
         return tirx.Not(tile_is_interior(self.spec.cfg, key_start=kt * self.BK, first_pos=first_pos,
                                          last_pos=last_pos, kv_len=blk.kv_len, delta=blk.delta, block_k=self.BK))
 
-    def logit(self, score, prm: _Params, blk: _Block, r, key, check):
+    def logit(self, score, prm: ForwardBuffers, blk: _Block, r, key, check):
         """The logit of row r and key ``key`` from the raw score: softcapped, then biased and masked
         where ``check`` holds (everywhere with a per-element transform)."""
         spec = self.spec
@@ -439,7 +427,7 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     unless ``dims`` fixes them); ``launch`` defaults to ``tiles.threads`` threads per block."""
     launch = launch or Launch(tiles.threads)
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
-    body = _Body(spec, tiles, launch, paged=False)
+    body = ForwardMacros(spec, tiles, launch, paged=False)
     part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
 
     @T.prim_func
@@ -451,7 +439,7 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
             q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
-        body.launch_grid(_Params(q, k, v, out, part_o, part_stats, alibi=alibi, mask=mask, lse=lse), B, Sq,
+        body.launch_grid(ForwardBuffers(q, k, v, out, part_o, part_stats, alibi=alibi, mask=mask, lse=lse), B, Sq,
                          lambda b: Sk)
 
     unused = ({"alibi"} if not spec.has_alibi else set()) | ({"mask"} if not spec.mask_broadcast else set())
@@ -465,7 +453,7 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     block_table [B, max_blocks] and context_lens [B] (the queries are the last Sq positions)."""
     launch = launch or Launch(tiles.threads)
     B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
-    body = _Body(spec, tiles, launch, paged=True)
+    body = ForwardMacros(spec, tiles, launch, paged=True)
     part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
 
     def context_len(lens, b):  # a device kernel cannot assert: a length past the table's capacity is clamped
@@ -480,7 +468,7 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
             q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
-        body.launch_grid(_Params(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi, table=table,
+        body.launch_grid(ForwardBuffers(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi, table=table,
                                  num_blocks=num_blocks), B, Sq, lambda b: context_len(lens, b))
 
     return finish(drop_params(fuel_paged_attn_cuda, set() if spec.has_alibi else {"alibi"}))

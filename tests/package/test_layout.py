@@ -168,3 +168,15 @@ def test_a_new_test_file_without_a_tier_stops_the_collection(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+def test_every_package_is_installed():
+    # a wheel holds the packages pyproject.toml lists: one missing imports from a checkout and not once installed
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    folders = {".".join(("tvm_fuel", *p.relative_to(REPO / "tvm_fuel").parts)) for p in (REPO / "tvm_fuel").rglob("*")
+               if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
+    assert folders <= found, f"folders of modules without __init__.py: {sorted(folders - found)}"
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

@@ -29,7 +29,7 @@ CASES = {
     "g7-d128-window-bool-mask-decode": (7, 128, 1, 97, dict(window_size=(3, 1)), "bool"),
 }
 # the single-gradient forms: Gradient's wiring on the floor for each, and through the kernels for one
-# (the kernel's single-cotangent paths are checked op by op in test_higher_order), on a case
+# (the kernel's single-cotangent paths are checked op by op in op/test_jvp_and_double_backward), on a case
 # without softcap (the backward_v kernel with softcap compiles for a minute)
 SINGLE_CASE = "g7-d40-alibi"
 SINGLE = [("q", "decomposed"), ("q", "tuned"), ("k", "decomposed"), ("v", "decomposed")]

@@ -257,7 +257,7 @@ def test_corrupt_log_warns_and_falls_back(tuned_root, tmp_path, damage):
     mod = bucket_module("paged_attn", BUCKETS["paged_attn"])
     with pytest.warns(TuningLogWarning, match=str(records)):
         (row,) = tuning_report(mod, HOST, database=tmp_path, shipped_logs=False)
-    # a log cut mid-line keeps the records of its whole lines (tests/test_log_hardening.py)
+    # a log cut mid-line keeps the records of its whole lines (tests/tuning/test_bad_records.py)
     assert row["knobs"] == (str(records) if damage == "truncated" else "hand-picked")
     inputs = _inputs("paged_attn", np.random.default_rng(2))
     with warnings.catch_warnings():
@@ -289,7 +289,7 @@ def test_record_of_another_target_is_never_applied(tuned_root, tmp_path):
 
 def test_record_tuned_for_another_core_count_applies(tuned_root):
     """Records are keyed by instruction set, not core count: the knobs that set the task count
-    are re-derived for the machine (tests/test_log_portability.py)."""
+    are re-derived for the machine (tests/tuning/test_record_portability.py)."""
     wider = tvm.target.Target(dict(HOST.export(), **{"num-cores": 64}))
     mod = bucket_module("paged_attn", BUCKETS["paged_attn"])
     with warnings.catch_warnings():

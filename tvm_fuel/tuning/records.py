@@ -69,15 +69,8 @@ from tvm.s_tir import meta_schedule as ms
 from ..diagnostics import TuningLogWarning
 from ..schedules import KnobMatch, rule_for
 from ..schedules.workload import Workload
-from .log_database import (
-    RECORD_FILE,
-    SHOWN_PER_FILE,
-    WORKLOAD_FILE,
-    describe_error,
-    is_int,
-    memory_database,
-    read_folder,
-)
+from .log_database import (RECORD_FILE, SHOWN_PER_FILE, WORKLOAD_FILE, describe_error, is_int, memory_database,
+                           read_folder)
 
 MODEL_FOLDER = "model"
 POINTS_FILE = "points.json"

@@ -1,0 +1,9 @@
+"""``python -m tvm_fuel bench``: the floor, the tuned kernels and PyTorch side by side, as ratios.
+
+Contents:
+    cases        -- the benchmark's shapes and their work (FLOPs, K/V bytes), CPU and CUDA; no TVM needed
+    attention    -- the flash and paged rows, this machine's peaks, the chart
+    decoder      -- the demo decoder against PyTorch
+    higher_order -- forward mode and the double backward
+    norm         -- the norms' backward, fused or not
+"""
