@@ -137,7 +137,7 @@ def test_symbolic_dims_that_differ_are_refused_at_run_time():
 
 def test_the_benchmark_rows_run(monkeypatch):
     """``bench``'s norm rows on a small shape: each implementation timed, ratios to the kernel."""
-    from tvm_fuel.bench.attention import norm as bench_norm
+    from tvm_fuel.bench import norm as bench_norm
 
     monkeypatch.setattr(bench_norm, "NORM_CASES", ((33, 40),))
     report = bench_norm.norm_rows()
