@@ -12,6 +12,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..op import SPECS
 from ..target import as_target
+from .common import rewrite_functions
 
 KERNEL_PATHS = ("decomposed", "tuned")
 
@@ -83,11 +84,8 @@ class LegalizeFuel:
         if target is None:
             raise ValueError("tvm_fuel.LegalizeFuel: no target: pass one or run it under `with target:`")
         with target:
-            rewriter = _FuelLowering(mod, self._rules(target))
-            for gvar, func in mod.functions.items():
-                if isinstance(func, relax.Function):
-                    rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
-            legalized = rewriter.builder_.get()
+            rules = self._rules(target)
+            legalized = rewrite_functions(mod, lambda mod: _FuelLowering(mod, rules))
         leftover = _remaining_fuel_calls(legalized)
         if leftover:
             raise ValueError(
