@@ -11,7 +11,7 @@ Contents:
     row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased, masked_logit, probability -- the element-wise mask, logit and softmax weight (via
                       tvm_fuel.op.semantics)
-    mask_shape, mask_at, param_buffers, drop_params, finish
+    mask_shape, mask_at, kernel_params, drop_params, finish
     ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima
 """
 
@@ -146,25 +146,28 @@ _QUERY_LIKE = ("q", "do", "out", "dq", "q_dot", "out_dot", "dq_bar", "q_grad", "
 _KEY_LIKE = ("k", "v", "dk", "dv", "k_dot", "v_dot", "dk_bar", "dv_bar", "k_grad", "v_grad")
 
 
-def param_buffers(spec: KernelSpec, dims: dict, **handles) -> tuple:
-    """The buffers of a kernel's parameters, in the order of ``handles`` (name -> handle), for
-    the runtime ``dims`` (B, Sq and Sk; paged: B, Sq, num_blocks, max_blocks). Called inside a
-    ``@T.prim_func`` body: every target's kernels of an op share one signature."""
+def kernel_params(spec: KernelSpec, sizes: dict, *handles) -> tuple:
+    """A kernel's prologue: declares its parameters non-aliasing and returns the buffers of its
+    ``handles``, in their order, each laid out by its name (the handle's name less ``_h``: ``q_h``
+    holds ``q``) for the runtime ``sizes`` (B, Sq and Sk; paged: B, Sq, num_blocks, max_blocks).
+    Called first in a ``@T.prim_func`` body: every target's kernels of an op share one signature,
+    and the signature alone names the parameters."""
+    T.func_attr({"tirx.noalias": True})
     dtype, Hq, Hkv, D = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim
-    B, Sq = dims["B"], dims["Sq"]
+    B, Sq = sizes["B"], sizes["Sq"]
     has_mask = len(spec.mask_broadcast) > 0
     query_like = ((B, Hq, Sq, D), dtype)
     layouts = {name: query_like for name in _QUERY_LIKE}
     layouts.update(lse=((B, Hq, Sq), F32), alibi=((Hq,), F32))
-    if "Sk" in dims:
-        kv = ((B, Hkv, dims["Sk"], D), dtype)
+    if "Sk" in sizes:
+        kv = ((B, Hkv, sizes["Sk"], D), dtype)
         layouts.update({name: kv for name in _KEY_LIKE})
-        layouts.update(mask=(mask_shape(spec, B, Sq, dims["Sk"]) if has_mask else (1,), spec.mask_dtype or "bool"))
+        layouts.update(mask=(mask_shape(spec, B, Sq, sizes["Sk"]) if has_mask else (1,), spec.mask_dtype or "bool"))
     else:
-        cache = ((dims["num_blocks"], spec.block_size, Hkv, D), dtype)
-        layouts.update(k_cache=cache, v_cache=cache, table=((B, dims["max_blocks"]), spec.table_dtype),
+        cache = ((sizes["num_blocks"], spec.block_size, Hkv, D), dtype)
+        layouts.update(k_cache=cache, v_cache=cache, table=((B, sizes["max_blocks"]), spec.table_dtype),
                        lens=((B,), spec.lens_dtype))
-    return tuple(T.match_buffer(handle, *layouts[name]) for name, handle in handles.items())
+    return tuple(T.match_buffer(handle, *layouts[handle.name.removesuffix("_h")]) for handle in handles)
 
 
 def masked_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta):

@@ -31,11 +31,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, param_buffers, probability,
-                      query_tile_range, shape_vars)
+from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, shape_vars
 from .common import Buffers, absent_inputs
 from .micro import Micro
-from .tasks import sum_split_partials
+from .tasks import KeySplitGrid, key_split_tasks, sum_split_partials, visible_query_tiles
 from .tiles import CpuTiles
 
 
@@ -79,14 +78,30 @@ class _QueryRows:
 
 
 @dataclass(frozen=True)
-class _TilePair:
-    """The (query tile, key tile) pair of one step: batch ``b``, query head ``h``, the query tile's
-    first position ``i0`` and the key tile's first key ``key_start``."""
+class _TaskScratch:
+    """A task's scratch besides its key tile: the query tile's rows, the score tiles S (then P),
+    dP (then dS) and the capped scores [block_q, block_k], and the NaN/Inf counts of the key tile,
+    the query tile's q and its do."""
 
-    b: tirx.PrimExpr
-    h: tirx.PrimExpr
-    i0: tirx.PrimExpr
-    key_start: tirx.PrimExpr
+    keys: _KeyTile
+    rows: _QueryRows
+    S: tirx.Buffer
+    dP: tirx.Buffer
+    Cap: tirx.Buffer
+    keys_nonfinite: tirx.Buffer
+    q_nonfinite: tirx.Buffer
+    do_nonfinite: tirx.Buffer
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What every task reads: the grid, the parameters, D = rowsum(do * out) [B, Hq, Sq] and the
+    dq partials [splits, B, Hq, padded_sq, DP]."""
+
+    grid: KeySplitGrid
+    params: BackwardBuffers
+    row_dot: tirx.Buffer
+    dq_part: tirx.Buffer
 
 
 class _Body:
@@ -157,8 +172,8 @@ class _Body:
                             Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
                             S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, pair, r, c)
                         else:
-                            S[r, c] = pair_probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True), lse_r[r],
-                                                  params, pair, r, c)
+                            S[r, c] = pair_probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True),
+                                                       lse_r[r], params, pair, r, c)
                 else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                     for c in T.vectorized(BK):
                         S[r, c] = T.float32(0)
@@ -201,17 +216,70 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
     unused = absent_inputs(spec) | {name for name in ("dq", "dk", "dv") if name not in grads}
+    sizes = dict(B=B, Sq=Sq, Sk=Sk)
+
+    @T.macro
+    def pair_step(kernel, scratch, pair):
+        # S, P, dP and dS of one (query tile, key tile) pair; dv, dk and the dq partial accumulate
+        keys = T.meta_var(scratch.keys)
+        rows = T.meta_var(scratch.rows)
+        body.load_rows(rows, kernel.params, kernel.row_dot, pair)
+        micro.gemm(scratch.S, rows.Qs, keys.Kt, BQ, BK, D, KV)
+        body.probabilities(scratch.S, scratch.Cap, rows.lse_r, kernel.params, pair)
+        if want_dv:
+            micro.count_nonfinite(scratch.do_nonfinite, rows.dOs, BQ, DP)
+            micro.nan_safe_gemm(keys.dV, scratch.S, rows.dOs, BK, DP, BQ, DV,
+                                scratch.do_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
+        if want_ds:
+            micro.gemm(scratch.dP, rows.dOs, keys.Vt, BQ, BK, D, KV)
+            body.score_grads(scratch.dP, scratch.S, scratch.Cap, rows.D_r)
+            if want_dk:
+                micro.count_nonfinite(scratch.q_nonfinite, rows.Qs, BQ, DP)
+                micro.nan_safe_gemm(keys.dK, scratch.dP, rows.Qs, BK, DP, BQ, DV,
+                                    scratch.q_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
+            if want_dq:
+                dQv = T.decl_buffer((BQ, DP), F32, data=kernel.dq_part.data, elem_offset=pair.partial_start)
+                micro.nan_safe_gemm(dQv, scratch.dP, keys.Kn, BQ, DP, BK, DV,
+                                    scratch.keys_nonfinite[0] == T.float32(0), accumulate=True)
+
+    @T.macro
+    def key_task(kernel, b, g, split):
+        # dk, dv of each of the split's key tiles, and the split's dq partials
+        Kn = T.alloc_buffer((BK, DP), F32)
+        Kt = T.alloc_buffer((D, BK), F32)
+        Vt = T.alloc_buffer((D, BK), F32)
+        dK_acc = T.alloc_buffer((BK, DP), F32)
+        dV_acc = T.alloc_buffer((BK, DP), F32)
+        Qs = T.alloc_buffer((BQ, DP), F32)
+        dOs = T.alloc_buffer((BQ, DP), F32)
+        lse_r = T.alloc_buffer((BQ,), F32)
+        D_r = T.alloc_buffer((BQ,), F32)
+        S = T.alloc_buffer((BQ, BK), F32)
+        dP = T.alloc_buffer((BQ, BK), F32)
+        Cap = T.alloc_buffer((BQ, BK), F32)
+        keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+        q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+        do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+        keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
+        scratch = T.meta_var(_TaskScratch(keys, _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap, keys_nonfinite,
+                                          q_nonfinite, do_nonfinite))
+        grid = T.meta_var(kernel.grid)
+        for i in range(grid.first_tile(split), grid.end_tile(split)):
+            kt: T.int64 = grid.key_tile(i)
+            body.load_keys(keys, kernel.params, b, g, kt)
+            micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
+            visible_query_tiles(grid, kernel, scratch, b, g, split, kt, pair_step)
+            body.store_key_grads(keys, kernel.params, b, g, kt)
 
     # fmt: off
     @T.prim_func
     def fuel_flash_attn_backward_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, alibi_h: T.handle,
                                      mask_h: T.handle, out_h: T.handle, lse_h: T.handle, dq_h: T.handle,
                                      dk_h: T.handle, dv_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k, v, do, alibi, mask, out, lse, dq, dk, dv = param_buffers(
-            spec, dict(B=B, Sq=Sq, Sk=Sk),
-            q=q_h, k=k_h, v=v_h, do=do_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, dq=dq_h, dk=dk_h, dv=dv_h)
-        params = T.meta_var(BackwardBuffers.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi, mask=mask))
+        q, k, v, do, alibi, mask, out, lse, dq, dk, dv = kernel_params(
+            spec, sizes, q_h, k_h, v_h, do_h, alibi_h, mask_h, out_h, lse_h, dq_h, dk_h, dv_h)
+        params = T.meta_var(BackwardBuffers.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi,
+                                               mask=mask))
         row_dot = T.alloc_buffer((B, Hq, Sq), F32)
         dq_part = T.alloc_buffer((splits, B, Hq, (Sq + BQ - 1) // BQ * BQ, DP) if want_dq else (1,), F32)
         n_key_tiles = (Sk + BK - 1) // BK
@@ -230,56 +298,9 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                     for d in T.vectorized(DP):
                         dq_part[c, bh // Hq, bh % Hq, i, d] = T.float32(0)
         # 2. per (batch, KV head, split): dk, dv of each key tile; dq partials
-        for task in T.parallel(B * Hkv * splits):
-            b: T.int64 = task // (Hkv * splits)
-            g: T.int64 = task // splits % Hkv
-            split: T.int64 = task % splits
-            Kn = T.alloc_buffer((BK, DP), F32)
-            Kt = T.alloc_buffer((D, BK), F32)
-            Vt = T.alloc_buffer((D, BK), F32)
-            dK_acc = T.alloc_buffer((BK, DP), F32)
-            dV_acc = T.alloc_buffer((BK, DP), F32)
-            Qs = T.alloc_buffer((BQ, DP), F32)
-            dOs = T.alloc_buffer((BQ, DP), F32)
-            lse_r = T.alloc_buffer((BQ,), F32)
-            D_r = T.alloc_buffer((BQ,), F32)
-            S = T.alloc_buffer((BQ, BK), F32)
-            dP = T.alloc_buffer((BQ, BK), F32)
-            Cap = T.alloc_buffer((BQ, BK), F32)
-            keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
-            rows = T.meta_var(_QueryRows(Qs, dOs, lse_r, D_r))
-            for i in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
-                kt: T.int64 = balanced_order(i, n_key_tiles)  # causal work falls with kt: pair them
-                body.load_keys(keys, params, b, g, kt)
-                micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
-                for hr in range(group):
-                    qlo, qhi = query_tile_range(cfg, key_first=kt * BK, key_last=T.min(kt * BK + BK, Sk) - 1,
-                                                num_queries=Sq, delta=Sk - Sq, block_q=BQ)
-                    for qt in range(qlo, qhi):
-                        pair = T.meta_var(_TilePair(b, g * group + hr, qt * BQ, kt * BK))
-                        body.load_rows(rows, params, row_dot, pair)
-                        micro.gemm(S, Qs, Kt, BQ, BK, D, KV)
-                        body.probabilities(S, Cap, lse_r, params, pair)
-                        if want_dv:
-                            micro.count_nonfinite(do_nonfinite, dOs, BQ, DP)
-                            micro.nan_safe_gemm(dV_acc, S, dOs, BK, DP, BQ, DV, do_nonfinite[0] == T.float32(0),
-                                                a_transposed=True, accumulate=True)
-                        if want_ds:
-                            micro.gemm(dP, dOs, Vt, BQ, BK, D, KV)
-                            body.score_grads(dP, S, Cap, D_r)
-                            if want_dk:
-                                micro.count_nonfinite(q_nonfinite, Qs, BQ, DP)
-                                micro.nan_safe_gemm(dK_acc, dP, Qs, BK, DP, BQ, DV, q_nonfinite[0] == T.float32(0),
-                                                    a_transposed=True, accumulate=True)
-                            if want_dq:
-                                dQv = T.decl_buffer((BQ, DP), F32, data=dq_part.data, elem_offset=(
-                                    ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
-                                micro.nan_safe_gemm(dQv, dP, Kn, BQ, DP, BK, DV, keys_nonfinite[0] == T.float32(0),
-                                                    accumulate=True)
-                body.store_key_grads(keys, params, b, g, kt)
+        grid = T.meta_var(KeySplitGrid(cfg, B, Sq, Sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
+                                       padded_sq))
+        key_split_tasks(grid, _Kernel(grid, params, row_dot, dq_part), key_task)
         # 3. dq = sum of the splits' partials
         if want_dq:
             sum_split_partials(dq_part, dq, B, Hq, Sq, D, splits, dtype)

@@ -29,12 +29,11 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, param_buffers, probability,
-                      query_tile_range, shape_vars)
+from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, shape_vars
 from .common import absent_inputs
 from .micro import Micro
 from .tangent import COTANGENTS, Direction, TangentBuffers, TangentPass
-from .tasks import sum_split_partials
+from .tasks import KeySplitGrid, key_split_tasks, sum_split_partials, visible_query_tiles
 from .tiles import CpuTiles
 
 
@@ -106,13 +105,16 @@ class _KeyTask:
 
 
 @dataclass(frozen=True)
-class _Pair:
-    """The (query tile, key tile) pair of a second-stage step."""
+class _Kernel:
+    """What every second-stage task reads: the grid, the parameters, the first stage's query
+    tiles, the q_grad partials [splits, B, Hq, padded_sq, DP], and the k_grad, v_grad outputs."""
 
-    b: tirx.PrimExpr
-    h: tirx.PrimExpr
-    i0: tirx.PrimExpr
-    key_start: tirx.PrimExpr
+    grid: KeySplitGrid
+    params: TangentBuffers
+    query: _QueryTiles
+    q_part: tirx.Buffer
+    k_grad: tirx.Buffer | None
+    v_grad: tirx.Buffer | None
 
 
 class _KeyPass:
@@ -279,6 +281,36 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             for c in range(splits):
                 for d in T.vectorized(DP):
                     stage.q_part[c, b, h, i0 + r, d] = T.float32(0)
+    @T.macro
+    def pair_step(kernel, t, pair):
+        q_grad_tile = T.decl_buffer((BQ, DP), F32, data=kernel.q_part.data, elem_offset=pair.partial_start)
+        key_pass.step(t, kernel.query, kernel.params, pair, q_grad_tile)
+
+    @T.macro
+    def key_task(kernel, b, g, split):
+        # k_grad, v_grad of each of the split's key tiles, and the split's q_grad partials
+        Kn = T.alloc_buffer((BK, DP), F32)
+        Kt2 = T.alloc_buffer((D, BK), F32)
+        Vt2 = T.alloc_buffer((D, BK), F32)
+        Kbn = T.alloc_buffer((BK, DP), F32)
+        Kbt = T.alloc_buffer((D, BK), F32)
+        Vbt = T.alloc_buffer((D, BK), F32)
+        kG = T.alloc_buffer((BK, DP), F32)
+        vG = T.alloc_buffer((BK, DP), F32)
+        S2 = T.alloc_buffer((BQ, BK), F32)
+        St2 = T.alloc_buffer((BQ, BK), F32)
+        dP = T.alloc_buffer((BQ, BK), F32)
+        dPt = T.alloc_buffer((BQ, BK), F32)
+        Cap2 = T.alloc_buffer((BQ, BK), F32)
+        t = T.meta_var(_KeyTask(Kn, Kt2, Vt2, Kbn, Kbt, Vbt, kG, vG, S2, St2, dP, dPt, Cap2))
+        grid = T.meta_var(kernel.grid)
+        for n in range(grid.first_tile(split), grid.end_tile(split)):
+            kt: T.int64 = grid.key_tile(n)
+            key_pass.load_keys(t, kernel.params, b, g, kt)
+            visible_query_tiles(grid, kernel, t, b, g, split, kt, pair_step)
+            key_pass.store_keys(t, kernel.params, kernel.k_grad, kernel.v_grad, b, g, kt)
+
+    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     # fmt: off
     @T.prim_func
@@ -286,13 +318,11 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, dq_bar_h: T.handle, dk_bar_h: T.handle,
             dv_bar_h: T.handle, alibi_h: T.handle, mask_h: T.handle, out_h: T.handle, lse_h: T.handle,
             q_grad_h: T.handle, k_grad_h: T.handle, v_grad_h: T.handle, do_grad_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k, v, do, dq_bar, dk_bar, dv_bar, alibi, mask, out, lse, q_grad, k_grad, v_grad, do_grad = param_buffers(
-            spec, dict(B=B, Sq=Sq, Sk=Sk), q=q_h, k=k_h, v=v_h, do=do_h, dq_bar=dq_bar_h, dk_bar=dk_bar_h,
-            dv_bar=dv_bar_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, q_grad=q_grad_h, k_grad=k_grad_h,
-            v_grad=v_grad_h, do_grad=do_grad_h)
-        params = T.meta_var(TangentBuffers.of(unused, q=q, k=k, v=v, q_dot=dq_bar, k_dot=dk_bar, v_dot=dv_bar, alibi=alibi,
-                                       mask=mask, do=do, out=out, lse=lse))
+        q, k, v, do, dq_bar, dk_bar, dv_bar, alibi, mask, out, lse, q_grad, k_grad, v_grad, do_grad = kernel_params(
+            spec, sizes, q_h, k_h, v_h, do_h, dq_bar_h, dk_bar_h, dv_bar_h, alibi_h, mask_h, out_h, lse_h, q_grad_h,
+            k_grad_h, v_grad_h, do_grad_h)
+        params = T.meta_var(TangentBuffers.of(unused, q=q, k=k, v=v, q_dot=dq_bar, k_dot=dk_bar, v_dot=dv_bar,
+                                              alibi=alibi, mask=mask, do=do, out=out, lse=lse))
         q_tiles = T.alloc_buffer((B, Hq, padded_sq, DP), F32)
         q_bar_tiles = T.alloc_buffer((B, Hq, padded_sq, DP) if direction.q else (1,), F32)
         do_tiles = T.alloc_buffer((B, Hq, padded_sq, DP), F32)
@@ -310,36 +340,9 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
         # 2. per (batch, KV head, split): k_grad, v_grad of each key tile; q_grad partials
         n_key_tiles = (Sk + BK - 1) // BK
         per_split = (n_key_tiles + splits - 1) // splits
-        for task in T.parallel(B * Hkv * splits):
-            b: T.int64 = task // (Hkv * splits)
-            g: T.int64 = task // splits % Hkv
-            split: T.int64 = task % splits
-            Kn = T.alloc_buffer((BK, DP), F32)
-            Kt2 = T.alloc_buffer((D, BK), F32)
-            Vt2 = T.alloc_buffer((D, BK), F32)
-            Kbn = T.alloc_buffer((BK, DP), F32)
-            Kbt = T.alloc_buffer((D, BK), F32)
-            Vbt = T.alloc_buffer((D, BK), F32)
-            kG = T.alloc_buffer((BK, DP), F32)
-            vG = T.alloc_buffer((BK, DP), F32)
-            S2 = T.alloc_buffer((BQ, BK), F32)
-            St2 = T.alloc_buffer((BQ, BK), F32)
-            dP = T.alloc_buffer((BQ, BK), F32)
-            dPt = T.alloc_buffer((BQ, BK), F32)
-            Cap2 = T.alloc_buffer((BQ, BK), F32)
-            t = T.meta_var(_KeyTask(Kn, Kt2, Vt2, Kbn, Kbt, Vbt, kG, vG, S2, St2, dP, dPt, Cap2))
-            for n in range(split * per_split, T.min(split * per_split + per_split, n_key_tiles)):
-                kt: T.int64 = balanced_order(n, n_key_tiles)  # causal work falls with kt: pair them
-                key_pass.load_keys(t, params, b, g, kt)
-                for hr in range(group):
-                    qlo, qhi = query_tile_range(cfg, key_first=kt * BK, key_last=T.min(kt * BK + BK, Sk) - 1,
-                                                num_queries=Sq, delta=Sk - Sq, block_q=BQ)
-                    for qt in range(qlo, qhi):
-                        q_grad_tile = T.decl_buffer((BQ, DP), F32, data=q_part.data, elem_offset=(
-                            ((split * B + b) * Hq + g * group + hr) * padded_sq + qt * BQ) * DP)
-                        pair = T.meta_var(_Pair(b, g * group + hr, qt * BQ, kt * BK))
-                        key_pass.step(t, query, params, pair, q_grad_tile)
-                key_pass.store_keys(t, params, k_grad, v_grad, b, g, kt)
+        grid = T.meta_var(KeySplitGrid(cfg, B, Sq, Sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
+                                       padded_sq))
+        key_split_tasks(grid, _Kernel(grid, params, query, q_part, k_grad, v_grad), key_task)
         # 3. q_grad = the sum of the splits' partials
         sum_split_partials(q_part, q_grad, B, Hq, Sq, D, splits, dtype)
     # fmt: on

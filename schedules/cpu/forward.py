@@ -34,7 +34,7 @@ from tvm.script import tirx as T
 
 from ...op import semantics as sem
 from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
-                      param_buffers, row_head, row_position, shape_vars, tile_is_interior, tile_width)
+                      kernel_params, row_head, row_position, shape_vars, tile_is_interior, tile_width)
 from .common import absent_inputs, Buffers, prefetch
 from .micro import add_term, Micro, store_row_sums
 from .tiles import STREAMING_ROWS, CpuTiles
@@ -218,15 +218,13 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
     BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
     cfg = spec.cfg
     unused = absent_inputs(spec) | (set() if spec.return_lse else {"lse"})
+    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     # fmt: off
     @T.prim_func
     def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
                             out_h: T.handle, lse_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k, v, alibi, mask, out, lse = param_buffers(
-            spec, dict(B=B, Sq=Sq, Sk=Sk),
-            q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
+        q, k, v, alibi, mask, out, lse = kernel_params(spec, sizes, q_h, k_h, v_h, alibi_h, mask_h, out_h, lse_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
@@ -452,15 +450,14 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     streaming = BQ <= STREAMING_ROWS
     HT = tiles.kv_heads if streaming else 1  # KV heads per task
     unused = absent_inputs(spec)
+    sizes = dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks)
 
     # fmt: off
     @T.prim_func
     def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
                             lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k_cache, v_cache, table, lens, alibi, out = param_buffers(
-            spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
-            q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
+        q, k_cache, v_cache, table, lens, alibi, out = kernel_params(
+            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, out_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
                                       table=table))
         rows = Sq * group

@@ -31,7 +31,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tile_range, masked_logit, param_buffers,
+from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tile_range, masked_logit, kernel_params,
                       probability, shape_vars)
 from .common import Buffers, absent_inputs
 from .micro import Micro, lane_tree
@@ -417,16 +417,15 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
                 if spec.return_lse:
                     outputs.lse[tile.b, tile.h, tile.i0 + r] = sem.log_sum_exp(
                         sem.safe_row_max(rows.m[r]) * T.float32(sem.LN2), rows.l[r])
+    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     # fmt: off
     @T.prim_func
     def fuel_flash_attn_jvp_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_dot_h: T.handle, k_dot_h: T.handle,
                                 v_dot_h: T.handle, alibi_h: T.handle, mask_h: T.handle, out_h: T.handle,
                                 out_dot_h: T.handle, lse_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k, v, q_dot, k_dot, v_dot, alibi, mask, out, out_dot, lse = param_buffers(
-            spec, dict(B=B, Sq=Sq, Sk=Sk), q=q_h, k=k_h, v=v_h, q_dot=q_dot_h, k_dot=k_dot_h, v_dot=v_dot_h,
-            alibi=alibi_h, mask=mask_h, out=out_h, out_dot=out_dot_h, lse=lse_h)
+        q, k, v, q_dot, k_dot, v_dot, alibi, mask, out, out_dot, lse = kernel_params(
+            spec, sizes, q_h, k_h, v_h, q_dot_h, k_dot_h, v_dot_h, alibi_h, mask_h, out_h, out_dot_h, lse_h)
         params = T.meta_var(TangentBuffers.of(unused, q=q, k=k, v=v, q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, alibi=alibi,
                                        mask=mask))
         outputs = T.meta_var(_JvpOutputs(out, out_dot, lse))

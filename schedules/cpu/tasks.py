@@ -1,14 +1,103 @@
 """The task skeletons the CPU kernels share, as TVMScript macros.
 
 Contents:
-    sum_split_partials -- a gradient from the per-split partials of the key-split tasks (no races)
+    KeySplitGrid        -- the backward kernels' task grid: (batch, KV head, split of the key tiles)
+    TilePair            -- one (query tile, key tile) step of a key-split task
+    key_split_tasks     -- the parallel loop over the grid's tasks
+    visible_query_tiles -- the query tiles of a KV head's group that can see a key tile
+    sum_split_partials  -- a gradient from the per-split partials of the key-split tasks (no races)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import F32
+from ...op.config import AttnConfig
+from ..common import F32, balanced_order, query_tile_range
+
+
+@dataclass(frozen=True)
+class KeySplitGrid:
+    """The task grid of the kernels that own key tiles (the backward, the double backward): one
+    task per (batch ``b``, KV head ``g``, ``split``), a split a contiguous run of ``per_split`` of
+    the ``n_key_tiles`` key tiles; each key tile meets the query tiles (of ``padded_sq`` rows) of
+    every query head of g's group that can see it. ``n_key_tiles``, ``per_split`` and
+    ``padded_sq`` are the kernel's own bound variables; a Python value inside the kernel."""
+
+    cfg: AttnConfig
+    B: Any
+    Sq: Any
+    Sk: Any
+    num_q_heads: int
+    num_kv_heads: int
+    group: int
+    block_q: int
+    block_k: int
+    padded_dim: int
+    splits: int
+    n_key_tiles: Any
+    per_split: Any
+    padded_sq: Any
+
+    def first_tile(self, split):
+        """The first of ``split``'s run of key-tile slots."""
+        return split * self.per_split
+
+    def end_tile(self, split):
+        """One past the last of ``split``'s slots (the last split's run may be short)."""
+        return T.min(split * self.per_split + self.per_split, self.n_key_tiles)
+
+    def key_tile(self, slot):
+        """The key tile of a slot: causal work falls with the tile index, so the slots pair
+        heavy tiles with light ones (balanced_order) and every split carries equal work."""
+        return balanced_order(slot, self.n_key_tiles)
+
+    def pair(self, b, g, split, hr, qt, kt) -> TilePair:
+        """The step of query tile ``qt`` of query head ``hr`` of g's group and key tile ``kt``."""
+        BQ, Hq = self.block_q, self.num_q_heads
+        return TilePair(b, g * self.group + hr, qt * BQ, kt * self.block_k,
+                        (((split * self.B + b) * Hq + g * self.group + hr) * self.padded_sq + qt * BQ)
+                        * self.padded_dim)
+
+
+@dataclass(frozen=True)
+class TilePair:
+    """One (query tile, key tile) step: batch ``b``, query head ``h``, the query tile's first
+    position ``i0``, the key tile's first key ``key_start``, and where the task's float32 partial
+    [block_q, padded_dim] of this query tile starts in the [splits, B, Hq, padded_sq, padded_dim]
+    partials (the backward's dq, the double backward's q_grad)."""
+
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    i0: tirx.PrimExpr
+    key_start: tirx.PrimExpr
+    partial_start: tirx.PrimExpr
+
+
+@T.macro
+def key_split_tasks(grid, kernel, task_body):
+    # a task per (batch, KV head, split): it owns its key tiles' dk/dv (no two tasks write one)
+    # and its own query partials
+    for task in T.parallel(grid.B * grid.num_kv_heads * grid.splits):
+        b: T.int64 = task // (grid.num_kv_heads * grid.splits)
+        g: T.int64 = task // grid.splits % grid.num_kv_heads
+        split: T.int64 = task % grid.splits
+        task_body(kernel, b, g, split)
+
+
+@T.macro
+def visible_query_tiles(grid, kernel, scratch, b, g, split, kt, pair_body):
+    # every query head of g's group, and of each only the query tiles whose rows can see key tile kt
+    for hr in range(grid.group):
+        qlo, qhi = query_tile_range(grid.cfg, key_first=kt * grid.block_k,
+                                    key_last=T.min(kt * grid.block_k + grid.block_k, grid.Sk) - 1,
+                                    num_queries=grid.Sq, delta=grid.Sk - grid.Sq, block_q=grid.block_q)
+        for qt in range(qlo, qhi):
+            pair_body(kernel, scratch, grid.pair(b, g, split, hr, qt, kt))
 
 
 @T.macro

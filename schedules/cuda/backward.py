@@ -46,7 +46,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tile_range, param_buffers, probability,
+from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tile_range, kernel_params, probability,
                       query_tile_range, shape_vars)
 from .backward_registers import RegisterTiles, Scratch
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
@@ -147,8 +147,8 @@ class BackwardMacros(RegisterTiles):
         spec = self.spec
         i, j = at.i0 + row, at.j0 + key
         capped = sem.softcap(spec.cfg, score * T.float32(spec.scale))
-        return T.if_then_else(i < at.Sq, probability(spec, capped, prm.alibi, prm.mask, at.b, at.h, i, j, at.Sk, at.delta,
-                                                     sc.lse_r[row]), T.float32(0))
+        return T.if_then_else(i < at.Sq, probability(spec, capped, prm.alibi, prm.mask, at.b, at.h, i, j, at.Sk,
+                                                     at.delta, sc.lse_r[row]), T.float32(0))
 
     def score_grad(self, sc: Scratch, p, dp, row, score):
         """dS of the tile's query row ``row`` (tvm_fuel.op.semantics.score_grad, from the raw score)."""
@@ -425,15 +425,27 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
     BQ, BK, NT = tiles.block_q, tiles.block_k, launch.threads
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
+    sizes = dict(B=B, Sq=Sq, Sk=Sk)
+
+    @T.macro
+    def tile_blocks(prm, length, tile, heads, block_of, block_body):
+        # one thread block per (tile of `length`, batch, head): `block_body` over `block_of` its
+        # coordinates; the dk/dv and the dq kernels launch alike
+        for bx in launch.grid((length + tile - 1) // tile, "x"):
+            for by in launch.grid(B, "y"):
+                for bz in launch.grid(heads, "z"):
+                    for tx in launch.block():
+                        # #pragma unroll for nvcc instead of TVM's expansion (see forward.py)
+                        with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
+                            block_body(prm, block_of(T.Cast("int64", by), T.Cast("int64", bz),
+                                                     T.Cast("int64", bx) * tile, Sq, Sk), tx)
 
     @T.prim_func
     def fuel_flash_attn_backward_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
                                       alibi_h: T.handle, mask_h: T.handle, out_h: T.handle, lse_h: T.handle,
                                       dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k, v, do, alibi, mask, out, lse, dq, dk, dv = param_buffers(
-            spec, dict(B=B, Sq=Sq, Sk=Sk),
-            q=q_h, k=k_h, v=v_h, do=do_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h, dq=dq_h, dk=dk_h, dv=dv_h)
+        q, k, v, do, alibi, mask, out, lse, dq, dk, dv = kernel_params(
+            spec, sizes, q_h, k_h, v_h, do_h, alibi_h, mask_h, out_h, lse_h, dq_h, dk_h, dv_h)
         row_dot = T.alloc_buffer((B, Hq, Sq) if want_ds else (1, 1, 1), F32)
         # T.meta_var: the bundle stays a Python value (an assignment would make it a TIR variable)
         prm = T.meta_var(BackwardBuffers(q, k, v, do, alibi, mask, out, lse, row_dot, dq, dk, dv))
@@ -444,23 +456,10 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
                     body.row_dots(prm, B, Sq, bx, tx)
         # 2. dk, dv: one block per (key tile, batch x KV head)
         if want_dk or want_dv:
-            for bx in launch.grid((Sk + BK - 1) // BK, "x"):
-                for by in launch.grid(B, "y"):
-                    for bz in launch.grid(Hkv, "z"):
-                        for tx in launch.block():
-                            # #pragma unroll for nvcc instead of TVM's expansion (see forward.py)
-                            with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
-                                body.key_block(prm, _KeyBlock(T.Cast("int64", by), T.Cast("int64", bz),
-                                                              T.Cast("int64", bx) * BK, Sq, Sk), tx)
+            tile_blocks(prm, Sk, BK, Hkv, _KeyBlock, body.key_block)
         # 3. dq: one block per (query tile, batch x query head)
         if want_dq:
-            for bx in launch.grid((Sq + BQ - 1) // BQ, "x"):
-                for by in launch.grid(B, "y"):
-                    for bz in launch.grid(Hq, "z"):
-                        for tx in launch.block():
-                            with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
-                                body.query_block(prm, _QueryBlock(T.Cast("int64", by), T.Cast("int64", bz),
-                                                                  T.Cast("int64", bx) * BQ, Sq, Sk), tx)
+            tile_blocks(prm, Sq, BQ, Hq, _QueryBlock, body.query_block)
 
     unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}
     if not spec.has_alibi:

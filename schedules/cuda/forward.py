@@ -30,7 +30,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tile_range, masked_logit, param_buffers,
+from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tile_range, masked_logit, kernel_params,
                       row_head, row_position, shape_vars, tile_is_interior)
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
 from .forward_registers import RegisterTiles
@@ -429,14 +429,12 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
     body = ForwardMacros(spec, tiles, launch, paged=False)
     part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
+    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     @T.prim_func
     def fuel_flash_attn_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
                              out_h: T.handle, lse_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k, v, alibi, mask, out, lse = param_buffers(
-            spec, dict(B=B, Sq=Sq, Sk=Sk),
-            q=q_h, k=k_h, v=v_h, alibi=alibi_h, mask=mask_h, out=out_h, lse=lse_h)
+        q, k, v, alibi, mask, out, lse = kernel_params(spec, sizes, q_h, k_h, v_h, alibi_h, mask_h, out_h, lse_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
         body.launch_grid(ForwardBuffers(q, k, v, out, part_o, part_stats, alibi=alibi, mask=mask, lse=lse), B, Sq,
@@ -458,14 +456,13 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
 
     def context_len(lens, b):  # a device kernel cannot assert: a length past the table's capacity is clamped
         return T.max(T.min(T.Cast("int64", lens[b]), max_blocks * spec.block_size), T.int64(0))
+    sizes = dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks)
 
     @T.prim_func
     def fuel_paged_attn_cuda(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
                              lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q, k_cache, v_cache, table, lens, alibi, out = param_buffers(
-            spec, dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks),
-            q=q_h, k_cache=k_cache_h, v_cache=v_cache_h, table=table_h, lens=lens_h, alibi=alibi_h, out=out_h)
+        q, k_cache, v_cache, table, lens, alibi, out = kernel_params(
+            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, out_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
         body.launch_grid(ForwardBuffers(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi, table=table,
