@@ -143,7 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
     if not args.no_higher_order:
         from .bench import higher_order as bench_higher_order
 
-        _bench_rows(args.out, "higher_order.json", bench_higher_order.higher_order_rows(memory=not args.no_long_context),
+        _bench_rows(args.out, "higher_order.json",
+                    bench_higher_order.higher_order_rows(memory=not args.no_long_context),
                     bench_higher_order.print_rows)
     return 0
 
@@ -461,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--import", dest="import_results", metavar="RESULTS",
                       help="instead of tuning here: records from a bundle run's results.json (its tune stage)")
     tune.add_argument("--target", default="host",
-                      help='"host" (this CPU, default), a kind, or a JSON target such as \'{"kind": "llvm", "mcpu": "znver3"}\'')
+                      help='"host" (this CPU, default), a kind, or a JSON target such as '
+                           '\'{"kind": "llvm", "mcpu": "znver3"}\'')
     tune.add_argument("--shapes", nargs="+", metavar="K=V,...", type=_shape_bucket,
                       help="shape buckets, e.g. B=1,H=8,S=1024,D=64,causal=1 or "
                            "B=8,Hq=32,Hkv=8,D=128,block_size=16,ctx=4096 (default: the benchmark's)")

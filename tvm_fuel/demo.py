@@ -179,7 +179,8 @@ def run_decoder(*, target="llvm", seed: int = 0, prompt_lens=(17, 200, 500, 1000
         results[kernels], engines[kernels] = min(runs, key=lambda r: r.prefill_s + r.decode_s), engine
         attention[kernels] = engine.generate(prompts, max_new_tokens=new_tokens, time_attention=True).attention_s
         r, a = results[kernels], attention[kernels]
-        print(f"  {kernels:<10} built in {engine.build_s:5.1f} s   prefill {sum(prompt_lens) / r.prefill_s:7.0f} tokens/s "
+        print(f"  {kernels:<10} built in {engine.build_s:5.1f} s   "
+              f"prefill {sum(prompt_lens) / r.prefill_s:7.0f} tokens/s "
               f"(attention {a['prefill'] * 1e3:6.1f} ms)   decode {r.decode_tokens_per_s:6.0f} tokens/s "
               f"(attention {a['decode'] * 1e3 / (new_tokens - 1):5.2f} ms/step)")
     floor, tuned = results["decomposed"], results["tuned"]
@@ -202,7 +203,8 @@ def run_decoder(*, target="llvm", seed: int = 0, prompt_lens=(17, 200, 500, 1000
         print(f"  PyTorch eager (KV cache)        prefill {prefill['torch']:7.0f} tokens/s"
               f"{'':21}decode {peer.decode_tokens_per_s:6.0f} tokens/s")
         print(f"  tuned / PyTorch: prefill tokens/s {prefill['tuned'] / prefill['torch']:.2f}x, decode tokens/s "
-              f"{tuned.decode_tokens_per_s / peer.decode_tokens_per_s:.2f}x; same tokens: {peer.tokens == tuned.tokens}")
+              f"{tuned.decode_tokens_per_s / peer.decode_tokens_per_s:.2f}x; "
+              f"same tokens: {peer.tokens == tuned.tokens}")
         differing = sum(a != b for ours, theirs in zip(tuned.tokens, peer.tokens) for a, b in zip(ours, theirs))
         checks.append(Check("greedy tokens differing from PyTorch's", float(differing), 0.0, "count"))
     errors, floor_errors, torch_errors = [], [], []

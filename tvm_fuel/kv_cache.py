@@ -66,8 +66,10 @@ def append_kernel(dtype: str, heads: int, head_dim: int, gpu: bool):
                     if e < batch * tokens * heads * head_dim:
                         slot: T.int64 = slots[b, t]
                         if slot >= T.int64(0) and slot < num_blocks * block_size:
-                            k_cache[slot // block_size, slot % block_size, h, e % head_dim] = k_new[b, h, t, e % head_dim]
-                            v_cache[slot // block_size, slot % block_size, h, e % head_dim] = v_new[b, h, t, e % head_dim]
+                            k_cache[slot // block_size, slot % block_size, h,
+                                    e % head_dim] = k_new[b, h, t, e % head_dim]
+                            v_cache[slot // block_size, slot % block_size, h,
+                                    e % head_dim] = v_new[b, h, t, e % head_dim]
         else:
             for b, t in T.grid(batch, tokens):
                 assert slots[b, t] >= T.int64(0) and slots[b, t] < num_blocks * block_size, \
@@ -111,7 +113,8 @@ class PagedKVCache:
                                 ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_layers", num_layers)))
         if dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"PagedKVCache: dtype must be float32, float16 or bfloat16, got {dtype!r}")
-        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = num_blocks, block_size, num_kv_heads, head_dim
+        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = (
+            num_blocks, block_size, num_kv_heads, head_dim)
         self.num_layers, self.dtype = num_layers, dtype
         self.device = device or tvm.cpu()
         self.gpu = self.device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
@@ -241,7 +244,8 @@ class PagedKVCache:
         for row, seq in enumerate(seqs):
             blocks = self._blocks[seq]
             if len(blocks) > width:
-                raise ValueError(f"PagedKVCache.block_table: sequence {seq} holds {len(blocks)} blocks > max_blocks {width}")
+                raise ValueError(f"PagedKVCache.block_table: sequence {seq} holds {len(blocks)} blocks "
+                                 f"> max_blocks {width}")
             table[row, :len(blocks)] = blocks
         return tvm.runtime.tensor(table, device=self.device)
 

@@ -15,8 +15,8 @@ user set neither variable it sets ``TVM_NUM_THREADS`` to the physical core count
 ``TVM_BIND_THREADS`` is unset it turns binding off. A user's own setting always wins; one TVM
 would not run as written (not a positive integer) gets a warning, once, and one asking for more
 threads than the pool runs is lowered to what runs (a worker is started per thread asked for:
-a huge value exhausts the memory), with a warning. Import tvm_fuel before running any TVM kernel in the process: a pool already
-started keeps its size.
+a huge value exhausts the memory), with a warning. Import tvm_fuel before running any TVM kernel
+in the process: a pool already started keeps its size.
 
 Contents:
     physical_cores -- cores of this machine (not hyper-threads)

@@ -46,7 +46,8 @@ def _layer_norm(x, g, b, axes, center=True, scale=True):
     """numpy or torch (the same expression): layer norm over ``axes``, biased variance."""
     ax = tuple(a % x.ndim for a in axes)
     mu = x.mean(ax, keepdims=True) if isinstance(x, np.ndarray) else x.mean(ax, keepdim=True)
-    var = ((x - mu) ** 2).mean(ax, keepdims=True) if isinstance(x, np.ndarray) else ((x - mu) ** 2).mean(ax, keepdim=True)
+    var = (((x - mu) ** 2).mean(ax, keepdims=True) if isinstance(x, np.ndarray)
+           else ((x - mu) ** 2).mean(ax, keepdim=True))
     y = (x - mu) / (var + EPS) ** 0.5
     return y * (g.reshape(_shape_of(x, axes)) if scale else 1) + (b.reshape(_shape_of(x, axes)) if center else 0)
 
@@ -75,7 +76,8 @@ def _batch_norm(x, g, b, mm, mv, axis=1, training=True, momentum=0.1, center=Tru
         keep = {"keepdims": True} if isinstance(x, np.ndarray) else {"keepdim": True}
         mu = x.mean(others, **keep)
         var = ((x - mu) ** 2).mean(others, **keep)
-        new_mean, new_var = (1 - momentum) * mm + momentum * mu.reshape(-1), (1 - momentum) * mv + momentum * var.reshape(-1)
+        new_mean, new_var = ((1 - momentum) * mm + momentum * mu.reshape(-1),
+                             (1 - momentum) * mv + momentum * var.reshape(-1))
     else:
         mu, var, new_mean, new_var = mm.reshape(per), mv.reshape(per), mm * 1, mv * 1
     y = (x - mu) / (var + EPS) ** 0.5 * (g.reshape(per) if scale else 1) + (b.reshape(per) if center else 0)

@@ -167,8 +167,10 @@ def test_run_py_refuses_a_bad_manifest_or_results_file_before_running(llvm_bundl
     results = tmp_path / "results.json"
     for broken, says in (
             (ours, "it has no 'stages' object"),
-            ({**ours, "stages": {"smoke": {"cases": 3, "not_passed": 0}}}, "stages.smoke lacks its cases list or not_passed count"),
-            ({**ours, "stages": {"smoke": {"cases": [{"name": "x"}], "not_passed": 0}}}, "stages.smoke.cases holds an entry without a status"),
+            ({**ours, "stages": {"smoke": {"cases": 3, "not_passed": 0}}},
+             "stages.smoke lacks its cases list or not_passed count"),
+            ({**ours, "stages": {"smoke": {"cases": [{"name": "x"}], "not_passed": 0}}},
+             "stages.smoke.cases holds an entry without a status"),
             ({**ours, "stages": {"warmup": {"cases": [], "not_passed": 0}}}, "stages.warmup is not a stage of"),
             ({**ours, "stages": {"tune": {"cases": [], "not_passed": 0, "buckets": [{"points": [{}]}]}}},
              "stages.tune.buckets holds a bucket whose points lack status or hand_picked")):
@@ -251,7 +253,8 @@ def test_bundle_replaces_an_earlier_bundle_only_when_it_holds_nothing_else(venv,
     assert manifest["bundle_id"] != earlier["bundle_id"]
     # the earlier bundle's check and bench modules and the unpacked wheels are gone; only the new files are there
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == manifest["files"]
-    assert {c["stage"] for c in manifest["cases"]} == {"smoke"} and not (out / "runtime" / "unpacked-ml_dtypes").exists()
+    assert ({c["stage"] for c in manifest["cases"]} == {"smoke"}
+            and not (out / "runtime" / "unpacked-ml_dtypes").exists())
     assert (tmp_path / "results.json").read_bytes() == results
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "results.json"]
 

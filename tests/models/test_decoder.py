@@ -66,7 +66,8 @@ def test_chunked_decode_over_the_cache():
     bottom-right causal per sequence)."""
     engine = _engine("tuned")
     rng = np.random.default_rng(4)
-    prompts, chunk = [rng.integers(0, CONFIG.vocab_size, n) for n in (9, 30)], rng.integers(0, CONFIG.vocab_size, (2, 5))
+    prompts, chunk = ([rng.integers(0, CONFIG.vocab_size, n) for n in (9, 30)],
+                      rng.integers(0, CONFIG.vocab_size, (2, 5)))
     seqs = [engine.cache.add_sequence() for _ in prompts]
     try:
         for seq, prompt in zip(seqs, prompts):

@@ -104,7 +104,8 @@ def _call(make, **shapes_and_dtypes):
 @pytest.mark.parametrize("args,message", [
     (dict(dy=((4, 8), "float32"), x=((4, 8, 1), "float32")), "argument 'x' must be 2-D"),
     (dict(dy=((4, 8), "float16"), x=((4, 8), "float32")), "argument 'dy' must have the dtype of 'x'"),
-    (dict(dy=((4, 8), "float32"), x=((4, 8), "float32"), rstd=((4,), "float16")), "argument 'rstd' must have dtype float32"),
+    (dict(dy=((4, 8), "float32"), x=((4, 8), "float32"), rstd=((4,), "float16")),
+     "argument 'rstd' must have dtype float32"),
     (dict(dy=((4, 8), "float32"), x=((4, 8), "float32"), gamma=((7,), "float32")), "argument 'gamma' must have shape"),
     (dict(dy=((4, 8), "float32"), x=((4, 8), "float32"), mean=((5,), "float32")), "argument 'mean' must have shape"),
     (dict(dy=((4, 8), "float32"), x=((4, 0), "float32")), "feature count C of 'x' must be >= 1"),

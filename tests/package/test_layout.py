@@ -158,7 +158,8 @@ def test_every_module_declares_one_tier():
 
 def test_a_new_test_file_without_a_tier_stops_the_collection(tmp_path):
     shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_tiered.py").write_text("import pytest\npytestmark = pytest.mark.unit\n\ndef test_a():\n    pass\n")
+    (tmp_path / "test_tiered.py").write_text("import pytest\npytestmark = pytest.mark.unit\n\n"
+                                             "def test_a():\n    pass\n")
     (tmp_path / "test_untiered.py").write_text("def test_b():\n    pass\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "."],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -61,7 +61,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd[:3])} ... in {cwd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd[:3])} ... in {cwd} exited {proc.returncode}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -71,7 +72,7 @@ def _probe(python: str, cwd: Path, env: dict[str, str], *flags: str) -> dict:
 
 def _expected_logs() -> list[str]:
     return sorted(str(p.relative_to(REPO / "tuning_logs")) for p in (REPO / "tuning_logs").rglob("*.json")
-                  if "logs" not in p.relative_to(REPO / "tuning_logs").parts[:1])  # tuning_logs/logs/: git-ignored output
+                  if "logs" not in p.relative_to(REPO / "tuning_logs").parts[:1])  # logs/: git-ignored output
 
 
 def _assert_source_layout(found: dict) -> None:

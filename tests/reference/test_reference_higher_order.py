@@ -13,7 +13,8 @@ from tvm_fuel import reference as ref
 pytestmark = pytest.mark.numerics
 EPS = 1e-5
 
-SHAPES = [(1, 7, 1, 1, 17, 40), (2, 3, 1, 17, 17, 64), (1, 1, 1, 97, 33, 128), (1, 6, 2, 17, 97, 40)]  # B Hq Hkv Sq Sk D
+SHAPES = [(1, 7, 1, 1, 17, 40), (2, 3, 1, 17, 17, 64), (1, 1, 1, 97, 33, 128),
+          (1, 6, 2, 17, 97, 40)]  # B Hq Hkv Sq Sk D
 OPTIONS = {
     "plain": dict(),
     "causal": dict(causal=True),

@@ -49,7 +49,8 @@ def _torch_attention(q, k, v, slopes, window_size, causal, softcap):
 
 
 @pytest.mark.parametrize("sq,sk", [(17, 40), (40, 17), (1, 40)])
-@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(5, 2)), dict(window_size=(-1, 3), softcap=2.0)])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(5, 2)),
+                                     dict(window_size=(-1, 3), softcap=2.0)])
 def test_reference_matches_torch_forward_and_autograd(sq, sk, options):
     rng = np.random.default_rng(sq + sk)
     q, k, v, do = (rng.standard_normal(s) for s in ((2, 6, sq, 16), (2, 2, sk, 16), (2, 2, sk, 16), (2, 6, sq, 16)))
@@ -65,7 +66,8 @@ def test_reference_matches_torch_forward_and_autograd(sq, sk, options):
 
 def test_reference_matches_torch_sdpa_with_bool_mask_and_gqa():
     rng = np.random.default_rng(0)
-    q, k, v = rng.standard_normal((2, 6, 17, 32)), rng.standard_normal((2, 3, 29, 32)), rng.standard_normal((2, 3, 29, 32))
+    q, k, v = (rng.standard_normal((2, 6, 17, 32)), rng.standard_normal((2, 3, 29, 32)),
+               rng.standard_normal((2, 3, 29, 32)))
     mask = rng.random((2, 1, 17, 29)) < 0.8
     want = torch.nn.functional.scaled_dot_product_attention(
         *(torch.tensor(a) for a in (q, k, v)), attn_mask=torch.tensor(mask), enable_gqa=True)

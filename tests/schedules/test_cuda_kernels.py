@@ -105,18 +105,21 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     assert cuda.compile_cubin(source, arch)
     assert usage
     for kernel, (static, dynamic) in usage.items():
-        assert static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch], (kernel, static, dynamic)
+        assert (static <= STATIC_SHARED_LIMIT
+                and static + dynamic <= SHARED_MEMORY_LIMIT[arch]), (kernel, static, dynamic)
     if dtype != "float32":  # register tiles: S, P, dP, dS and the accumulators never leave the registers
         ptx = "bf16" if dtype == "bfloat16" else "f16"
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in source and "wmma" not in source
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in source and "ldmatrix.sync.aligned.m8n8.x4.trans" in source
         for name, func in kernels.items():
             loops = _streaming_loops(func)
-            assert len(loops) == (2 if name == "fuel_flash_attn_backward_kernel" else 1), (name, len(loops))  # dk/dv, dq
+            assert len(loops) == (2 if name == "fuel_flash_attn_backward_kernel"  # dk/dv, dq
+                                  else 1), (name, len(loops))
             for loop_ops, stores in loops:
                 assert {"tirx.ptx_legacy.mma", "tirx.ptx_legacy.ldmatrix"} <= loop_ops, name
                 assert "backward" in case or "tirx.tvm_warp_shuffle_xor" in loop_ops  # the forward's row max
-                assert not [s for s in stores if _stores_accumulator(s)], (name, sorted({s.buffer.name for s in stores}))
+                assert not [s for s in stores if _stores_accumulator(s)], (name,
+                                                                            sorted({s.buffer.name for s in stores}))
     # the tiles a block walks (K/V; Q/dO in the backward's dk/dv kernel) stream through a cp.async pipeline
     assert "cp.async.cg.shared.global" in source and "cp.async.wait_group" in source
     assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile
@@ -155,7 +158,8 @@ def test_fragment_layouts_cover_the_tiles_once():
 
 def _ops_in(node) -> set[str]:
     found = set()
-    tvm_ffi.structural_walk(node, (tvm.ir.expr.Call, lambda n: found.add(n.op.name) if isinstance(n.op, tvm.ir.Op) else None),
+    tvm_ffi.structural_walk(node, (tvm.ir.expr.Call,
+                                   lambda n: found.add(n.op.name) if isinstance(n.op, tvm.ir.Op) else None),
                             order="post")
     return found
 
@@ -201,7 +205,8 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     rng = np.random.default_rng(stages)
     host = tvm.target.Target("llvm")
     q, k, v = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 2, 150, 64), dtype), randn(rng, (1, 2, 150, 64), dtype)
-    cases = [(dict(causal=True), dict(block_q=16, block_k=16, threads=32)), (dict(window_size=(40, 0)), dict(block_k=32)),
+    cases = [(dict(causal=True), dict(block_q=16, block_k=16, threads=32)),
+             (dict(window_size=(40, 0)), dict(block_k=32)),
              (dict(), dict(block_k=64, splits=2))]
     for options, knobs in cases:
         mod = build(lambda **a: op.flash_attn(**a, return_lse=True, **options),

@@ -186,5 +186,6 @@ def test_require_grads_outside_the_parameters_is_refused_by_name():
         tvm_fuel.transform.gradient(mod, require_grads=[q, 1])
     with pytest.raises(TypeError, match=where + r"require_grads must be a relax\.Var or a list of them, got str"):
         tvm_fuel.transform.gradient(mod, require_grads="q")
-    with pytest.raises(ValueError, match=where + r"no Relax function 'train' in the module \(its Relax functions: main\)"):
+    with pytest.raises(ValueError, match=where + r"no Relax function 'train' in the module "
+                                               r"\(its Relax functions: main\)"):
         tvm_fuel.transform.gradient(mod, "train")

@@ -360,7 +360,8 @@ def _tune_error(capsys, *argv) -> str:
     return err[0]
 
 
-MODEL = "from tvm_fuel.tuning.buckets import bucket_module\nMOD = bucket_module('flash_attn', dict(B=1, H=2, S=17, D=64))\n"
+MODEL = ("from tvm_fuel.tuning.buckets import bucket_module\n"
+         "MOD = bucket_module('flash_attn', dict(B=1, H=2, S=17, D=64))\n")
 
 
 @pytest.mark.parametrize("body, expected", [

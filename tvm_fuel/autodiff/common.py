@@ -91,4 +91,5 @@ def composition_vjp(ctx: relax.BlockBuilder, compose, args: list[relax.Expr],
     return [grads.fields[i] if isinstance(grads, relax.Tuple) else relax.TupleGetItem(grads, i)
             for i in range(len(args))]
 
-__all__ = ["const", "bound_value", "tuple_adjoints", "normalized_axes", "broadcast_weight", "weight_sum", "composition_vjp"]
+__all__ = ["const", "bound_value", "tuple_adjoints", "normalized_axes", "broadcast_weight", "weight_sum",
+           "composition_vjp"]

@@ -27,7 +27,8 @@ def _rsqrt_gradient(orig_var, orig_call, output_grad, ctx):
 
 def _erf_gradient(orig_var, orig_call, output_grad, ctx):
     x = orig_call.args[0]
-    return [R.multiply(output_grad, R.multiply(const(2.0 / math.sqrt(math.pi), x), R.exp(R.negative(R.multiply(x, x)))))]
+    return [R.multiply(output_grad, R.multiply(const(2.0 / math.sqrt(math.pi), x),
+                                               R.exp(R.negative(R.multiply(x, x)))))]
 
 
 def _gelu_gradient(orig_var, orig_call, output_grad, ctx):

@@ -217,7 +217,8 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
         args = [q, k, v, do, out, lse]
     tensors = [tvm.runtime.tensor(a) for a in args]
     results = _timed_builds(mod, target, tensors, with_floor=with_floor, floor_skip=(
-        f"would materialize {case.B * case.H * case.S * case.S:,} scores (> {FLOOR_MAX_SCORES:,}); run with --floor-all"))
+        f"would materialize {case.B * case.H * case.S * case.S:,} scores (> {FLOOR_MAX_SCORES:,}); "
+        "run with --floor-all"))
     torch = _torch()
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}

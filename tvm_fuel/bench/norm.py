@@ -107,9 +107,11 @@ def norm_rows(*, seed: int = 0) -> dict:
             ms = {name: seconds * 1e3 for name, (seconds, _) in timed.items()}
             # a row times the same answer or it times nothing: each one's largest difference from the
             # kernel's outputs, relative to the kernel's largest magnitude
-            got = {name: [np.asarray(o.numpy() if hasattr(o, "numpy") else o) for o in fn()] for name, fn in fns.items()}
+            got = {name: [np.asarray(o.numpy() if hasattr(o, "numpy") else o) for o in fn()]
+                   for name, fn in fns.items()}
             scale = {i: max(float(np.abs(o).max(initial=0.0)), 1e-30) for i, o in enumerate(got["kernel"])}
-            errors = {name: max(float(np.abs(o - got["kernel"][i]).max(initial=0.0)) / scale[i] for i, o in enumerate(outs))
+            errors = {name: max(float(np.abs(o - got["kernel"][i]).max(initial=0.0)) / scale[i]
+                                for i, o in enumerate(outs))
                       for name, outs in got.items() if name != "kernel"}
             # bytes the backward must move at least: read dy and x, write dx (float32)
             gbps = 3 * 4 * n * c / (ms["kernel"] * 1e-3) / 1e9

@@ -82,8 +82,8 @@ def ptxas_report(source: str, arch: str) -> dict[str, dict[str, int]]:
         if match := re.search(r"Compiling entry function '(\w+)'", line):
             kernel = match.group(1)
             report[kernel] = {"registers": 0, "stack_frame": 0, "spill_stores": 0, "spill_loads": 0}
-        elif kernel and (match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                                            line)):
+        elif kernel and (match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                            r"(\d+) bytes spill loads", line)):
             report[kernel].update(stack_frame=int(match.group(1)), spill_stores=int(match.group(2)),
                                   spill_loads=int(match.group(3)))
         elif kernel and (match := re.search(r"Used (\d+) registers", line)):

@@ -180,13 +180,14 @@ def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
             for grad in "qkv":
                 seed += 1
                 B, Hq, Hkv, Sq, Sk, D, options, _ = _BACKWARD[0]
-                found.append(Case("check", f"check/flash_attn_backward_{grad}/{dtype}/B{B}-Hq{Hq}-Hkv{Hkv}-Sq{Sq}-Sk{Sk}"
-                                           f"-D{D}/{_label(options)}", f"flash_attn_backward_{grad}", dtype,
+                found.append(Case("check", f"check/flash_attn_backward_{grad}/{dtype}/B{B}-Hq{Hq}-Hkv{Hkv}-Sq{Sq}"
+                                           f"-Sk{Sk}-D{D}/{_label(options)}", f"flash_attn_backward_{grad}", dtype,
                                   _dense(B, Hq, Hkv, Sq, Sk, D, dtype, backward=True), options, seed=seed, scale=4))
         for Sq, Hq, Hkv, D, block_size, lens in paged:
             seed += 1
             name = f"check/paged_attn/{dtype}/Sq{Sq}-Hq{Hq}-Hkv{Hkv}-D{D}-bs{block_size}/ctx{'_'.join(map(str, lens))}"
-            found.append(Case("check", name, "paged_attn", dtype, _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype),
+            found.append(Case("check", name, "paged_attn", dtype,
+                              _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype),
                               dict(causal=True), seed=seed))
     return found
 

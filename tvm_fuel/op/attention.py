@@ -84,7 +84,8 @@ def _backward_op(name: str, doc: str):
     return constructor
 
 
-flash_attn_backward = _backward_op("flash_attn_backward", """Gradients ``(dq, dk, dv)`` of ``flash_attn`` for the output gradient ``do``.
+flash_attn_backward = _backward_op(
+    "flash_attn_backward", """Gradients ``(dq, dk, dv)`` of ``flash_attn`` for the output gradient ``do``.
 
     Parameters
     ----------

@@ -287,8 +287,8 @@ def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=Non
         return x[idx[0], sem.kv_head(idx[1], group), j, idx[3]].astype(F32)
 
     if out is None:
-        pv = _sum_terms((B, Hq, Sq, D), Sk, lambda idx, j: [sem.weighted(p[idx[0], idx[1], idx[2], j], v_at(v, idx, j))],
-                        "pv")
+        pv = _sum_terms((B, Hq, Sq, D), Sk,
+                        lambda idx, j: [sem.weighted(p[idx[0], idx[1], idx[2], j], v_at(v, idx, j))], "pv")
         mass = _row_mass(p)
         # the backward kernels read the forward op's output, rounded to q's dtype (the JVP's own is not)
         dtype = F32 if online else str(q.dtype)

@@ -3,8 +3,8 @@ can and the run-time check (``tvm_fuel.op.legalize``) enforces where it cannot.
 
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; do, out [B, Hq, Sq, D]; lse [B, Hq, Sq];
 alibi_slopes [Hq]; paged caches [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
-context_lens [B]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar
-like k.
+context_lens [B]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the
+tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar like k.
 
 Contents:
     DimRule       -- ``arg.shape[axis] == ref.shape[ref_axis]``

@@ -13,9 +13,10 @@ float32 with the results cast back to the input dtype, like the floor:
   (so neither the softmax nor its gradient is NaN) and its probabilities are ``where``-ed to 0,
   so its output is 0 and its ``lse`` is ``-inf``;
 * the backward ops as FlashAttention-2's formulas: ``P`` from the logits and ``lse`` (the softmax
-  itself when not given: the whole row is at hand), ``dP = dO V^T``, ``D = rowsum(dO * O)`` (``rowsum(P * dP) / rowsum(P)``
-  without ``out``), ``dS = P * (dP - D) * softcap'`` (exactly 0 where ``P`` is 0), ``dq = scale dS K``,
-  ``dk = scale dS^T Q`` and ``dv = P^T dO`` summed over the group by the same matmul;
+  itself when not given: the whole row is at hand), ``dP = dO V^T``, ``D = rowsum(dO * O)``
+  (``rowsum(P * dP) / rowsum(P)`` without ``out``), ``dS = P * (dP - D) * softcap'`` (exactly 0
+  where ``P`` is 0), ``dq = scale dS K``, ``dk = scale dS^T Q`` and ``dv = P^T dO`` summed over
+  the group by the same matmul;
 * ``paged_attn`` gathers the live blocks with ``take`` over the block table (ids clamped, dead
   entries read block 0) into [B, Hkv, max_blocks * block_size, D] and masks keys past
   ``context_lens[b]``; ``softmax_backward`` is ``probs * (dprobs - sum(probs * dprobs))``.

@@ -44,7 +44,8 @@ def parse_bucket(text: str) -> dict:
         elif key == "dtype":
             bucket[key] = value
         else:
-            raise ValueError(f"tvm_fuel tune: unknown shape key {key!r} (known: {sorted(_INT_KEYS)}, window, softcap, dtype)")
+            raise ValueError(f"tvm_fuel tune: unknown shape key {key!r} "
+                             f"(known: {sorted(_INT_KEYS)}, window, softcap, dtype)")
     return bucket
 
 

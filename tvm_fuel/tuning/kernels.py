@@ -5,10 +5,11 @@ database per kernel family under ``<work_dir>/<target key>/<kernel>/``, the layo
 ``tvm_fuel.compile`` reads. Before searching, each task measures its hand-picked knobs (once: a
 resumed run finds that record), so the progress lines show the speed-up. The search resumes from
 what the database already holds (``logs.LogDatabase``: JSONDatabase's files read line by line, so
-the torn last line of a killed run is skipped with a warning, and written one whole line at a time). Afterwards the best knob sets are re-measured side by side with
-the hand-picked ones, a few rounds (single measurements on a shared machine drift by 10-30 %);
-those verified records are what ``tvm_fuel.compile`` chooses from, so a kernel only leaves its
-hand-picked knobs for ones that beat them in the same rounds.
+the torn last line of a killed run is skipped with a warning, and written one whole line at a
+time). Afterwards the best knob sets are re-measured side by side with the hand-picked ones, a
+few rounds (single measurements on a shared machine drift by 10-30 %); those verified records
+are what ``tvm_fuel.compile`` chooses from, so a kernel only leaves its hand-picked knobs for
+ones that beat them in the same rounds.
 
 Logs go to ``work_dir``, by default ``default_work_dir()``: a per-user cache directory, never the
 logs shipped with the package (``--work-dir tuning_logs`` in a checkout still writes those, on purpose).

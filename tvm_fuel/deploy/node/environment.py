@@ -108,7 +108,8 @@ def _ffi_path(bundle: Path, manifest: dict) -> Path | None:
     if installed == manifest["runtime"]["ffi_version"]:
         return None
     raise NodeError(f"the bundle's tvm_ffi wheel is for Python {manifest['bundle']['python']}, this is "
-                    f"{sys.version.split()[0]}; rebuild it with --python {sys.version_info.major}.{sys.version_info.minor}")
+                    f"{sys.version.split()[0]}; "
+                    f"rebuild it with --python {sys.version_info.major}.{sys.version_info.minor}")
 
 
 def worker_environment(bundle: Path, manifest: dict) -> dict[str, str]:
