@@ -4,6 +4,8 @@ the GQA row packing, finishing.
 Contents:
     KernelSpec        -- the static facts of one kernel instance (from ..workload)
     shape_vars        -- the runtime dims of a kernel: symbolic vars or constants
+    kernel_sizes      -- an attention kernel's runtime sizes by name (dense or paged)
+    kernel_params     -- every kernel's prologue: its parameters' buffers, laid out by name
     key_tile_range    -- the key tiles a range of query positions can see
     query_tile_range  -- the query tiles that can see a range of keys (backward)
     balanced_order    -- a task order whose contiguous chunks carry equal causal work
@@ -11,7 +13,7 @@ Contents:
     row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased, masked_logit, probability -- the element-wise mask, logit and softmax weight (via
                       tvm_fuel.op.semantics)
-    mask_shape, mask_at, kernel_params, drop_params, finish
+    mask_shape, mask_at, drop_params, finish
     ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima
 """
 
@@ -98,6 +100,17 @@ def shape_vars(dims, names: tuple[str, ...]) -> tuple:
     """
     return tuple(tirx.Var(name, "int64") if dims.get(name) is None else tirx.const(int(dims[name]), "int64")
                  for name in names)
+
+
+DENSE_SIZES = ("B", "Sq", "Sk")
+PAGED_SIZES = ("B", "Sq", "num_blocks", "max_blocks")
+
+
+def kernel_sizes(dims, *, paged: bool = False) -> dict:
+    """An attention kernel's runtime sizes by name (``shape_vars`` of DENSE_SIZES, or PAGED_SIZES):
+    what its body loops over and what ``kernel_params`` lays its buffers out by."""
+    names = PAGED_SIZES if paged else DENSE_SIZES
+    return dict(zip(names, shape_vars(dims or {}, names)))
 
 
 def drop_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:

@@ -31,7 +31,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, shape_vars
+from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, kernel_sizes
 from .common import Buffers, absent_inputs
 from .micro import Micro
 from .tasks import KeySplitGrid, key_split_tasks, sum_split_partials, visible_query_tiles
@@ -205,7 +205,8 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                    dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """The backward kernel producing ``grads`` (a subset of dq, dk, dv, in that order), with
     ``tiles.splits`` tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk (symbolic where absent)."""
-    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    sizes = kernel_sizes(dims)
+    B, Sq, Sk = sizes.values()
     splits = tiles.splits
     micro = Micro(tiles)
     body = _Body(spec, tiles, grads, Sq, Sk)
@@ -216,7 +217,6 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
     unused = absent_inputs(spec) | {name for name in ("dq", "dk", "dv") if name not in grads}
-    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     @T.macro
     def pair_step(kernel, scratch, pair):

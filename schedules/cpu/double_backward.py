@@ -29,7 +29,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, shape_vars
+from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, kernel_sizes
 from .common import absent_inputs
 from .micro import Micro
 from .tangent import COTANGENTS, Direction, TangentBuffers, TangentPass
@@ -232,7 +232,8 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
                           dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """The double backward kernel for the present ``cotangents`` (of dq_bar, dk_bar, dv_bar), with
     ``tiles.splits`` second-stage tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk."""
-    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    sizes = kernel_sizes(dims)
+    B, Sq, Sk = sizes.values()
     direction = Direction.of(COTANGENTS, cotangents)
     rows_pass = TangentPass(spec, tiles, direction, B, Sq, Sk, online=False)
     padded_sq = (Sq + tiles.block_q - 1) // tiles.block_q * tiles.block_q  # rows in whole query tiles
@@ -310,7 +311,6 @@ def flash_double_backward(spec: KernelSpec, tiles: CpuTiles, *, cotangents: tupl
             visible_query_tiles(grid, kernel, t, b, g, split, kt, pair_step)
             key_pass.store_keys(t, kernel.params, kernel.k_grad, kernel.v_grad, b, g, kt)
 
-    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     # fmt: off
     @T.prim_func

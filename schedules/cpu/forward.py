@@ -34,7 +34,7 @@ from tvm.script import tirx as T
 
 from ...op import semantics as sem
 from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
-                      kernel_params, row_head, row_position, shape_vars, tile_is_interior, tile_width)
+                      kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
 from .common import absent_inputs, Buffers, prefetch
 from .micro import add_term, Micro, store_row_sums
 from .tiles import STREAMING_ROWS, CpuTiles
@@ -212,13 +212,13 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
                   dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D]; ``dims`` fixes B, Sq, Sk
     (symbolic where absent)."""
-    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    sizes = kernel_sizes(dims)
+    B, Sq, Sk = sizes.values()
     body = _Body(spec, tiles)
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
     cfg = spec.cfg
     unused = absent_inputs(spec) | (set() if spec.return_lse else {"lse"})
-    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     # fmt: off
     @T.prim_func
@@ -441,7 +441,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     rows, score tile and accumulator (views into the task's buffers). More rows (multi-query)
     pack each key tile through the block table and run the register-tiled GEMMs.
     """
-    B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
+    sizes = kernel_sizes(dims, paged=True)
+    B, Sq, num_blocks, max_blocks = sizes.values()
     body = _Body(spec, tiles)
     paged = _PagedTile(spec, tiles, body, num_blocks)
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
@@ -450,7 +451,6 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     streaming = BQ <= STREAMING_ROWS
     HT = tiles.kv_heads if streaming else 1  # KV heads per task
     unused = absent_inputs(spec)
-    sizes = dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks)
 
     # fmt: off
     @T.prim_func

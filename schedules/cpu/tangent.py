@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 
 from ...op import semantics as sem
 from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tile_range, masked_logit, kernel_params,
-                      probability, shape_vars)
+                      probability, kernel_sizes)
 from .common import Buffers, absent_inputs
 from .micro import Micro, lane_tree
 from .tiles import CpuTiles
@@ -396,7 +396,8 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
               dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
     """The JVP kernel along the present ``tangents`` (of q_dot, k_dot, v_dot): out, out_dot (and lse
     with ``spec.return_lse``) in one online-softmax pass per (batch, query head, query tile)."""
-    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    sizes = kernel_sizes(dims)
+    B, Sq, Sk = sizes.values()
     direction = Direction.of(JVP_TANGENTS, tangents)
     tangent_pass = TangentPass(spec, tiles, direction, B, Sq, Sk, online=True)
     dtype, D, BQ = spec.dtype, spec.head_dim, tiles.block_q
@@ -417,7 +418,6 @@ def flash_jvp(spec: KernelSpec, tiles: CpuTiles, *, tangents: tuple[str, ...],
                 if spec.return_lse:
                     outputs.lse[tile.b, tile.h, tile.i0 + r] = sem.log_sum_exp(
                         sem.safe_row_max(rows.m[r]) * T.float32(sem.LN2), rows.l[r])
-    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     # fmt: off
     @T.prim_func

@@ -47,7 +47,7 @@ from tvm.script import tirx as T
 
 from ...op import semantics as sem
 from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tile_range, kernel_params, probability,
-                      query_tile_range, shape_vars)
+                      query_tile_range, kernel_sizes)
 from .backward_registers import RegisterTiles, Scratch
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
 from .tiles import CudaTiles
@@ -419,13 +419,13 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
     if not grads or any(g not in ("dq", "dk", "dv") for g in grads):
         raise ValueError(f"flash_backward: grads must be a non-empty subset of dq, dk, dv, got {grads!r}")
     launch = launch or Launch(tiles.threads)
-    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    sizes = kernel_sizes(dims)
+    B, Sq, Sk = sizes.values()
     body = BackwardMacros(spec, tiles, launch, grads)
     Hq, Hkv = spec.num_q_heads, spec.num_kv_heads
     BQ, BK, NT = tiles.block_q, tiles.block_k, launch.threads
     want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
     want_ds = want_dq or want_dk
-    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     @T.macro
     def tile_blocks(prm, length, tile, heads, block_of, block_body):

@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 
 from ...op import semantics as sem
 from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tile_range, masked_logit, kernel_params,
-                      row_head, row_position, shape_vars, tile_is_interior)
+                      row_head, row_position, kernel_sizes, tile_is_interior)
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
 from .forward_registers import RegisterTiles
 from .tiles import CudaTiles
@@ -426,10 +426,10 @@ def dense_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] (B, Sq, Sk symbolic
     unless ``dims`` fixes them); ``launch`` defaults to ``tiles.threads`` threads per block."""
     launch = launch or Launch(tiles.threads)
-    B, Sq, Sk = shape_vars(dims or {}, ("B", "Sq", "Sk"))
+    sizes = kernel_sizes(dims)
+    B, Sq, Sk = sizes.values()
     body = ForwardMacros(spec, tiles, launch, paged=False)
     part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
-    sizes = dict(B=B, Sq=Sq, Sk=Sk)
 
     @T.prim_func
     def fuel_flash_attn_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
@@ -450,13 +450,13 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     """Paged attention over q [B, Hq, Sq, D] and caches [num_blocks, block_size, Hkv, D] through
     block_table [B, max_blocks] and context_lens [B] (the queries are the last Sq positions)."""
     launch = launch or Launch(tiles.threads)
-    B, Sq, num_blocks, max_blocks = shape_vars(dims or {}, ("B", "Sq", "num_blocks", "max_blocks"))
+    sizes = kernel_sizes(dims, paged=True)
+    B, Sq, num_blocks, max_blocks = sizes.values()
     body = ForwardMacros(spec, tiles, launch, paged=True)
     part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
 
     def context_len(lens, b):  # a device kernel cannot assert: a length past the table's capacity is clamped
         return T.max(T.min(T.Cast("int64", lens[b]), max_blocks * spec.block_size), T.int64(0))
-    sizes = dict(B=B, Sq=Sq, num_blocks=num_blocks, max_blocks=max_blocks)
 
     @T.prim_func
     def fuel_paged_attn_cuda(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
