@@ -16,6 +16,8 @@ Contents:
     transform  -- Relax passes, one per file: FuseAttention, ShareForwardState, UseSoftmaxBackward,
                   gradient, ExpandAttention, LegalizeFuel, ...
     autodiff   -- gradients of the fuel ops and of the Relax ops TVM leaves without one
+    frontend   -- from_exported_program: TVM's PyTorch importer, repaired, attention fused
+                  (import tvm_fuel.frontend)
     nn         -- FlashAttention, PagedAttention modules for tvm.relax.frontend.nn (import tvm_fuel.nn)
     kv_cache   -- PagedKVCache: blocks, appends through the block table, frees (import tvm_fuel.kv_cache)
     models     -- end-to-end: a Llama-style decoder served over the paged cache, a training run

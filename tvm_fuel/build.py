@@ -4,7 +4,8 @@ The passes it runs live in ``tvm_fuel.transform`` (one per file), the targets in
 
 Contents:
     compile          -- tvm.compile with the kernel path chosen explicitly (``pipeline``)
-    pipeline         -- SpecializeAtTunedShapes and LegalizeFuel in front of default_pipeline
+    pipeline         -- RepairImportedProgram, SpecializeAtTunedShapes and LegalizeFuel in front of
+                        default_pipeline
     default_pipeline -- TVM's Relax pipeline with tuned records and default schedules for the rest
 """
 
@@ -19,6 +20,7 @@ from .target import as_target
 from .transform.apply_tuned_functions import ApplyTunedFunctions
 from .transform.legalize_and_fuse import cpu_legalize_passes
 from .transform.legalize_fuel import LegalizeFuel
+from .transform.repair_imported_program import RepairImportedProgram
 from .transform.specialize_at_tuned_shapes import SpecializeAtTunedShapes
 
 
@@ -63,7 +65,8 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
 
 def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, shipped_logs: bool = True,
              base: Any = "default") -> tvm.transform.Pass:
-    """``SpecializeAtTunedShapes`` and ``LegalizeFuel`` followed by ``base``: ``"default"`` is
+    """``RepairImportedProgram`` (what TVM's PyTorch importer mistranslates), ``SpecializeAtTunedShapes``
+    and ``LegalizeFuel``, followed by ``base``: ``"default"`` is
     ``default_pipeline`` (TVM's Relax pipeline for the target with the tuned records of the
     model's other functions and default schedules), else a pipeline name or a Pass.
 
@@ -76,8 +79,8 @@ def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, 
     roots = log_roots(database, shipped_logs)
     if isinstance(base, str):
         base = default_pipeline(target, roots) if base == "default" else relax.get_pipeline(base)
-    return tvm.transform.Sequential([SpecializeAtTunedShapes(target, roots, lower), lower, base],
-                                    name="tvm_fuel.pipeline")
+    return tvm.transform.Sequential([RepairImportedProgram(), SpecializeAtTunedShapes(target, roots, lower), lower,
+                                     base], name="tvm_fuel.pipeline")
 
 
 def default_pipeline(target: Any, roots: list | None = None) -> tvm.transform.Pass:

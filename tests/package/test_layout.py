@@ -26,7 +26,7 @@ LAYERS = {
     "tvm_fuel.op": 1,
     "tvm_fuel.schedules": 2, "tvm_fuel.autodiff": 2,
     "tvm_fuel.transform": 3, "tvm_fuel.tuning.records": 3, "tvm_fuel.tuning.log_database": 3,
-    "tvm_fuel.build": 4, "tvm_fuel.nn": 4, "tvm_fuel.kv_cache": 4,
+    "tvm_fuel.build": 4, "tvm_fuel.nn": 4, "tvm_fuel.kv_cache": 4, "tvm_fuel.frontend": 4,
     "tvm_fuel.tuning": 5, "tvm_fuel.models": 5,
     "tvm_fuel.bench": 6, "tvm_fuel.deploy": 6, "tvm_fuel.demo": 6,
     "tvm_fuel.cli": 7, "tvm_fuel.__main__": 7,

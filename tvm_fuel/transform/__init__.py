@@ -4,6 +4,8 @@ Contents:
     FuseAttention        -- R.nn.attention (FX import) and unfused softmax(mask(scale Q K^T)) V graphs
                             (exported programs: causal, bool and additive masks, GQA) -> flash_attn,
                             where the semantics match exactly
+    RepairImportedProgram -- what TVM 0.27's PyTorch importer mistranslates (bool cumsum, negative take
+                            indices), made what PyTorch means
     ShareForwardState    -- flash_attn returns its lse too, so its gradient reuses out and lse
     UseSoftmaxBackward   -- the softmax gradient Gradient writes out -> one softmax_backward
     gradient             -- ShareForwardState, relax.transform.Gradient, then UseSoftmaxBackward
@@ -24,12 +26,13 @@ from .fuse_attention import FuseAttention
 from .gradient import gradient, with_objective
 from .legalize_and_fuse import fuse
 from .legalize_fuel import KERNEL_PATHS, LegalizeFuel, legalize
+from .repair_imported_program import RepairImportedProgram
 from .round_bfloat16_results import RoundBfloat16Results
 from .share_forward_state import ShareForwardState
 from .specialize import ShapePoint, specialize
 from .specialize_at_tuned_shapes import SpecializeAtTunedShapes
 from .use_softmax_backward import UseSoftmaxBackward
 
-__all__ = ["FuseAttention", "ShareForwardState", "UseSoftmaxBackward", "gradient", "with_objective",
-           "ExpandAttention", "LegalizeFuel", "legalize", "KERNEL_PATHS", "RoundBfloat16Results",
+__all__ = ["FuseAttention", "RepairImportedProgram", "ShareForwardState", "UseSoftmaxBackward", "gradient",
+           "with_objective", "ExpandAttention", "LegalizeFuel", "legalize", "KERNEL_PATHS", "RoundBfloat16Results",
            "ApplyTunedFunctions", "SpecializeAtTunedShapes", "specialize", "ShapePoint", "fuse"]
