@@ -164,12 +164,15 @@ CASES = {
     "sdpa": Case((2, 4, 4, 13, 9, 16), (), lambda: {}, _PLAIN),
     "by_hand": Case((2, 4, 4, 13, 9, 16), (), lambda: _QUARTER, _PLAIN),
     "causal_sdpa": Case((2, 4, 4, 17, 17, 16), (), lambda: dict(causal=True), _CAUSAL),
+    # 97 x 97: the exporter's full(True) is past what FoldConstant folds; the mask is read, not evaluated
+    "causal_sdpa_long": Case((1, 2, 2, 97, 97, 16), (), lambda: dict(causal=True), _CAUSAL),
     # torch's is_causal is top-left: j <= i, a window (-1, Sq - Sk) for fuel when Sq > Sk ...
     "causal_sdpa_more_queries": Case((2, 4, 4, 13, 9, 40), (), lambda: dict(attn_mask=_top_left(13, 9)),
                                      (False, (-1, 4), False)),
     # ... and no window at all when Sk > Sq: the mask goes as a tensor
     "causal_sdpa_more_keys": Case((2, 4, 4, 9, 13, 16), (), lambda: dict(attn_mask=_top_left(9, 13)), _MASKED),
-    "causal_sdpa_one_query_one_key": Case((2, 4, 4, 1, 1, 16), (), lambda: dict(causal=True), _CAUSAL),
+    # one query and one key: the causal mask keeps everything, and the mask reader says so
+    "causal_sdpa_one_query_one_key": Case((2, 4, 4, 1, 1, 16), (), lambda: dict(causal=True), _PLAIN),
     "gqa_causal_sdpa": Case((2, 4, 2, 17, 17, 16), (), lambda: dict(causal=True), _CAUSAL),
     "gqa3_causal_sdpa_one_query": Case((1, 6, 2, 1, 17, 16), (), lambda: dict(attn_mask=_top_left(1, 17)), _MASKED),
     "gqa3_repeat_interleave_by_hand": Case((1, 6, 2, 1, 17, 16), (), lambda: _QUARTER, _PLAIN),
@@ -212,6 +215,7 @@ def forward(name: str, torch) -> Callable:
         "sdpa": lambda q, k, v: sdpa(q, k, v),
         "by_hand": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v,
         "causal_sdpa": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+        "causal_sdpa_long": lambda q, k, v: sdpa(q, k, v, is_causal=True),
         "causal_sdpa_more_queries": lambda q, k, v: sdpa(q, k, v, is_causal=True),
         "causal_sdpa_more_keys": lambda q, k, v: sdpa(q, k, v, is_causal=True),
         "causal_sdpa_one_query_one_key": lambda q, k, v: sdpa(q, k, v, is_causal=True),

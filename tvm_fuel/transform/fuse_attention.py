@@ -13,14 +13,14 @@ import operator
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
 
 from .. import op
 from ..op.config import FLOAT_DTYPES, finite_nonzero_float32
-from ..op.nn_attention import causal_options, flash_options, static_dims
+from ..op.nn_attention import flash_options, static_dims
 from .common import op_name
+from .mask_program import ConstantEvaluator, broadcast_dims, constraint_tensor, read_keep_mask
 
 
 def _any(*patterns: DFPattern) -> DFPattern:
@@ -46,7 +46,9 @@ def _fuse_nn_attention(call: relax.Call, _matched) -> relax.Expr:
 
 
 def _scalar(expr) -> float | None:
-    """The value of a scalar float constant (None if ``expr`` is not one)."""
+    """The value of a scalar float constant or of a ``full`` of one (None if ``expr`` is neither)."""
+    if op_name(expr) == "relax.full":
+        expr = expr.args[1]
     value = _constant(expr)
     return float(value.reshape(())) if value is not None and value.size == 1 and value.dtype.kind == "f" else None
 
@@ -55,6 +57,11 @@ def _constant(expr) -> np.ndarray | None:
     if not isinstance(expr, tvm.ir.expr.Constant):
         return None
     return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
+
+
+def _filled() -> DFPattern:
+    """A constant, or a ``full`` of one (what the importer makes of ``torch.tensor(0.0)``)."""
+    return is_const() | is_op("relax.full")(wildcard(), is_const())
 
 
 _LIKE = ("relax.full_like", "relax.ones_like", "relax.zeros_like")
@@ -74,7 +81,6 @@ def _unlike(call: relax.Call, _matched) -> relax.Expr:
 _NEG_INF = float("-inf")
 _VIEWS = ("relax.reshape", "relax.broadcast_to")
 _DEPTH = 6  # views and scales followed between two ops of the pattern (the importers write up to 3)
-_MASK_ELEMENTS = 1 << 24  # larger bool masks are passed on as tensors, not evaluated
 
 
 class _Chain:
@@ -155,7 +161,7 @@ class _UnfusedAttention:
         s = self.scores.pattern
         # scores + bias (either order; a where(keep, 0, -inf) bias is its keep mask), where(keep, scores, -inf)
         # and where(drop, -inf, scores) (masked_fill(~keep, -inf)); no scale above them (it would scale the bias)
-        self.bias_keep, self.bias_fills = wildcard(), (is_const(), is_const())
+        self.bias_keep, self.bias_fills = wildcard(), (_filled(), _filled())
         self.bias = is_op("relax.where")(self.bias_keep, *self.bias_fills) | wildcard()
         self.keep, self.keep_fill, self.drop_keep, self.drop_fill = wildcard(), is_const(), wildcard(), is_const()
         self.drop = _any(*(is_op(name)(self.drop_keep) for name in ("relax.logical_not", "relax.bitwise_not")),
@@ -180,12 +186,12 @@ class _UnfusedAttention:
         self.pattern = is_op("relax.reshape")(self.pv, wildcard())
         self.fused = 0
         self.bindings: dict = {}
-        self.evaluated: dict[int, list[tuple]] = {}  # (function, value) of the masks evaluated, by structural hash
+        self.evaluated: dict = {}  # the constant tensors evaluated (ConstantEvaluator's memo, shared by functions)
 
     def __call__(self, func: relax.Function) -> relax.Function:
         """``func`` with its unfused attention fused (``func`` itself where there is none)."""
         prepared = rewrite_call(_calls(*_LIKE), _unlike, func)
-        self.bindings = {binding.var: binding.value for block in prepared.body.blocks  # what _evaluate may copy
+        self.bindings = {binding.var: binding.value for block in prepared.body.blocks  # what a mask's program reads
                          if isinstance(block, relax.DataflowBlock)
                          for binding in block.bindings if isinstance(binding, relax.VarBinding)}
         before = self.fused
@@ -201,7 +207,7 @@ class _UnfusedAttention:
         found = self._mask(m) if self._softmax_checked(m) else None
         if found is None:
             return None
-        mask, masked = found
+        mask, masked, huge_fill = found
         chains = (self.probs, self.scores, self.k_t) + ((self.masked,) if masked is not None else ())
         peeled = {chain: chain.peel(m) for chain in chains}  # each must reach its leaf
         if not all(whole for _, _, whole in peeled.values()) or not _swaps_last_two(m[self.transpose]):
@@ -224,13 +230,15 @@ class _UnfusedAttention:
         scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
         if not finite_nonzero_float32(scale):
             return None  # the kernels scale the logits in float32 (and a 0 scale makes each row uniform)
-        options = dict(softmax_scale=scale)
+        options, may_empty = dict(softmax_scale=scale), False
         if mask is not None:
             found = self._mask_options(mask, masked, (b, h, sq, sk))
             if found is None:
                 return None
-            mask, more = found
+            mask, more, may_empty = found
             options.update(more)
+        if huge_fill and may_empty:
+            return _uniform_where_empty(op.flash_attn(q, k, v, None, mask, return_lse=True, **options), v, group)
         return op.flash_attn(q, k, v, None, mask, **options)
 
     def _softmax_checked(self, m) -> bool:
@@ -246,68 +254,135 @@ class _UnfusedAttention:
                 and _scalar(m[self.guard_inf]) == _NEG_INF and (self.zero not in m or _scalar(m[self.zero]) == 0.0))
 
     def _mask(self, m) -> tuple | None:
-        """(mask, masked): the float bias or the bool keep mask, and the tensor it is applied to;
-        (None, None) without a mask; None for a ``where`` that fills with anything but -inf."""
+        """(mask, masked, huge_fill): the float bias or the bool keep mask, the tensor it is applied
+        to, and whether the keep mask came from a bias ``where(keep, 0, fill)`` whose finite fill
+        swallows any score (``finfo.min``: a row without a kept key is uniform, not 0);
+        (None, None, False) without a mask; None for a ``where`` that fills with anything but -inf."""
         if self.masked.leaf not in m:
-            return None, None
+            return None, None, False
         masked = m[self.masked.leaf]
         if self.add in m:
-            keep = self.bias_keep in m and [_scalar(m[fill]) for fill in self.bias_fills] == [0.0, _NEG_INF]
-            return m[self.bias_keep] if keep else m[self.bias], masked
+            fills = [_scalar(m[fill]) for fill in self.bias_fills] if self.bias_keep in m else None
+            if fills == [0.0, _NEG_INF]:
+                return m[self.bias_keep], masked, False
+            if fills is not None and fills[0] == 0.0 and _swallows_scores(fills[1], str(masked.ty.dtype)):
+                return m[self.bias_keep], masked, True
+            return m[self.bias], masked, False
         if _scalar(m[self.keep_fill if self.where_keep in m else self.drop_fill]) != _NEG_INF:
             return None  # an empty row would be uniform, not 0
         if self.where_keep in m:
-            return m[self.keep], masked
+            return m[self.keep], masked, False
         drop = m[self.drop]
         if self.drop_keep in m and str(drop.ty.dtype) == "bool":
-            return m[self.drop_keep], masked  # masked_fill(~keep, -inf)
-        return relax.BlockBuilder().normalize(relax.op.logical_not(drop)), masked
+            return m[self.drop_keep], masked, False  # masked_fill(~keep, -inf)
+        return relax.BlockBuilder().normalize(relax.op.logical_not(drop)), masked, False
 
     def _mask_options(self, mask, masked, dims: tuple[int, int, int, int]) -> tuple | None:
-        """(attn_mask, options) for a float bias or bool keep ``mask`` broadcast against
-        ``masked`` ([B, H, Sq, Sk] or [B * H, Sq, Sk]): a causal keep mask becomes options, any
-        other mask flash_attn's attn_mask. None where the mask's shape is unknown, or a scalar
+        """(attn_mask, options, may_empty) for a float bias or bool keep ``mask`` broadcast against
+        ``masked`` ([B, H, Sq, Sk] or [B * H, Sq, Sk]): a keep mask is read from its program
+        (``mask_program``) into causal / window options and the compact tensors that are left
+        (none where it keeps everything), any other mask is flash_attn's attn_mask; ``may_empty``:
+        a query row may keep no key. None where the mask's shape is unknown, or a scalar
         (flash_attn takes no 0-d mask)."""
         b, h, sq, sk = dims
         shape, dtype = static_dims(mask), str(mask.ty.dtype)
         if not shape or None in shape or dtype not in ("bool",) + FLOAT_DTYPES:
             return None
-        keep = self._evaluate(mask) if dtype == "bool" else None
-        if keep is not None and all(n == 1 for n in keep.shape[:-2]):
-            grid = np.broadcast_to(keep.reshape(keep.shape[-2:]), (sq, sk))
-            for diagonal in (0, sk - sq):  # top-left (torch's is_causal, tril) and bottom-right
-                options = causal_options(sq, sk, diagonal)
-                if options is not None and np.array_equal(grid, np.tri(sq, sk, diagonal, dtype=bool)):
-                    return None, options
+        options, may_empty = {}, True
+        if dtype == "bool":
+            read = self._read_keep(mask, sq, sk)
+            if read is not None:
+                mask, shape, options, may_empty = read
+                if mask is None:
+                    return None, options, may_empty
         if len(static_dims(masked)) == 3 and len(shape) == 3 and shape[0] != 1:
             mask = relax.op.reshape(mask, [b, h, *shape[1:]])  # [B * H, ...] -> [B, H, ...]
-        return mask, {}  # otherwise the broadcast against [B * H, Sq, Sk] is the one against [B, H, Sq, Sk]
+        # otherwise the broadcast against [B * H, Sq, Sk] is the one against [B, H, Sq, Sk]
+        return mask, options, may_empty
 
-    def _evaluate(self, expr: relax.Expr) -> np.ndarray | None:
-        """The value of a tensor computed from constants alone (a causal mask's index arithmetic) as
-        TVM computes it: the dataflow bindings it reads, copied into a function of no parameters,
-        legalized and folded (``relax.transform.FoldConstant``). None where it reads anything else."""
-        if math.prod(static_dims(expr)) > _MASK_ELEMENTS:
+    def _read_keep(self, mask, sq: int, sk: int) -> tuple | None:
+        """(attn_mask or None, options, may_empty) of a bool keep mask read from its program: its
+        band of keys per query as causal / window where fuel's window says it, and the rest
+        (padding over (batch, key), constraints no window says) as one compact bool tensor."""
+        keep = read_keep_mask(mask, self.bindings, ConstantEvaluator(self.bindings, self.evaluated))
+        if keep is None:
             return None
-        needed, todo = set(), list(relax.analysis.free_vars(expr))
-        while todo:
-            var = todo.pop()
-            if var not in self.bindings:
-                return None
-            if var not in needed:
-                needed.add(var)
-                todo.extend(relax.analysis.free_vars(self.bindings[var]))
-        out = relax.Var("mask", expr.ty)
-        bindings = [relax.VarBinding(var, value) for var, value in self.bindings.items() if var in needed]
-        func = relax.Function([], relax.SeqExpr([relax.DataflowBlock([*bindings, relax.VarBinding(out, expr)])], out),
-                              expr.ty)
-        known = self.evaluated.setdefault(tvm_ffi.structural_hash(func), [])
-        for other, value in known:
-            if tvm_ffi.structural_equal(other, func):
-                return value
-        folded = relax.transform.FoldConstant()(relax.transform.LegalizeOps()(tvm.IRModule({"main": func})))
-        known.append((func, _constant(folded["main"].body.body)))
-        return known[-1][1]
+        shape, options = static_dims(mask), {}
+        if None in shape:
+            return None
+        constraints = list(keep.constraints)
+        if keep.lo is not None or keep.hi is not None:
+            window = _window_options(keep.lo, keep.hi, sq, sk)
+            if window is None:  # no fuel window: the band stays a (materialized) keep tensor
+                rank = len(shape)
+                band = [(_axes(rank, -1, 1), keep.hi), (_axes(rank, 1, -1), None if keep.lo is None else -keep.lo)]
+                constraints += [(c, bound) for c, bound in band if bound is not None]
+            else:
+                options = window
+        tensors = [f.tensor() for f in keep.factors] + [constraint_tensor(c, bound, tuple(shape))
+                                                        for c, bound in constraints]
+        dims = broadcast_dims([f.dims for f in keep.factors] + [_constraint_dims(c, shape) for c, _ in constraints])
+        may_empty = bool(tensors) or not _band_covers_rows(keep.lo, keep.hi, sq, sk)
+        if not tensors:
+            return None, [], options, may_empty
+        if dims is None or None in [_int_dim(d) for d in dims]:
+            return None
+        return functools.reduce(relax.op.logical_and, tensors), [_int_dim(d) for d in dims], options, may_empty
+
+def _swallows_scores(fill: float | None, dtype: str) -> bool:
+    """Whether a finite additive mask value ``fill`` rounds every score it is added to into itself
+    (``finfo(float32).min`` does for |score| < 2**75): all logits of a row without a kept key are
+    then equal, and its softmax uniform."""
+    return (fill is not None and math.isfinite(fill) and fill <= -2.0 ** 100
+            and dtype in ("float32", "bfloat16"))
+
+
+def _band_covers_rows(lo: int | None, hi: int | None, sq: int, sk: int) -> bool:
+    """Whether every query row 0 <= i < Sq keeps some key 0 <= j < Sk with i + lo <= j <= i + hi."""
+    lo = -sk if lo is None else lo
+    hi = sk if hi is None else hi
+    return sq == 0 or (sk > 0 and lo <= hi and hi >= 0 and sq - 1 + lo <= sk - 1)
+
+
+def _uniform_where_empty(call: relax.Call, v: relax.Expr, group: int) -> relax.Expr:
+    """The output of a ``flash_attn(..., return_lse=True)`` call, with its rows that keep no key
+    (lse = -inf; fuel gives them 0) the uniform average of v over all keys: what a softmax over
+    logits that a huge finite fill made equal gives."""
+    out, lse = relax.TupleGetItem(call, 0), relax.TupleGetItem(call, 1)
+    b, hkv, _, d = static_dims(v)
+    mean = relax.op.mean(relax.op.astype(v, "float32"), axis=[2], keepdims=True)  # [B, Hkv, 1, D]
+    if group > 1:
+        mean = relax.op.reshape(relax.op.broadcast_to(relax.op.expand_dims(mean, [2]), [b, hkv, group, 1, d]),
+                                [b, hkv * group, 1, d])
+    empty = relax.op.expand_dims(relax.op.equal(lse, relax.const(_NEG_INF, "float32")), [3])
+    return relax.op.where(empty, relax.op.astype(mean, str(v.ty.dtype)), out)
+
+
+def _constraint_dims(coeffs: tuple[int, ...], shape: list) -> tuple:
+    """The dims of ``constraint_tensor``'s tensor: the mask's where the constraint reads the axis."""
+    return tuple(n if c else 1 for c, n in zip(coeffs, shape))
+
+
+def _int_dim(dim) -> int | None:
+    return int(dim) if isinstance(dim, (int, tvm.tirx.IntImm)) else None
+
+
+def _window_options(lo: int | None, hi: int | None, sq: int, sk: int) -> dict | None:
+    """flash_attn's options for "query i keeps the keys i + lo <= j <= i + hi" (None: unbounded),
+    or None where fuel's window (around the bottom-right diagonal j = i + Sk - Sq) cannot say it."""
+    delta = sk - sq
+    right = -1 if hi is None else hi - delta
+    left = -1 if lo is None else delta - lo
+    if right < -1 or left < -1 or (hi is not None and right < 0) or (lo is not None and left < 0):
+        return None
+    if right == 0:
+        return dict(causal=True) if left == -1 else dict(causal=True, window_size=(left, -1))
+    return dict(window_size=(left, right))
+
+
+def _axes(rank: int, ci: int, cj: int) -> tuple[int, ...]:
+    """Constraint coefficients on the query (second-last) and key (last) axes."""
+    return (0,) * (rank - 2) + (ci, cj)
 
 
 def _swaps_last_two(call) -> bool:
