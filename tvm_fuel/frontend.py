@@ -52,7 +52,17 @@ def from_exported_program(exported_program: Any, *, fuse: bool = True, custom_co
     from tvm.relax.frontend.torch import from_exported_program as tvm_from_exported_program
 
     converters = {"cumsum.default": _cumsum, **(custom_convert_map or {})}
-    mod = tvm_from_exported_program(exported_program, custom_convert_map=converters, **options)
+    try:
+        mod = tvm_from_exported_program(exported_program, custom_convert_map=converters, **options)
+    except ValueError as err:
+        if "Cannot view a tensor" not in str(err):
+            raise
+        # PyTorch's own run_decompositions (TVM's importer calls it) fails on a view of SDPA's
+        # non-contiguous output: GPT-2's sdpa attention with a padded batch
+        raise ValueError("tvm_fuel.frontend.from_exported_program: PyTorch's run_decompositions cannot view "
+                         "a non-contiguous tensor of this program (scaled_dot_product_attention's output "
+                         "reshaped with view, as GPT-2's sdpa attention does with an attention mask); export "
+                         "the model with attn_implementation='eager'") from err
     mod = RepairImportedProgram()(mod)
     return FuseAttention()(mod) if fuse else mod
 

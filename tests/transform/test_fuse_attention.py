@@ -186,6 +186,8 @@ CASES = {
     "masked_fill_by_hand": Case((2, 4, 4, 13, 9, 16), (_keep(2, 1, 13, 9),), lambda m: dict(_QUARTER, attn_mask=m),
                                 _MASKED),
     "tril_by_hand": Case((2, 4, 4, 17, 17, 16), (), lambda: dict(_QUARTER, causal=True), _CAUSAL),
+    # Gemma2's softcap 30 * tanh(scores / 30): the chain's scale holds the 1 / 30
+    "softcapped_by_hand": Case((2, 4, 2, 13, 13, 16), (), lambda: dict(_QUARTER, causal=True, softcap=30.0), _CAUSAL),
     # batched matmuls over [B * H] written out, the bias first and per (batch, head)
     "merged_bias_first": Case((2, 4, 4, 13, 9, 16), (_randn(8, 13, 9),),
                               lambda b: dict(_QUARTER, attn_mask=b.reshape(2, 4, 13, 9)), _MASKED),
@@ -211,6 +213,9 @@ def forward(name: str, torch) -> Callable:
     def repeated(x):
         return x.repeat_interleave(3, dim=1)
 
+    def repeated2(x):
+        return x.repeat_interleave(2, dim=1)
+
     return {
         "sdpa": lambda q, k, v: sdpa(q, k, v),
         "by_hand": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v,
@@ -230,6 +235,10 @@ def forward(name: str, torch) -> Callable:
             scores(q, k).masked_fill(~m, float("-inf")), dim=-1) @ v,
         "tril_by_hand": lambda q, k, v: torch.softmax(scores(q, k).masked_fill(
             ~torch.ones(17, 17, dtype=torch.bool).tril(), float("-inf")), dim=-1) @ v,
+        "softcapped_by_hand": lambda q, k, v: torch.softmax(  # Gemma2's eager attention: a finfo.min bias
+            torch.tanh(scores(q, repeated2(k)) / 30.0) * 30.0 + torch.where(
+                torch.ones(13, 13, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min), dim=-1)
+        @ repeated2(v),
         "merged_bias_first": lambda q, k, v, b: torch.bmm(torch.softmax(
             b + torch.bmm(q.reshape(8, 13, 16), k.reshape(8, 9, 16).transpose(1, 2)) * 0.25, dim=-1),
             v.reshape(8, 9, 16)).reshape(2, 4, 13, 16),

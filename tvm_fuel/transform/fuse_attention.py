@@ -1,7 +1,7 @@
 """``FuseAttention``: attention written out in Relax -> ``flash_attn``, where the semantics match exactly.
 
 R.nn.attention (FX import) and the unfused softmax(mask(scale Q K^T)) V graphs of exported
-programs (causal, bool and additive masks, GQA) become one fused call; anything else is left as it
+programs (masks read from their programs, softcap, GQA) become one fused call; anything else is left as it
 is. What R.nn.attention means in flash_attn's terms is ``tvm_fuel.op.nn_attention``.
 """
 
@@ -158,7 +158,11 @@ class _UnfusedAttention:
         self.k_t = _Chain(self.transpose, scaled=True)
         self.qk = is_op("relax.matmul")(self.q.pattern, self.k_t.pattern)
         self.scores = _Chain(self.qk, scaled=True)
-        s = self.scores.pattern
+        # softcap c * tanh(scores / c) (Gemma2): the chain's scale takes the 1 / c, the product the c
+        self.cap = is_const()
+        self.tanh = is_op("relax.tanh")(self.scores.pattern)
+        self.capped = is_op("relax.multiply")(self.tanh, self.cap) | is_op("relax.multiply")(self.cap, self.tanh)
+        s = self.capped | self.scores.pattern
         # scores + bias (either order; a where(keep, 0, -inf) bias is its keep mask), where(keep, scores, -inf)
         # and where(drop, -inf, scores) (masked_fill(~keep, -inf)); no scale above them (it would scale the bias)
         self.bias_keep, self.bias_fills = wildcard(), (_filled(), _filled())
@@ -228,9 +232,14 @@ class _UnfusedAttention:
         if not all(_merged(static_dims(t), (b, h), tail) for t, tail in expected):
             return None
         scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
+        softcap = _scalar(m[self.cap]) if self.capped in m else 0.0
+        if softcap is None or not (softcap == 0.0 or (math.isfinite(softcap) and softcap > 0)):
+            return None  # fuel's softcap is a positive float
+        if softcap:
+            scale *= softcap  # c * tanh(logit / c) with logit = scale * q.k: the chain holds scale / c
         if not finite_nonzero_float32(scale):
             return None  # the kernels scale the logits in float32 (and a 0 scale makes each row uniform)
-        options, may_empty = dict(softmax_scale=scale), False
+        options, may_empty = dict(softmax_scale=scale, softcap=softcap), False
         if mask is not None:
             found = self._mask_options(mask, masked, (b, h, sq, sk))
             if found is None:
@@ -429,23 +438,28 @@ class FuseAttention:
 
     * ``scores + bias`` (either order) with a float bias -> ``attn_mask``; a
       ``where(keep, 0, -inf)`` bias (SDPA's causal or bool ``attn_mask``) and
-      ``where(keep, scores, -inf)`` / ``masked_fill(~keep, -inf)`` -> the bool ``attn_mask`` keep;
-    * a keep mask computed from constants alone that is the top-left causal ``tril`` (torch's
-      ``is_causal``) -> ``causal`` when Sq == Sk and a right-bounded window when Sq > Sk (with
-      Sk > Sq it stays a mask tensor); the bottom-right one -> ``causal``;
+      ``where(keep, scores, -inf)`` / ``masked_fill(~keep, -inf)`` -> the bool keep mask;
+    * a bool keep mask is read from its program (``mask_program``): its band of keys per query
+      becomes ``causal`` / ``window_size`` where fuel's bottom-right window says it (torch's
+      top-left ``is_causal`` with Sk > Sq stays a tensor), the rest (a padding mask over (batch,
+      key)) the compact ``attn_mask`` the program holds; an all-true mask disappears;
+    * a ``where(keep, 0, finfo.min)`` bias (Hugging Face's eager attention) is the keep mask, and a
+      row without a kept key (uniform under the huge finite fill) the average of v over all keys,
+      from the fused call's lse;
+    * a softcap ``c * tanh(scores / c)`` before the mask -> ``softcap=c`` (Gemma2);
     * a mask over merged [B * H, Sq, Sk] scores is reshaped to [B, H, Sq, Sk]; ``ones_like(scores)``
       and the like in a mask become constants of the shape, so the unfused scores are dropped.
 
     A row whose logits are all masked is 0; an unguarded graph (a hand-written ``masked_fill``)
     gives NaN there. Left untouched: a softmax over another axis, a mask after the softmax (a
-    ``where`` that is not SDPA's empty-row guard), a scale after the bias, a finite fill value
-    (its empty rows are uniform, not 0), a bias added on another view of the scores than
+    ``where`` that is not SDPA's empty-row guard), a scale after the bias, a moderate finite fill
+    value (its empty rows are neither 0 nor uniform), a bias added on another view of the scores than
     [B, H, Sq, Sk] or [B * H, Sq, Sk], a scalar bias, dropout (``R.nn.dropout``; PyTorch's
     importer drops dropout itself), a scale that is 0 or not finite in float32, and anything with
     symbolic shapes.
 
-    Both are ``relax.dpl`` patterns rewritten by ``rewrite_call``; a keep mask built from constants
-    is evaluated by TVM itself (``LegalizeOps`` and ``FoldConstant`` of the bindings it reads).
+    Both are ``relax.dpl`` patterns rewritten by ``rewrite_call``; an O(S) integer tensor a mask
+    reads that is computed from constants alone is evaluated by TVM itself.
     """
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
