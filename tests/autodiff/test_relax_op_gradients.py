@@ -211,3 +211,19 @@ def test_tvm_gradients_are_not_overridden():
     assert autodiff.register() == []  # registered once, on import
     for name in autodiff.GRADIENTS:
         assert tvm.ir.Op.get(name).get_attr("FPrimalGradient") is not None
+
+
+def test_arange_reads_no_tensor_and_passes_no_gradient():
+    """loss = sum(x * arange(5)): the positions of an exported model, which Gradient had refused
+    (no FPrimalGradient for relax.arange); dx is the positions."""
+    x = relax.Var("x", relax.TensorType([2, 5], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            positions = bb.emit(R.astype(R.arange(0, 5, 1, "int64"), "float32"))
+            loss = bb.emit_output(bb.emit(R.sum(R.multiply(x, positions))))
+        bb.emit_func_output(loss)
+    adjoint = relax.transform.Gradient("main")(bb.get())
+    vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
+    _, (dx,) = vm["main_adjoint"](tvm.runtime.tensor(np.ones((2, 5), "float32")))
+    np.testing.assert_array_equal(dx.numpy(), np.broadcast_to(np.arange(5, dtype="float32"), (2, 5)))

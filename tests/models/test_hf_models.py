@@ -147,3 +147,48 @@ def test_gpt2_sdpa_padded_names_the_cause():
     program = torch.export.export(model, (ids,), kwargs)
     with pytest.raises(ValueError, match="run_decompositions.*attn_implementation='eager'"):
         tvm_fuel.frontend.from_exported_program(program)
+
+
+@pytest.fixture(scope="module")
+def llama_training():
+    """A Llama under a loss (mean of the squared logits), exported from ids with its weights as
+    inputs, fused, and its adjoint over every weight; PyTorch's loss and gradients."""
+    from tvm.relax.frontend import detach_params
+
+    model, ids, _ = _model_and_inputs("llama", "sdpa", "ids")
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return (self.model(ids).logits ** 2).mean()
+
+    with_loss = WithLoss()
+    program = torch.export.export(with_loss, (ids,))
+    mod, params = detach_params(tvm_fuel.frontend.from_exported_program(
+        program, keep_params_as_input=True, unwrap_unit_return_tuple=True))
+    weights = mod["main"].params[int(mod["main"].attrs["num_input"]):]
+    adjoint = tvm_fuel.transform.gradient(mod, "main", require_grads=weights)
+    loss = with_loss(ids)
+    loss.backward()
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs}
+    named = dict(with_loss.named_parameters())
+    torch_grads = [named[targets[w.name]].grad.numpy() for w in weights]
+    return dict(ids=ids.numpy(), adjoint=adjoint, params=params["main"], loss=float(loss), grads=torch_grads)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_llama_trains_through_flash_attn_backward(llama_training, kernels):
+    """One training step: the adjoint runs flash_attn_backward per layer (no softmax differentiated),
+    and its loss and gradients match PyTorch's."""
+    adjoint = tvm.IRModule({"main_adjoint": llama_training["adjoint"]["main_adjoint"]})
+    assert len(_calls(tvm.IRModule({"main": adjoint["main_adjoint"]}), "relax.fuel.flash_attn_backward")) == LAYERS
+    assert not _calls(tvm.IRModule({"main": adjoint["main_adjoint"]}), "relax.nn.softmax")
+    ex = tvm_fuel.compile(adjoint, tvm_fuel.host_target(), kernels=kernels)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    loss, grads = vm["main_adjoint"](tvm.runtime.tensor(llama_training["ids"]), *llama_training["params"])
+    np.testing.assert_allclose(float(loss.numpy()), llama_training["loss"], rtol=1e-5)
+    for ours, theirs in zip(grads, llama_training["grads"], strict=True):
+        np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-4, atol=1e-5 * float(np.abs(theirs).max()))

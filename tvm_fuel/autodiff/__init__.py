@@ -10,7 +10,7 @@ the composition's (see ``norms``).
 One module per family, each with its ``GRADIENTS`` table and the formulas in its docstring:
     elementwise -- rsqrt, erf, gelu, gelu_tanh, dropout
     norms       -- rms_norm, layer_norm, group_norm, batch_norm
-    indexing    -- repeat, strided_slice
+    indexing    -- arange, repeat, strided_slice
     spatial     -- conv2d_transpose, adaptive_avg_pool2d
     attention   -- nn.attention, nn.attention_bias
     fuel_ops    -- the fuel ops (flash_attn's backward, the backward's double backward, ...)

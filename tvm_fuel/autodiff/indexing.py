@@ -1,4 +1,7 @@
-"""Gradients of indexing ops: repeat, strided_slice.
+"""Gradients of indexing ops: arange, repeat, strided_slice.
+
+    relax.arange          reads no tensor (start, end and step are integers): no gradient flows
+                          (an exported model's positions, RoPE's and a causal mask's indices)
 
     relax.repeat          each input element's repeats summed (a reshape, then a sum)
     relax.strided_slice   y = x[idx_1, ..., idx_k] on the sliced axes, idx = range(b, e, s) after
@@ -15,6 +18,10 @@ import tvm
 from tvm import relax
 
 R = relax.op
+
+
+def _arange_gradient(orig_var, orig_call, output_grad, ctx):
+    return [R.grad.no_grad(arg) for arg in orig_call.args]
 
 
 def _repeat_gradient(orig_var, orig_call, output_grad, ctx):
@@ -117,6 +124,7 @@ def _strided_slice_gradient(orig_var, orig_call, output_grad, ctx):
 
 
 GRADIENTS = {
+    "relax.arange": _arange_gradient,
     "relax.repeat": _repeat_gradient,
     "relax.strided_slice": _strided_slice_gradient,
 }
