@@ -127,6 +127,12 @@ def _bench(args: argparse.Namespace) -> int:
         from .deploy.gpucheck import run_gpucheck
 
         return run_gpucheck(out_dir=args.out, suite="bench")
+    if args.models:
+        from .bench import models as bench_models
+
+        rows = bench_models.MODEL_ROWS if "all" in args.models else args.models
+        _bench_rows(args.out, "models.json", bench_models.model_rows(rows), bench_models.print_rows)
+        return 0
     from .bench.attention import run_bench
 
     if not args.higher_order_only:
@@ -147,6 +153,20 @@ def _bench(args: argparse.Namespace) -> int:
                     bench_higher_order.higher_order_rows(memory=not args.no_long_context),
                     bench_higher_order.print_rows)
     return 0
+
+
+def _model_row(text: str) -> tuple[int, int, str] | str:
+    """``SEQxBATCH:DTYPE`` (``512x1:float32``) as a model row, or ``all``."""
+    if text == "all":
+        return text
+    try:
+        shape, dtype = text.split(":")
+        seq, batch = (int(n) for n in shape.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a row is SEQxBATCH:DTYPE (512x1:float32) or all, got {text!r}") from None
+    if dtype not in ("float32", "bfloat16") or seq < 1 or batch < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the dtype is float32 or bfloat16, the lengths at least 1")
+    return seq, batch, dtype
 
 
 def _bench_rows(out: str, file_name: str, report: dict, print_rows) -> None:
@@ -433,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the demo decoder's end-to-end rows against PyTorch (decoder.json)")
     bench.add_argument("--no-norm", action="store_true",
                        help="skip the norm backward rows: fused kernel, floor, composition, PyTorch (norm.json)")
+    bench.add_argument("--models", nargs="+", metavar="ROW", type=_model_row,
+                       help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
+                            "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "
+                            "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32)")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)

@@ -88,6 +88,8 @@ CLI_MISUSE = {
     "logs module missing": (["logs", "--module", "missing.py"], ["--module", "missing.py"]),
     "logs module not tvmscript": (["logs", "--no-shipped", "--module", "{file}"], ["--module", "TVMScript"]),
     "logs database file": (["logs", "--database", "{file}"], ["--database", "is a file"]),
+    "models row": (["bench", "--models", "512:float32"], ["--models", "SEQxBATCH:DTYPE"]),
+    "models dtype": (["bench", "--models", "512x1:int8"], ["--models", "float32 or bfloat16"]),
 }
 
 

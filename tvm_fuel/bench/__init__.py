@@ -6,4 +6,6 @@ Contents:
     decoder      -- the demo decoder against PyTorch
     higher_order -- forward mode and the double backward
     norm         -- the norms' backward, fused or not
+    models       -- an exported Hugging Face model against PyTorch eager and torch.compile (--models)
+    timing       -- how the end-to-end rows alternate their contenders
 """

@@ -10,9 +10,8 @@ demo's shapes) and the TVM llvm pipeline of before (``tvm``: the kernels, the re
   ``peers.torch_generate``): tokens/s;
 - decode of 4 sequences with contexts 17 to 1000 tokens (the demo's prompts), 32 steps: tokens/s.
 
-Each runs in blocks of consecutive runs, the blocks taking turns over a few rounds, and the first
-run of a block is not counted: TVM's and PyTorch's thread pools both spin a while after a
-parallel job, and a run right after the other's would pay for those spinning threads.
+Each runs in blocks of consecutive runs, the blocks taking turns over a few rounds
+(``timing.in_blocks``).
 
 Contents:
     decoder_rows -- run the rows, return their report
@@ -24,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..target import host_target
+from .timing import in_blocks
 
 PREFILL_TOKENS = 1000
 DECODE_PROMPTS = (17, 200, 500, 1000)
@@ -58,7 +58,7 @@ def decoder_rows(*, seed: int = 0) -> dict:
         return lambda: runs.setdefault(name, []).append(engines[name].generate([prompt], max_new_tokens=1))
 
     names = [*engines, "torch"]
-    _in_blocks({name: generate(name) for name in names}, runs)
+    in_blocks({name: generate(name) for name in names}, runs)
     prefill = {name: PREFILL_TOKENS / float(np.median([r.prefill_s for r in runs[name]])) for name in names}
     runs.clear()
 
@@ -68,7 +68,7 @@ def decoder_rows(*, seed: int = 0) -> dict:
                 torch_generate(config, weights, prompts, max_new_tokens=DECODE_STEPS))
         return lambda: runs.setdefault(name, []).append(engines[name].generate(prompts, max_new_tokens=DECODE_STEPS))
 
-    _in_blocks({name: serve(name) for name in names}, runs)
+    in_blocks({name: serve(name) for name in names}, runs)
     decode = {name: float(np.median([r.decode_tokens_per_s for r in runs[name]])) for name in names}
     same = all(r.tokens == runs["torch"][0].tokens for name in engines for r in runs[name][:1])
     records = engines["tuned"].records()
@@ -77,20 +77,6 @@ def decoder_rows(*, seed: int = 0) -> dict:
             "prefill_vs_torch": {name: prefill[name] / prefill["torch"] for name in engines},
             "decode_vs_torch": {name: decode[name] / decode["torch"] for name in engines},
             "same_tokens_as_torch": same, "tuned_records": records}
-
-
-def _in_blocks(fns: dict, runs: dict, *, rounds: int = 3, block: int = 3) -> None:
-    """Run each of ``fns`` ``block`` times in a row, in turns for ``rounds`` rounds (the order
-    reversed every round); each run appends its result to ``runs[name]``, and the first of every
-    block is dropped there (it runs after the other pool's spinning threads)."""
-    order = list(fns)
-    for _ in range(rounds):
-        for name in order:
-            for index in range(block):
-                fns[name]()
-                if index == 0:
-                    runs[name].pop()
-        order.reverse()
 
 
 def print_rows(report: dict) -> None:

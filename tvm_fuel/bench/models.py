@@ -1,0 +1,125 @@
+"""The benchmark's Hugging Face rows (``python -m tvm_fuel bench --models``): an exported model
+built by tvm_fuel against PyTorch eager and ``torch.compile`` (inductor).
+
+The model is a SmolLM-135M-shaped Llama cut to 4 layers (hidden 576, 9 query and 3 KV heads of
+64, MLP 1536, vocabulary 49152; random weights, nothing downloaded), run on token ids. For each
+row (sequence length, batch, dtype) it is exported with ``torch.export``, imported through
+``tvm_fuel.frontend.from_exported_program`` (every layer one causal ``flash_attn``) and built with
+``tvm_fuel.compile(kernels="tuned")``; PyTorch runs the same module eagerly and compiled by
+inductor, on the same thread count (``torch.set_num_threads`` = TVM's pool). Each contender's
+time is a whole call, logits copied out to numpy, runs alternated in blocks (``timing.in_blocks``);
+the first-call time of each (export, import and build for tvm_fuel, the first compiled call for
+inductor) is reported beside it.
+
+Contents:
+    MODEL_ROWS  -- the rows: (sequence length, batch, dtype)
+    model_rows  -- run the rows, return their report
+    print_rows  -- the rows as text
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..target import host_target
+from .timing import in_blocks
+
+MODEL_ROWS = tuple((seq, batch, dtype) for dtype in ("float32", "bfloat16") for seq in (512, 2048)
+                   for batch in (1, 4))
+SMOLLM_4 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def _model(dtype: str, seed: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**SMOLLM_4, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
+    model.config.use_cache = False
+    return model
+
+
+def _row(seq: int, batch: int, dtype: str, seed: int) -> dict:
+    import torch
+    import tvm
+    from tvm import relax
+
+    from .. import frontend
+    from ..build import compile as fuel_compile
+
+    model = _model(dtype, seed)
+    ids = torch.randint(0, SMOLLM_4["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+    start = time.perf_counter()
+    with torch.no_grad():
+        program = torch.export.export(model, (ids,))
+    mod = frontend.from_exported_program(program, keep_params_as_input=False)
+    vm = relax.VirtualMachine(fuel_compile(mod, host_target(), kernels="tuned"), tvm.cpu())
+    ids_tvm = tvm.runtime.tensor(ids.numpy())
+    fused = str(mod["main"]).count("R.fuel.flash_attn(")
+
+    def fuel():
+        return vm["main"](ids_tvm)[0].numpy()
+
+    fuel()
+    fuel_first = time.perf_counter() - start
+    compiled = torch.compile(model)
+
+    def eager():
+        with torch.no_grad():
+            return model(ids).logits.float().numpy()
+
+    def inductor():
+        with torch.no_grad():
+            return compiled(ids).logits.float().numpy()
+
+    start = time.perf_counter()
+    inductor()
+    inductor_first = time.perf_counter() - start
+    reference = eager()
+    error = float(np.abs(fuel().astype(np.float32) - reference).max() / np.abs(reference).max())
+    runs: dict = {}
+    timed = {name: (lambda fn=fn, name=name: runs.setdefault(name, []).append(_seconds(fn)))
+             for name, fn in (("tvm_fuel", fuel), ("eager", eager), ("inductor", inductor))}
+    in_blocks(timed, runs)
+    seconds = {name: float(np.median(times)) for name, times in runs.items()}
+    faster = min(seconds["eager"], seconds["inductor"])
+    return {"seq": seq, "batch": batch, "dtype": dtype, "seconds": seconds,
+            "vs_faster_torch": seconds["tvm_fuel"] / faster, "first_call_seconds":
+            {"tvm_fuel": fuel_first, "inductor": inductor_first}, "fused_attention_layers": fused,
+            "max_rel_error_vs_eager": error}
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def model_rows(rows=MODEL_ROWS, *, seed: int = 0) -> dict:
+    """The report of ``rows`` (sequence length, batch, dtype) on this machine (module docstring)."""
+    import torch
+
+    from ..threads import thread_count
+
+    torch.set_num_threads(thread_count())
+    return {"model": "SmolLM-135M shape, 4 layers", "config": SMOLLM_4, "threads": torch.get_num_threads(),
+            "rows": [_row(seq, batch, dtype, seed) for seq, batch, dtype in rows]}
+
+
+def print_rows(report: dict) -> None:
+    print(f"\n[Hugging Face models] {report['model']}, exported from ids; {report['threads']} threads; whole calls, "
+          "logits copied out")
+    for row in report["rows"]:
+        s, first = row["seconds"], row["first_call_seconds"]
+        print(f"  S={row['seq']:5d} B={row['batch']} {row['dtype']:<8}  tvm_fuel {s['tvm_fuel'] * 1e3:8.1f} ms   "
+              f"eager {s['eager'] * 1e3:8.1f} ms   inductor {s['inductor'] * 1e3:8.1f} ms   "
+              f"{row['vs_faster_torch']:4.2f}x the faster PyTorch   first call: tvm_fuel {first['tvm_fuel']:5.1f} s, "
+              f"inductor {first['inductor']:5.1f} s   (fused layers {row['fused_attention_layers']}, "
+              f"error {row['max_rel_error_vs_eager']:.1e})")
+
+
+__all__ = ["MODEL_ROWS", "model_rows", "print_rows"]
