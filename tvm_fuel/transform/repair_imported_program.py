@@ -25,14 +25,16 @@ from .common import op_name, rewrite_functions
 
 @mutator
 class _Repairs(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule | None = None):
+        super().__init__(mod)
+        self.repaired = 0
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         name = op_name(call)
-        if name == "relax.cumsum":
-            return self._cumsum(call)
-        if name == "relax.take":
-            return self._take(call)
-        return call
+        repaired = self._cumsum(call) if name == "relax.cumsum" else self._take(call) if name == "relax.take" else call
+        self.repaired += repaired is not call
+        return repaired
 
     @staticmethod
     def _cumsum(call: relax.Call) -> relax.Expr:
@@ -70,4 +72,11 @@ class RepairImportedProgram:
     ``tvm_fuel.compile`` before FuseAttention."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return rewrite_functions(mod, _Repairs)
+        made: list[_Repairs] = []
+
+        def make(module: tvm.IRModule) -> _Repairs:
+            made.append(_Repairs(module))
+            return made[-1]
+
+        repaired = rewrite_functions(mod, make)
+        return repaired if made[0].repaired else mod  # a module with nothing to repair stays as it is
