@@ -4,8 +4,9 @@
 
 Small configs with random weights (nothing is downloaded): Llama (GQA), Mistral (a sliding window
 shorter than the sequence), Qwen2, Qwen3 (q/k norms), Phi3 and GPT-2, each with
-``attn_implementation`` "sdpa" and "eager", and Gemma2 (eager: softcap, sliding and full layers
-alternating); batch 1 from ids alone, and batch 2 whose second row is left-padded. Every attention layer must be one
+``attn_implementation`` "sdpa" and "eager", Gemma2 (eager: softcap, sliding and full layers
+alternating) and Bloom (eager, ALiBi; from ids alone); batch 1 from ids alone, and batch 2 whose
+second row is left-padded. Every attention layer must be one
 ``flash_attn`` with the model's own options (causal; Mistral's window) and no materialized
 [.., Sq, Sk] mask (at most B * Sk elements: the padding), and the logits must match PyTorch's on
 every row, padded ones included, on the floor and on the kernels.
@@ -34,7 +35,7 @@ WINDOW, SOFTCAP = 16, 50.0  # Mistral's and Gemma2's sliding window (shorter tha
 T = transformers
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-CAUSAL = dict(causal=True, window_size=(-1, -1), softcap=0.0)
+CAUSAL = dict(causal=True, window_size=(-1, -1), softcap=0.0, alibi=False)
 SLIDING = dict(CAUSAL, window_size=(WINDOW - 1, -1))
 
 
@@ -42,6 +43,7 @@ class Model(NamedTuple):
     make: Callable[[str], Any]  # attn_implementation -> the model
     implementations: tuple[str, ...]
     options: Callable[[int], dict]  # layer -> its flash_attn's options
+    inputs: tuple[str, ...] = ("ids", "padded")
 
 
 MODELS = {
@@ -60,13 +62,19 @@ MODELS = {
     "gemma2": Model(lambda impl: T.Gemma2ForCausalLM(T.Gemma2Config(
         **COMMON, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP, attn_implementation=impl)),
         ("eager",), lambda layer: dict(SLIDING if layer % 2 == 0 else CAUSAL, softcap=SOFTCAP)),
+    # ALiBi written out (slope_h * key position, on the [B * H] view, before the finfo.min mask); with
+    # padding its positions come from the mask (cumsum - 1), which fuel's relative distance equals only
+    # for unbroken rows of real tokens, so a padded Bloom stays unfused
+    "bloom": Model(lambda impl: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=LAYERS,
+                                                                 n_head=4, attn_implementation=impl)),
+                   ("eager",), lambda layer: dict(CAUSAL, alibi=True), ("ids",)),
     "gpt2": Model(lambda impl: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=LAYERS, n_head=4,
                                                              n_positions=128, attn_implementation=impl)),
                   ("sdpa", "eager"), lambda layer: CAUSAL),
 }
 # GPT-2's sdpa attention with a padded batch does not import (test_gpt2_sdpa_padded_names_the_cause)
 CASES = [(model, impl, inputs) for model, spec in MODELS.items() for impl in spec.implementations
-         for inputs in ("ids", "padded") if (model, impl, inputs) != ("gpt2", "sdpa", "padded")]
+         for inputs in spec.inputs if (model, impl, inputs) != ("gpt2", "sdpa", "padded")]
 KERNELS = {"decomposed": "fuel_flash_attn", "tuned": "fuel_flash_attn_kernel"}  # the PrimFunc each path builds
 
 
@@ -118,6 +126,7 @@ def test_every_layer_is_one_flash_attn_with_the_models_options(exported):
         assert bool(call.attrs["causal"]) == expected["causal"]
         assert tuple(int(w) for w in call.attrs["window_size"]) == expected["window_size"]
         assert float(call.attrs["softcap"]) == expected["softcap"]
+        assert bool(call.attrs["has_alibi_slopes"]) == expected["alibi"]
         has_mask = bool(call.attrs["has_attn_mask"])
         assert has_mask == (exported["inputs"] == "padded")  # from ids alone the mask is all options
         if has_mask:

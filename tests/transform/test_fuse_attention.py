@@ -160,6 +160,7 @@ _PLAIN = (False, (-1, -1), False)
 _CAUSAL = (True, (-1, -1), False)
 _MASKED = (False, (-1, -1), True)
 _QUARTER = dict(softmax_scale=0.25)
+_SLOPES = np.float32(0.5) ** np.arange(1, 5, dtype=np.float32)  # ALiBi's slopes for 4 heads
 CASES = {
     "sdpa": Case((2, 4, 4, 13, 9, 16), (), lambda: {}, _PLAIN),
     "by_hand": Case((2, 4, 4, 13, 9, 16), (), lambda: _QUARTER, _PLAIN),
@@ -186,6 +187,15 @@ CASES = {
     "masked_fill_by_hand": Case((2, 4, 4, 13, 9, 16), (_keep(2, 1, 13, 9),), lambda m: dict(_QUARTER, attn_mask=m),
                                 _MASKED),
     "tril_by_hand": Case((2, 4, 4, 17, 17, 16), (), lambda: dict(_QUARTER, causal=True), _CAUSAL),
+    # ALiBi written out as slope_h * j (Bloom), added before a causal finfo.min mask; and with the scale
+    # applied after it (Falcon), which scales the slopes too; without a causal mask it is no fuel ALiBi,
+    # only an additive attn_mask
+    "alibi_by_hand": Case((1, 4, 4, 13, 13, 16), (), lambda: dict(_QUARTER, causal=True, alibi_slopes=_SLOPES),
+                          _CAUSAL),
+    "alibi_scaled_after": Case((1, 4, 4, 13, 13, 16), (), lambda: dict(
+        _QUARTER, causal=True, alibi_slopes=_SLOPES * np.float32(0.25)), _CAUSAL),
+    "alibi_without_causal": Case((1, 4, 4, 13, 13, 16), (), lambda: dict(
+        _QUARTER, attn_mask=_SLOPES[:, None, None] * np.arange(13, dtype=np.float32)), _MASKED),
     # Gemma2's softcap 30 * tanh(scores / 30): the chain's scale holds the 1 / 30
     "softcapped_by_hand": Case((2, 4, 2, 13, 13, 16), (), lambda: dict(_QUARTER, causal=True, softcap=30.0), _CAUSAL),
     # batched matmuls over [B * H] written out, the bias first and per (batch, head)
@@ -216,6 +226,13 @@ def forward(name: str, torch) -> Callable:
     def repeated2(x):
         return x.repeat_interleave(2, dim=1)
 
+    def alibi(n):  # [H, 1, Sk]: slope_h * key position, as Bloom builds it
+        slopes = torch.full((), 0.5) ** torch.arange(1, 5, dtype=torch.float32)  # computed: no tensor constant
+        return slopes[:, None, None] * torch.arange(n, dtype=torch.float32)
+
+    def finfo_causal(n):
+        return torch.where(torch.ones(n, n, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min)
+
     return {
         "sdpa": lambda q, k, v: sdpa(q, k, v),
         "by_hand": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v,
@@ -235,6 +252,10 @@ def forward(name: str, torch) -> Callable:
             scores(q, k).masked_fill(~m, float("-inf")), dim=-1) @ v,
         "tril_by_hand": lambda q, k, v: torch.softmax(scores(q, k).masked_fill(
             ~torch.ones(17, 17, dtype=torch.bool).tril(), float("-inf")), dim=-1) @ v,
+        "alibi_by_hand": lambda q, k, v: torch.softmax(scores(q, k) + alibi(13) + finfo_causal(13), dim=-1) @ v,
+        "alibi_scaled_after": lambda q, k, v: torch.softmax(
+            (q @ k.transpose(-2, -1) + alibi(13)) * 0.25 + finfo_causal(13), dim=-1) @ v,
+        "alibi_without_causal": lambda q, k, v: torch.softmax(scores(q, k) + alibi(13), dim=-1) @ v,
         "softcapped_by_hand": lambda q, k, v: torch.softmax(  # Gemma2's eager attention: a finfo.min bias
             torch.tanh(scores(q, repeated2(k)) / 30.0) * 30.0 + torch.where(
                 torch.ones(13, 13, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min), dim=-1)

@@ -162,7 +162,12 @@ class _UnfusedAttention:
         self.cap = is_const()
         self.tanh = is_op("relax.tanh")(self.scores.pattern)
         self.capped = is_op("relax.multiply")(self.tanh, self.cap) | is_op("relax.multiply")(self.cap, self.tanh)
-        s = self.capped | self.scores.pattern
+        capped = self.capped | self.scores.pattern
+        # ALiBi written out (Bloom, Falcon): + slope_h * key position, on any view, scaled after it or not
+        self.alibi = wildcard()
+        self.alibi_add = is_op("relax.add")(capped, self.alibi) | is_op("relax.add")(self.alibi, capped)
+        self.biased = _Chain(self.alibi_add, scaled=True)
+        s = self.biased.pattern | capped
         # scores + bias (either order; a where(keep, 0, -inf) bias is its keep mask), where(keep, scores, -inf)
         # and where(drop, -inf, scores) (masked_fill(~keep, -inf)); no scale above them (it would scale the bias)
         self.bias_keep, self.bias_fills = wildcard(), (_filled(), _filled())
@@ -212,7 +217,8 @@ class _UnfusedAttention:
         if found is None:
             return None
         mask, masked, huge_fill = found
-        chains = (self.probs, self.scores, self.k_t) + ((self.masked,) if masked is not None else ())
+        chains = ((self.probs, self.scores, self.k_t) + ((self.masked,) if masked is not None else ())
+                  + ((self.biased,) if self.alibi_add in m else ()))
         peeled = {chain: chain.peel(m) for chain in chains}  # each must reach its leaf
         if not all(whole for _, _, whole in peeled.values()) or not _swaps_last_two(m[self.transpose]):
             return None
@@ -239,6 +245,13 @@ class _UnfusedAttention:
             scale *= softcap  # c * tanh(logit / c) with logit = scale * q.k: the chain holds scale / c
         if not finite_nonzero_float32(scale):
             return None  # the kernels scale the logits in float32 (and a 0 scale makes each row uniform)
+        slopes = None
+        if self.alibi_add in m:
+            after = math.prod(peeled[self.biased][1], start=1.0)  # scales over scores + alibi (Falcon)
+            slopes = self._alibi_slopes(m[self.alibi], b, h, sk)
+            if slopes is None or not finite_nonzero_float32(scale * after):
+                return None
+            scale, slopes = scale * after, relax.const((slopes * np.float32(after)).astype("float32"))
         options, may_empty = dict(softmax_scale=scale, softcap=softcap), False
         if mask is not None:
             found = self._mask_options(mask, masked, (b, h, sq, sk))
@@ -246,9 +259,32 @@ class _UnfusedAttention:
                 return None
             mask, more, may_empty = found
             options.update(more)
+        if slopes is not None and not options.get("causal"):
+            # slope * j is fuel's -slope * |i + Sk - Sq - j| up to a row's constant only left of the diagonal
+            return None
         if huge_fill and may_empty:
-            return _uniform_where_empty(op.flash_attn(q, k, v, None, mask, return_lse=True, **options), v, group)
-        return op.flash_attn(q, k, v, None, mask, **options)
+            return _uniform_where_empty(op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options), v, group)
+        return op.flash_attn(q, k, v, slopes, mask, **options)
+
+    def _alibi_slopes(self, alibi, b: int, h: int, sk: int) -> np.ndarray | None:
+        """The slopes [H] of an ALiBi bias written out as ``slope_h * j`` over the keys j
+        ([B * H, 1, Sk] as Bloom builds it, or [B, H, 1, Sk]), computed from constants alone; None
+        where it is anything else (a bias read from the padding mask, a per-query term)."""
+        dims = static_dims(alibi)
+        if None in dims or len(dims) not in (3, 4) or dims[-1] != sk or dims[-2] != 1:
+            return None
+        value = ConstantEvaluator(self.bindings, self.evaluated)(alibi)
+        if value is None or value.dtype != np.float32:
+            return None
+        rows = np.broadcast_to(value, (*(1,) * (4 - value.ndim), *value.shape)).reshape(-1, sk)
+        if rows.shape[0] not in (h, b * h):
+            return None
+        if rows.shape[0] == b * h and not (rows.reshape(b, h, sk) == rows[:h]).all():
+            return None  # the batch rows differ
+        slopes = rows[:h, 1] if sk > 1 else np.zeros(h, np.float32)
+        if not (rows[:h] == slopes[:, None] * np.arange(sk, dtype=np.float32)).all():
+            return None
+        return slopes
 
     def _softmax_checked(self, m) -> bool:
         """Whether the softmax is over the last axis, and the guard (if any) is PyTorch's "no logit
@@ -447,6 +483,10 @@ class FuseAttention:
       row without a kept key (uniform under the huge finite fill) the average of v over all keys,
       from the fused call's lse;
     * a softcap ``c * tanh(scores / c)`` before the mask -> ``softcap=c`` (Gemma2);
+    * ALiBi written out, ``scores + slope_h * j`` over the keys j (Bloom; scaled after it, as Falcon
+      does, or not) and computed from constants alone -> ``alibi_slopes`` where the mask is causal
+      (left of the diagonal ``slope * j`` is fuel's ``-slope * |i + Sk - Sq - j|`` up to a row's
+      constant); otherwise such a bias is an additive ``attn_mask``;
     * a mask over merged [B * H, Sq, Sk] scores is reshaped to [B, H, Sq, Sk]; ``ones_like(scores)``
       and the like in a mask become constants of the shape, so the unfused scores are dropped.
 
@@ -463,10 +503,18 @@ class FuseAttention:
     """
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        unfused, fused = _UnfusedAttention(), mod.clone()
+        unfused, fused, nn_fused = _UnfusedAttention(), mod.clone(), []
+
+        def fuse_nn_attention(call: relax.Call, matched) -> relax.Expr:
+            result = _fuse_nn_attention(call, matched)
+            nn_fused.append(result is not call)
+            return result
+
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                fused.update_func(gvar, unfused(rewrite_call(_calls(*_NN_ATTENTION), _fuse_nn_attention, func)))
+                fused.update_func(gvar, unfused(rewrite_call(_calls(*_NN_ATTENTION), fuse_nn_attention, func)))
+        if not unfused.fused and not any(nn_fused):
+            return mod  # nothing fused: the module as it was (rewrite_call re-normalizes what it visits)
         return relax.transform.DeadCodeElimination()(fused)
 
 
