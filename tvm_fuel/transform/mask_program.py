@@ -255,16 +255,18 @@ def _arange(reader: _Reader, call: relax.Call, shape: tuple):
     return None if start is None or step is None else _Index(shape, start, (step,))
 
 
+def _combined(reader: _Reader, call: relax.Call, shape: tuple, sign: int) -> _Index | None:
+    """``a + sign * b`` of the call's two index operands (broadcast to ``shape``)."""
+    a, b = (reader.index(x) for x in call.args)
+    if a is None or b is None:
+        return None
+    a, b = a.aligned(len(shape)), b.aligned(len(shape))
+    coeffs = tuple(x + sign * y for x, y in zip(a.coeffs, b.coeffs))
+    return _Index(shape, a.const + sign * b.const, _unit_free(coeffs, shape))
+
+
 def _arith(sign: int) -> Callable:
-    def read(reader: _Reader, call: relax.Call, shape: tuple):
-        a, b = (reader.index(x) for x in call.args)
-        if a is None or b is None:
-            return None
-        rank = len(shape)
-        a, b = a.aligned(rank), b.aligned(rank)
-        coeffs = tuple(x + sign * y for x, y in zip(a.coeffs, b.coeffs))
-        return _Index(shape, a.const + sign * b.const, _unit_free(coeffs, shape))
-    return read
+    return lambda reader, call, shape: _combined(reader, call, shape, sign)
 
 
 def _multiply(reader: _Reader, call: relax.Call, shape: tuple):
@@ -387,18 +389,15 @@ def _gather(reader: _Reader, call: relax.Call, shape: tuple):
 
 def _compare(kind: str) -> Callable:
     def read(reader: _Reader, call: relax.Call, shape: tuple):
-        a, b = (reader.index(x) for x in call.args)
-        if a is None or b is None:
+        difference = _combined(reader, call, shape, -1)  # a - b = diff . x + const
+        if difference is None:
             return None
-        rank = len(shape)
-        a, b = a.aligned(rank), b.aligned(rank)
-        diff = tuple(x - y for x, y in zip(a.coeffs, b.coeffs))  # a - b = diff . x + (a.const - b.const)
+        diff, const = difference.coeffs, difference.const
         neg = tuple(-c for c in diff)
-        const = a.const - b.const
         constraints = {"less_equal": [(diff, -const)], "less": [(diff, -const - 1)],
                        "greater_equal": [(neg, const)], "greater": [(neg, const - 1)],
                        "equal": [(diff, -const), (neg, const)]}[kind]
-        return _Keep(shape, frozenset((_unit_free(c, shape), bound) for c, bound in constraints))
+        return _Keep(shape, frozenset((c, bound) for c, bound in constraints))
     return read
 
 
