@@ -158,34 +158,40 @@ def test_gpt2_sdpa_padded_names_the_cause():
         tvm_fuel.frontend.from_exported_program(program)
 
 
-@pytest.fixture(scope="module")
-def llama_training():
-    """A Llama under a loss (mean of the squared logits), exported from ids with its weights as
-    inputs, fused, and its adjoint over every weight; PyTorch's loss and gradients."""
+@pytest.fixture(scope="module", params=[("sdpa", "ids"), ("eager", "padded")], ids=_case_id)
+def llama_training(request):
+    """A Llama under a loss (mean of the squared logits of the real tokens, padding left out as
+    transformers' labels=-100 does), exported with its weights as inputs, fused, and its adjoint
+    over every weight; PyTorch's loss and gradients. (A padded row's fully masked queries are
+    uniform in PyTorch's forward, and fuel's; PyTorch still differentiates that uniform softmax,
+    fuel takes it as constant: a loss that reads those rows gets other q and k gradients.)"""
     from tvm.relax.frontend import detach_params
 
-    model, ids, _ = _model_and_inputs("llama", "sdpa", "ids")
+    impl, inputs = request.param
+    model, ids, kwargs = _model_and_inputs("llama", impl, inputs)
+    real = kwargs.get("attention_mask", torch.ones_like(ids))
 
     class WithLoss(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.model = model
 
-        def forward(self, ids):
-            return (self.model(ids).logits ** 2).mean()
+        def forward(self, ids, real):
+            return (self.model(ids, attention_mask=real).logits ** 2 * real[..., None]).mean()
 
     with_loss = WithLoss()
-    program = torch.export.export(with_loss, (ids,))
+    program = torch.export.export(with_loss, (ids, real))
     mod, params = detach_params(tvm_fuel.frontend.from_exported_program(
         program, keep_params_as_input=True, unwrap_unit_return_tuple=True))
     weights = mod["main"].params[int(mod["main"].attrs["num_input"]):]
     adjoint = tvm_fuel.transform.gradient(mod, "main", require_grads=weights)
-    loss = with_loss(ids)
+    loss = with_loss(ids, real)
     loss.backward()
     targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs}
     named = dict(with_loss.named_parameters())
     torch_grads = [named[targets[w.name]].grad.numpy() for w in weights]
-    return dict(ids=ids.numpy(), adjoint=adjoint, params=params["main"], loss=float(loss), grads=torch_grads)
+    return dict(inputs=[ids.numpy(), real.numpy()], adjoint=adjoint, params=params["main"], loss=float(loss),
+                grads=torch_grads)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -197,7 +203,8 @@ def test_llama_trains_through_flash_attn_backward(llama_training, kernels):
     assert not _calls(tvm.IRModule({"main": adjoint["main_adjoint"]}), "relax.nn.softmax")
     ex = tvm_fuel.compile(adjoint, tvm_fuel.host_target(), kernels=kernels)
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    loss, grads = vm["main_adjoint"](tvm.runtime.tensor(llama_training["ids"]), *llama_training["params"])
+    loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(x) for x in llama_training["inputs"]],
+                                     *llama_training["params"])
     np.testing.assert_allclose(float(loss.numpy()), llama_training["loss"], rtol=1e-5)
     for ours, theirs in zip(grads, llama_training["grads"], strict=True):
         np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-4, atol=1e-5 * float(np.abs(theirs).max()))

@@ -263,7 +263,8 @@ class _UnfusedAttention:
             # slope * j is fuel's -slope * |i + Sk - Sq - j| up to a row's constant only left of the diagonal
             return None
         if huge_fill and may_empty:
-            return _uniform_where_empty(op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options), v, group)
+            return _uniform_where_empty(op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options), v, group,
+                                        sq)
         return op.flash_attn(q, k, v, slopes, mask, **options)
 
     def _alibi_slopes(self, alibi, b: int, h: int, sk: int) -> np.ndarray | None:
@@ -389,7 +390,7 @@ def _band_covers_rows(lo: int | None, hi: int | None, sq: int, sk: int) -> bool:
     return sq == 0 or (sk > 0 and lo <= hi and hi >= 0 and sq - 1 + lo <= sk - 1)
 
 
-def _uniform_where_empty(call: relax.Call, v: relax.Expr, group: int) -> relax.Expr:
+def _uniform_where_empty(call: relax.Call, v: relax.Expr, group: int, sq: int) -> relax.Expr:
     """The output of a ``flash_attn(..., return_lse=True)`` call, with its rows that keep no key
     (lse = -inf; fuel gives them 0) the uniform average of v over all keys: what a softmax over
     logits that a huge finite fill made equal gives."""
@@ -399,8 +400,11 @@ def _uniform_where_empty(call: relax.Call, v: relax.Expr, group: int) -> relax.E
     if group > 1:
         mean = relax.op.reshape(relax.op.broadcast_to(relax.op.expand_dims(mean, [2]), [b, hkv, group, 1, d]),
                                 [b, hkv * group, 1, d])
-    empty = relax.op.expand_dims(relax.op.equal(lse, relax.const(_NEG_INF, "float32")), [3])
-    return relax.op.where(empty, relax.op.astype(mean, str(v.ty.dtype)), out)
+    # where's operands of out's shape: TVM's gradient of where does not sum a broadcast operand back
+    full = [b, hkv * group, sq, d]
+    empty = relax.op.broadcast_to(relax.op.expand_dims(relax.op.equal(lse, relax.const(_NEG_INF, "float32")), [3]),
+                                  full)
+    return relax.op.where(empty, relax.op.broadcast_to(relax.op.astype(mean, str(v.ty.dtype)), full), out)
 
 
 def _constraint_dims(coeffs: tuple[int, ...], shape: list) -> tuple:
