@@ -31,7 +31,7 @@ Contents:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -146,18 +146,15 @@ class _Keep:
 class KeepMask:
     """A keep mask read from its program: key j is kept for query i iff ``i + lo <= j <= i + hi``
     (None: unbounded on that side) and every one of ``factors`` (``Factor``s of bool tensors the
-    graph computes, of rank ``rank``, broadcast against the mask's [.., Sq, Sk]) holds. ``constraints`` are the
-    linear constraints that are no band (on the batch or head axis, or on one of i, j alone)."""
+    graph computes, of rank ``rank``, broadcast against the mask's [.., Sq, Sk]) holds;
+    ``constraints`` are the linear constraints that are no band (on the batch or head axis, or on
+    one of i, j alone)."""
 
     rank: int
     lo: int | None = None
     hi: int | None = None
     factors: tuple = ()
-    constraints: tuple = field(default=())
-
-    @property
-    def is_band_only(self) -> bool:
-        return not self.factors and not self.constraints
+    constraints: tuple = ()
 
 
 class _Reader:
@@ -228,7 +225,7 @@ def _fit_index(array: np.ndarray, shape: tuple) -> _Index | None:
     coeffs = []
     for axis, n in enumerate(array.shape):
         coeffs.append(int(np.take(array, 1, axis=axis).flat[0]) - const if n > 1 else 0)
-    grids = np.indices(array.shape, dtype=np.int64) if array.ndim else np.zeros((0,), np.int64)
+    grids = np.indices(array.shape, dtype=np.int64)  # one coordinate grid per axis (none for a scalar)
     expected = const + sum((c * g for c, g in zip(coeffs, grids)), np.zeros(array.shape, np.int64))
     if not np.array_equal(array, expected):
         return None
