@@ -190,7 +190,7 @@ def llama_training(request):
     targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs}
     named = dict(with_loss.named_parameters())
     torch_grads = [named[targets[w.name]].grad.numpy() for w in weights]
-    return dict(inputs=[ids.numpy(), real.numpy()], adjoint=adjoint, params=params["main"], loss=float(loss),
+    return dict(inputs=[ids.numpy(), real.numpy()], adjoint=adjoint, params=params["main"], loss=loss.item(),
                 grads=torch_grads)
 
 
