@@ -9,7 +9,7 @@ decides where that is.
 Contents:
     static_dims       -- a tensor's dims (None where one is symbolic)
     flash_options     -- flash_attn's options for an R.nn.attention call, or None
-    causal_options    -- flash_attn's options for "query i sees keys j <= i + diagonal", or None
+    band_options      -- flash_attn's options for "query i keeps the keys i + lo <= j <= i + hi", or None
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ def flash_options(call: relax.Call) -> dict | None:
         if tvm.sym.Analyzer().can_prove(lengths[0] <= lengths[1]):
             options["causal"] = True
         elif sq is not None and sk is not None:
-            options.update(causal_options(sq, sk, abs(sq - sk)))
+            options.update(band_options(sq, sk, None, abs(sq - sk)))
         else:
             return None
     elif mask == "TopLeft":
-        causal = None if sq is None or sk is None else causal_options(sq, sk, 0)
+        causal = None if sq is None or sk is None else band_options(sq, sk, None, 0)
         if causal is None:
             return None
         options.update(causal)
@@ -66,13 +66,18 @@ def flash_options(call: relax.Call) -> dict | None:
     return options
 
 
-def causal_options(sq: int, sk: int, diagonal: int) -> dict | None:
-    """flash_attn's options for "query i sees the keys j <= i + diagonal" (0: top-left causal), or
-    None where no (left, right) window says it."""
-    right = diagonal - (sk - sq)  # fuel's window is relative to the bottom-right diagonal j = i + Sk - Sq
-    if right < 0:
-        return None  # e.g. top-left with more keys than queries
-    return dict(causal=True) if right == 0 else dict(causal=False, window_size=(-1, right))
+def band_options(sq: int, sk: int, lo: int | None, hi: int | None) -> dict | None:
+    """flash_attn's options for "query i keeps the keys i + lo <= j <= i + hi" (None: unbounded on
+    that side; hi 0 alone is top-left causal), or None where no (left, right) window around fuel's
+    bottom-right diagonal j = i + Sk - Sq says it (top-left causal with more keys than queries)."""
+    delta = sk - sq
+    right = -1 if hi is None else hi - delta
+    left = -1 if lo is None else delta - lo
+    if (hi is not None and right < 0) or (lo is not None and left < 0):
+        return None
+    if right == 0:
+        return dict(causal=True) if left == -1 else dict(causal=True, window_size=(left, -1))
+    return dict(window_size=(left, right))
 
 
-__all__ = ["static_dims", "flash_options", "causal_options"]
+__all__ = ["static_dims", "flash_options", "band_options"]

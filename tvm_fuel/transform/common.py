@@ -3,6 +3,8 @@
 Contents:
     rewrite_functions -- a module with every Relax function visited by a PyExprMutator
     op_name           -- the name of the op a call calls (None: not an op call)
+    constant_value    -- the value of a Relax tensor constant (None: no constant)
+    int_dim           -- a dim as an int (None: symbolic)
     unscheduled       -- the TIR functions of a module that no schedule has touched
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator
@@ -28,6 +31,19 @@ def rewrite_functions(mod: tvm.IRModule, make_mutator: Callable[[tvm.IRModule], 
 def op_name(expr) -> str | None:
     """The name of the op ``expr`` calls, or None where it is no call of an op."""
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
+
+
+def constant_value(expr) -> np.ndarray | None:
+    """The value of a Relax tensor constant, None where ``expr`` is none (TVM 0.27's IntImm
+    arguments, which subclass Constant, included)."""
+    if isinstance(expr, tvm.tirx.IntImm) or not isinstance(expr, tvm.ir.expr.Constant):
+        return None
+    return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
+
+
+def int_dim(dim) -> int | None:
+    """A dim (or an integer argument) as an int, None where it is symbolic."""
+    return int(dim) if isinstance(dim, (int, tvm.tirx.IntImm)) else None
 
 
 def unscheduled(mod: tvm.IRModule) -> dict:

@@ -18,8 +18,8 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
 
 from .. import op
 from ..op.config import FLOAT_DTYPES, finite_nonzero_float32
-from ..op.nn_attention import flash_options, static_dims
-from .common import op_name
+from ..op.nn_attention import band_options, flash_options, static_dims
+from .common import constant_value, int_dim, op_name
 from .mask_program import ConstantEvaluator, broadcast_dims, constraint_tensor, read_keep_mask
 
 
@@ -49,14 +49,8 @@ def _scalar(expr) -> float | None:
     """The value of a scalar float constant or of a ``full`` of one (None if ``expr`` is neither)."""
     if op_name(expr) == "relax.full":
         expr = expr.args[1]
-    value = _constant(expr)
+    value = constant_value(expr)
     return float(value.reshape(())) if value is not None and value.size == 1 and value.dtype.kind == "f" else None
-
-
-def _constant(expr) -> np.ndarray | None:
-    if not isinstance(expr, tvm.ir.expr.Constant):
-        return None
-    return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
 
 
 def _filled() -> DFPattern:
@@ -358,7 +352,7 @@ class _UnfusedAttention:
             return None
         constraints = list(keep.constraints)
         if keep.lo is not None or keep.hi is not None:
-            window = _window_options(keep.lo, keep.hi, sq, sk)
+            window = band_options(sq, sk, keep.lo, keep.hi)
             if window is None:  # no fuel window: the band stays a (materialized) keep tensor
                 rank = len(shape)
                 band = [(_axes(rank, -1, 1), keep.hi), (_axes(rank, 1, -1), None if keep.lo is None else -keep.lo)]
@@ -371,9 +365,9 @@ class _UnfusedAttention:
         may_empty = bool(tensors) or not _band_covers_rows(keep.lo, keep.hi, sq, sk)
         if not tensors:
             return None, [], options, may_empty
-        if dims is None or None in [_int_dim(d) for d in dims]:
+        if dims is None or None in [int_dim(d) for d in dims]:
             return None
-        return functools.reduce(relax.op.logical_and, tensors), [_int_dim(d) for d in dims], options, may_empty
+        return functools.reduce(relax.op.logical_and, tensors), [int_dim(d) for d in dims], options, may_empty
 
 def _swallows_scores(fill: float | None, dtype: str) -> bool:
     """Whether a finite additive mask value ``fill`` rounds every score it is added to into itself
@@ -410,23 +404,6 @@ def _uniform_where_empty(call: relax.Call, v: relax.Expr, group: int, sq: int) -
 def _constraint_dims(coeffs: tuple[int, ...], shape: list) -> tuple:
     """The dims of ``constraint_tensor``'s tensor: the mask's where the constraint reads the axis."""
     return tuple(n if c else 1 for c, n in zip(coeffs, shape))
-
-
-def _int_dim(dim) -> int | None:
-    return int(dim) if isinstance(dim, (int, tvm.tirx.IntImm)) else None
-
-
-def _window_options(lo: int | None, hi: int | None, sq: int, sk: int) -> dict | None:
-    """flash_attn's options for "query i keeps the keys i + lo <= j <= i + hi" (None: unbounded),
-    or None where fuel's window (around the bottom-right diagonal j = i + Sk - Sq) cannot say it."""
-    delta = sk - sq
-    right = -1 if hi is None else hi - delta
-    left = -1 if lo is None else delta - lo
-    if right < -1 or left < -1 or (hi is not None and right < 0) or (lo is not None and left < 0):
-        return None
-    if right == 0:
-        return dict(causal=True) if left == -1 else dict(causal=True, window_size=(left, -1))
-    return dict(window_size=(left, right))
 
 
 def _axes(rank: int, ci: int, cj: int) -> tuple[int, ...]:

@@ -39,20 +39,13 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from .common import op_name
+from .common import constant_value, int_dim, op_name
 
 MAX_EVALUATED = 1 << 16  # elements of a constant integer tensor evaluated (an O(S) one, never O(S^2))
-
-_Constraint = tuple[tuple[int, ...], int]  # sum(coeffs[d] * x[d]) <= bound
-
 
 def _dims(expr: relax.Expr) -> tuple | None:
     shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
     return tuple(shape.values) if isinstance(shape, relax.ShapeExpr) else None
-
-
-def _int(dim) -> int | None:
-    return int(dim) if isinstance(dim, (int, tvm.tirx.IntImm)) else None
 
 
 def _same_dim(a, b) -> bool:
@@ -60,7 +53,7 @@ def _same_dim(a, b) -> bool:
 
 
 def _is_one(dim) -> bool:
-    return _int(dim) == 1
+    return int_dim(dim) == 1
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
@@ -187,8 +180,9 @@ class _Reader:
         if shape is None:
             return None
         dtype = str(named.ty.dtype)
-        if _array(value) is not None:
-            return self._constant(_array(value), shape, dtype)
+        array = constant_value(value)
+        if array is not None:
+            return self._constant(array, shape, dtype)
         if not isinstance(value, relax.Call):
             return None
         read = _READERS.get(op_name(value))
@@ -205,7 +199,7 @@ class _Reader:
         return None
 
     def _evaluated(self, expr: relax.Expr, shape: tuple):
-        sizes = [_int(n) for n in shape]
+        sizes = [int_dim(n) for n in shape]
         if None in sizes or math.prod(sizes) > MAX_EVALUATED:
             return None
         array = self.evaluate(expr)
@@ -235,20 +229,8 @@ def _fit_index(array: np.ndarray, shape: tuple) -> _Index | None:
 # ---- the ops read ------------------------------------------------------------------------------
 
 
-def _prim(value) -> int | None:
-    """An integer argument (an IntImm in TVM 0.27's Relax)."""
-    return _int(value)
-
-
-def _array(expr) -> np.ndarray | None:
-    """The value of a Relax tensor constant."""
-    if isinstance(expr, tvm.tirx.IntImm) or not isinstance(expr, tvm.ir.expr.Constant):
-        return None
-    return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
-
-
 def _arange(reader: _Reader, call: relax.Call, shape: tuple):
-    start, _, step = (_prim(a) for a in call.args)
+    start, _, step = (int_dim(a) for a in call.args)  # IntImm arguments in TVM 0.27's Relax
     return None if start is None or step is None else _Index(shape, start, (step,))
 
 
@@ -279,8 +261,9 @@ def _multiply(reader: _Reader, call: relax.Call, shape: tuple):
 
 
 def _view(transform: Callable) -> Callable:
-    """A view op read on either value: ``transform(call, rank)`` maps an old axis to its new axis
-    (None: the op is no view the reader follows)."""
+    """A view op read on either value: ``transform(call, old dims, new dims)`` maps each old axis
+    to its new axis (None there: dropped, size 1 only), or is None where the op is no view the
+    reader follows."""
     def read(reader: _Reader, call: relax.Call, shape: tuple):
         source = reader.read(call.args[0])
         old = _dims(call.args[0])
@@ -348,10 +331,6 @@ def _permute_axes(call: relax.Call, old: tuple, new: tuple) -> list | None:
     return axes
 
 
-def _squeeze_axes(call: relax.Call, old: tuple, new: tuple) -> list | None:
-    return _reshape_axes(call, old, new)
-
-
 def _astype(reader: _Reader, call: relax.Call, shape: tuple):
     source = reader.read(call.args[0])
     target = str(call.attrs.dtype)
@@ -416,7 +395,7 @@ def _not(reader: _Reader, call: relax.Call, shape: tuple):
 
 
 def _full(reader: _Reader, call: relax.Call, shape: tuple):
-    fill = _array(call.args[1])
+    fill = constant_value(call.args[1])
     if fill is None or fill.size != 1:
         return None
     if str(call.attrs.dtype) == "bool":
@@ -433,7 +412,7 @@ def _ones(reader: _Reader, call: relax.Call, shape: tuple):
 def _band(upper: bool) -> Callable:
     def read(reader: _Reader, call: relax.Call, shape: tuple):
         source = reader.keep(call.args[0])
-        k = _prim(call.args[1])
+        k = int_dim(call.args[1])
         if source is None or k is None or len(shape) < 2:
             return None
         coeffs = [0] * len(shape)
@@ -452,7 +431,7 @@ _READERS: dict[str, Callable] = {
     "relax.expand_dims": _view(_expand_axes),
     "relax.broadcast_to": _view(_broadcast_axes),
     "relax.reshape": _view(_reshape_axes),
-    "relax.squeeze": _view(_squeeze_axes),
+    "relax.squeeze": _view(_reshape_axes),  # dropping size-1 dims: a reshape's view
     "relax.permute_dims": _view(_permute_axes),
     "relax.astype": _astype,
     "relax.index_tensor": _gather,
@@ -526,7 +505,7 @@ class ConstantEvaluator:
 
     def __call__(self, expr: relax.Expr) -> np.ndarray | None:
         dims = _dims(expr)
-        sizes = None if dims is None else [_int(n) for n in dims]
+        sizes = None if dims is None else [int_dim(n) for n in dims]
         if sizes is None or None in sizes or math.prod(sizes) > MAX_EVALUATED:
             return None
         needed, todo = set(), list(relax.analysis.free_vars(expr))
@@ -546,7 +525,7 @@ class ConstantEvaluator:
             if tvm_ffi.structural_equal(other, func):
                 return value
         folded = relax.transform.FoldConstant()(relax.transform.LegalizeOps()(tvm.IRModule({"main": func})))
-        value = _array(folded["main"].body.body)
+        value = constant_value(folded["main"].body.body)
         if value is None:
             value = _run(folded)
         known.append((func, value))

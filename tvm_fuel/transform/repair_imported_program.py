@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .common import op_name, rewrite_functions
+from .common import constant_value, op_name, rewrite_functions
 
 
 @mutator
@@ -46,9 +46,9 @@ class _Repairs(PyExprMutator):
     @staticmethod
     def _take(call: relax.Call) -> relax.Expr:
         data, indices = call.args
-        if not isinstance(indices, tvm.ir.expr.Constant) or isinstance(indices, tvm.tirx.IntImm):
+        values = constant_value(indices)
+        if values is None:
             return call
-        values = indices.value.numpy()
         shape = data.ty.shape
         axis = call.attrs.axis
         if values.dtype.kind not in "iu" or not (values < 0).any() or not isinstance(shape, relax.ShapeExpr):
