@@ -107,6 +107,9 @@ class Case(NamedTuple):
 
 CASES = {
     "causal": Case(_causal, 17, 17, (None, 0), 0),
+    # one query or one key: the size-1 axis reads as coordinate 0, the rest is a constraint on the other axis
+    "causal_one_query": Case(_causal, 1, 17, (None, None), 0, 1),
+    "causal_one_key": Case(_causal, 17, 1, (None, None), 0, 1),
     "causal_bottom_right": Case(lambda bb, sq, sk, pad: _causal(bb, sq, sk, pad, offset=8), 5, 13, (None, 8), 0),
     "sliding_window": Case(_window, 97, 97, (-15, 0), 0),
     "tril_97": Case(_tril, 97, 97, (None, 0), 0),  # past FoldConstant's 1024 elements, read all the same
