@@ -4,12 +4,15 @@
 
 Small configs with random weights (nothing is downloaded): Llama (GQA), Mistral (a sliding window
 shorter than the sequence), Qwen2, Qwen3 (q/k norms), Phi3 and GPT-2, each with
-``attn_implementation`` "sdpa" and "eager", Gemma2 (eager: softcap, sliding and full layers
-alternating) and Bloom (eager, ALiBi; from ids alone); batch 1 from ids alone, and batch 2 whose
-second row is left-padded. Every attention layer must be one
-``flash_attn`` with the model's own options (causal; Mistral's window) and no materialized
-[.., Sq, Sk] mask (at most B * Sk elements: the padding), and the logits must match PyTorch's on
-every row, padded ones included, on the floor and on the kernels.
+``attn_implementation`` "sdpa" and "eager"; Gemma2 (eager: softcap, sliding and full layers
+alternating); Bloom (eager, ALiBi); Falcon-RW (sdpa and eager: ALiBi computed in bfloat16 and
+added twice; also with 16 heads, whose slopes bfloat16 rounds) and Falcon-7B (multi-query,
+rotary). Batch 1 from ids alone, and batch 2 whose second row is left-padded. Every attention
+layer must be one ``flash_attn`` with the model's own options (causal; Mistral's window; Gemma2's
+softcap; ALiBi slopes) and no materialized [.., Sq, Sk] mask: at most B * Sk elements (the
+padding), or B * H * Sk for an ALiBi whose positions come from the padding or whose bfloat16
+values are no exact slopes (a float bias over the keys, the padding folded in as -inf). The
+logits must match PyTorch's on every row, padded ones included, on the floor and on the kernels.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 CAUSAL = dict(causal=True, window_size=(-1, -1), softcap=0.0, alibi=False)
 SLIDING = dict(CAUSAL, window_size=(WINDOW - 1, -1))
+FALCON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+              new_decoder_architecture=False)
 
 
 class Model(NamedTuple):
@@ -44,6 +49,8 @@ class Model(NamedTuple):
     implementations: tuple[str, ...]
     options: Callable[[int], dict]  # layer -> its flash_attn's options
     inputs: tuple[str, ...] = ("ids", "padded")
+    # the inputs under which the model's ALiBi is a float bias over the keys ([B, H, 1, Sk]), not slopes
+    alibi_as_bias: tuple[str, ...] = ("padded",)
 
 
 MODELS = {
@@ -64,10 +71,22 @@ MODELS = {
         ("eager",), lambda layer: dict(SLIDING if layer % 2 == 0 else CAUSAL, softcap=SOFTCAP)),
     # ALiBi written out (slope_h * key position, on the [B * H] view, before the finfo.min mask); with
     # padding its positions come from the mask (cumsum - 1), which fuel's relative distance equals only
-    # for unbroken rows of real tokens, so a padded Bloom stays unfused
+    # for unbroken rows of real tokens: there it is a float bias over the keys
     "bloom": Model(lambda impl: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=LAYERS,
                                                                  n_head=4, attn_implementation=impl)),
-                   ("eager",), lambda layer: dict(CAUSAL, alibi=True), ("ids",)),
+                   ("eager",), lambda layer: dict(CAUSAL, alibi=True)),
+    # Falcon-RW: ALiBi computed in bfloat16, added to the scores and again inside the mask (eager), or
+    # inside SDPA's float mask where(mask < -1, finfo.min, alibi / sqrt(D)) (sdpa)
+    "falcon": Model(lambda impl: T.FalconForCausalLM(T.FalconConfig(**FALCON, alibi=True, attn_implementation=impl)),
+                    ("sdpa", "eager"), lambda layer: dict(CAUSAL, alibi=True)),
+    # with 16 heads the slopes are no powers of two, which bfloat16 rounds: a float bias even from ids
+    "falcon_16_heads": Model(lambda impl: T.FalconForCausalLM(T.FalconConfig(
+        **dict(FALCON, num_attention_heads=16), alibi=True, multi_query=True, attn_implementation=impl)),
+        ("eager",), lambda layer: dict(CAUSAL, alibi=True), ("ids",), ("ids",)),
+    # Falcon-7B: rotary, one k and v head for all (multi-query), broadcast after k's transpose
+    "falcon_mqa": Model(lambda impl: T.FalconForCausalLM(T.FalconConfig(**FALCON, multi_query=True,
+                                                                         attn_implementation=impl)),
+                        ("sdpa", "eager"), lambda layer: CAUSAL),
     "gpt2": Model(lambda impl: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=LAYERS, n_head=4,
                                                              n_positions=128, attn_implementation=impl)),
                   ("sdpa", "eager"), lambda layer: CAUSAL),
@@ -126,13 +145,20 @@ def test_every_layer_is_one_flash_attn_with_the_models_options(exported):
         assert bool(call.attrs["causal"]) == expected["causal"]
         assert tuple(int(w) for w in call.attrs["window_size"]) == expected["window_size"]
         assert float(call.attrs["softcap"]) == expected["softcap"]
-        assert bool(call.attrs["has_alibi_slopes"]) == expected["alibi"]
+        alibi_bias = expected["alibi"] and exported["inputs"] in MODELS[exported["name"]].alibi_as_bias
+        assert bool(call.attrs["has_alibi_slopes"]) == (expected["alibi"] and not alibi_bias)
         has_mask = bool(call.attrs["has_attn_mask"])
-        assert has_mask == (exported["inputs"] == "padded")  # from ids alone the mask is all options
+        # from ids alone the mask is all options (but a bias that is no fuel ALiBi)
+        assert has_mask == (exported["inputs"] == "padded" or alibi_bias)
         if has_mask:
-            mask = call.args[3]
-            assert str(mask.ty.dtype) == "bool"
-            assert int(np.prod([int(d) for d in mask.ty.shape])) <= exported["batch"] * SEQ
+            mask = call.args[3 + bool(call.attrs["has_alibi_slopes"])]  # present arguments only
+            heads = int(call.args[0].ty.shape[1])
+            dims = [int(d) for d in mask.ty.shape]
+            if alibi_bias:  # the padding folded in as -inf: no [.., Sq, Sk] tensor, per head
+                assert str(mask.ty.dtype) == "float32" and dims[-2] == 1
+                assert int(np.prod(dims)) <= exported["batch"] * heads * SEQ
+            else:
+                assert str(mask.ty.dtype) == "bool" and int(np.prod(dims)) <= exported["batch"] * SEQ
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

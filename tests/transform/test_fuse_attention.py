@@ -196,6 +196,16 @@ CASES = {
         _QUARTER, causal=True, alibi_slopes=_SLOPES * np.float32(0.25)), _CAUSAL),
     "alibi_without_causal": Case((1, 4, 4, 13, 13, 16), (), lambda: dict(
         _QUARTER, attn_mask=_SLOPES[:, None, None] * np.arange(13, dtype=np.float32)), _MASKED),
+    # Falcon's eager ALiBi: scaled after it, and added again inside the finfo.min mask (where(mask < -1,
+    # finfo.min, alibi / 4)): twice the slopes; and over positions that are an input, a float bias over the keys
+    "alibi_in_the_mask": Case((1, 4, 4, 13, 13, 16), (), lambda: dict(
+        _QUARTER, causal=True, alibi_slopes=_SLOPES * np.float32(0.5)), _CAUSAL),
+    "alibi_over_positions": Case((2, 4, 4, 13, 13, 16), (lambda rng: rng.integers(0, 20, (2, 13)).astype("float32"),),
+                                 lambda p: dict(_QUARTER, causal=True,
+                                                attn_mask=_SLOPES[:, None, None] * p[:, None, None, :]),
+                                 (True, (-1, -1), True)),
+    # multi-query: k and v of one head, broadcast to the query heads by the matmuls (after k's transpose)
+    "mqa_by_hand": Case((2, 4, 1, 13, 13, 16), (), lambda: dict(_QUARTER, causal=True), _CAUSAL),
     # Gemma2's softcap 30 * tanh(scores / 30): the chain's scale holds the 1 / 30
     "softcapped_by_hand": Case((2, 4, 2, 13, 13, 16), (), lambda: dict(_QUARTER, causal=True, softcap=30.0), _CAUSAL),
     # batched matmuls over [B * H] written out, the bias first and per (batch, head)
@@ -226,9 +236,11 @@ def forward(name: str, torch) -> Callable:
     def repeated2(x):
         return x.repeat_interleave(2, dim=1)
 
+    def slopes():
+        return torch.full((), 0.5) ** torch.arange(1, 5, dtype=torch.float32)  # computed: no tensor constant
+
     def alibi(n):  # [H, 1, Sk]: slope_h * key position, as Bloom builds it
-        slopes = torch.full((), 0.5) ** torch.arange(1, 5, dtype=torch.float32)  # computed: no tensor constant
-        return slopes[:, None, None] * torch.arange(n, dtype=torch.float32)
+        return slopes()[:, None, None] * torch.arange(n, dtype=torch.float32)
 
     def finfo_causal(n):
         return torch.where(torch.ones(n, n, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min)
@@ -256,6 +268,11 @@ def forward(name: str, torch) -> Callable:
         "alibi_scaled_after": lambda q, k, v: torch.softmax(
             (q @ k.transpose(-2, -1) + alibi(13)) * 0.25 + finfo_causal(13), dim=-1) @ v,
         "alibi_without_causal": lambda q, k, v: torch.softmax(scores(q, k) + alibi(13), dim=-1) @ v,
+        "alibi_in_the_mask": lambda q, k, v: torch.softmax((q @ k.transpose(-2, -1) + alibi(13)) * 0.25 + torch.where(
+            finfo_causal(13) < -1.0, torch.finfo(torch.float32).min, alibi(13)[None] / 4.0), dim=-1) @ v,
+        "alibi_over_positions": lambda q, k, v, p: torch.softmax(
+            scores(q, k) + slopes()[:, None, None] * p[:, None, None, :] + finfo_causal(13), dim=-1) @ v,
+        "mqa_by_hand": lambda q, k, v: torch.softmax(scores(q, k) + finfo_causal(13), dim=-1) @ v,
         "softcapped_by_hand": lambda q, k, v: torch.softmax(  # Gemma2's eager attention: a finfo.min bias
             torch.tanh(scores(q, repeated2(k)) / 30.0) * 30.0 + torch.where(
                 torch.ones(13, 13, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min), dim=-1)

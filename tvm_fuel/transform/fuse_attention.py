@@ -73,6 +73,8 @@ def _unlike(call: relax.Call, _matched) -> relax.Expr:
 
 
 _NEG_INF = float("-inf")
+_COMPARISONS = {"relax.less": operator.lt, "relax.less_equal": operator.le, "relax.greater": operator.gt,
+                "relax.greater_equal": operator.ge}
 _VIEWS = ("relax.reshape", "relax.broadcast_to")
 _DEPTH = 6  # views and scales followed between two ops of the pattern (the importers write up to 3)
 
@@ -98,16 +100,20 @@ class _Chain:
         """(constant pattern, expression) of each step matched, top down."""
         return [(const, m[step]) for step, const in reversed(self.steps) if step in m]
 
-    def peel(self, m) -> tuple[relax.Expr, list[float], bool]:
+    def peel(self, m, heads: list | None = None) -> tuple[relax.Expr, list[float], bool]:
         """(where the peeling stops, the scale factors above it, whether that is the leaf): it stops
         at a view that changes the element count and at a product or quotient by anything but a
-        float scalar (a nonzero one for a quotient)."""
+        float scalar (a nonzero one for a quotient). Given ``heads``, one broadcast of a single
+        head to H heads (multi-query k and v) is passed, H appended to it."""
         scales: list[float] = []
         for const, value in self.matched(m):
             name = op_name(value)
             if name in _VIEWS:
                 if _numel(value.args[0]) != _numel(value):
-                    return value, scales, False
+                    repeat = _head_repeat(value) if heads == [] else None
+                    if repeat is None:
+                        return value, scales, False
+                    heads.append(repeat)
                 continue
             factor = _scalar(m[const])
             if factor is None or name == "relax.divide" and not factor:
@@ -128,7 +134,10 @@ class _KV:
 
     def peel(self, m) -> tuple[relax.Expr, int, list[float]]:
         """(k or v, its group, the scale factors)."""
-        x, scales, whole = self.chain.peel(m)
+        heads: list = []
+        x, scales, whole = self.chain.peel(m, heads)
+        if heads:  # one head broadcast to every query head (multi-query)
+            return (x, heads[0], scales) if whole else (x, 1, scales)
         steps = self.chain.matched(m)
         repeat = steps[-1][1] if steps and self.expand in m else None  # the step right above expand_dims
         if op_name(repeat) == "relax.broadcast_to" and (whole or x.same_as(repeat)):
@@ -210,14 +219,19 @@ class _UnfusedAttention:
         found = self._mask(m) if self._softmax_checked(m) else None
         if found is None:
             return None
-        mask, masked, huge_fill = found
+        mask, masked, huge_fill, key_bias = found
         chains = ((self.probs, self.scores, self.k_t) + ((self.masked,) if masked is not None else ())
                   + ((self.biased,) if self.alibi_add in m else ()))
-        peeled = {chain: chain.peel(m) for chain in chains}  # each must reach its leaf
+        kt_heads: list = []  # a multi-query k broadcast to every head after its transpose
+        peeled = {chain: chain.peel(m, kt_heads if chain is self.k_t else None) for chain in chains}
         if not all(whole for _, _, whole in peeled.values()) or not _swaps_last_two(m[self.transpose]):
             return None
         q, q_scale, _ = self.q.peel(m)
         (k, group, k_scale), (v, v_group, _) = self.k.peel(m), self.v.peel(m)
+        if kt_heads:
+            if group != 1:
+                return None
+            group = kt_heads[0]
         shapes = [static_dims(t) if len(static_dims(t)) == 4 else None for t in (q, k, v)]
         if None in shapes or None in [d for s in shapes for d in s] or shapes[0] != static_dims(call):
             return None
@@ -226,10 +240,13 @@ class _UnfusedAttention:
             return None
         # every product runs over the same (batch, head) pairs: operands are [B, H, m, n] or [B*H, m, n]
         qk, transpose, pv = m[self.qk], m[self.transpose], m[self.pv]
-        expected = ((qk.args[0], (sq, d)), (qk.args[1], (d, sk)), (transpose, (d, sk)), (transpose.args[0], (sk, d)),
-                    (m[self.scores.pattern], (sq, sk)), (m[self.logits], (sq, sk)), (pv.args[0], (sq, sk)),
-                    (pv.args[1], (sk, d)), (pv, (sq, d))) + (((masked, (sq, sk)),) if masked is not None else ())
-        if not all(_merged(static_dims(t), (b, h), tail) for t, tail in expected):
+        expected = ((qk.args[0], (sq, d)), (qk.args[1], (d, sk)), (m[self.scores.pattern], (sq, sk)),
+                    (m[self.logits], (sq, sk)), (pv.args[0], (sq, sk)), (pv.args[1], (sk, d)), (pv, (sq, d)))
+        expected += ((masked, (sq, sk)),) if masked is not None else ()
+        kt_lead = (b, hk) if kt_heads else (b, h)  # k's heads where it is transposed
+        if not (all(_merged(static_dims(t), (b, h), tail) for t, tail in expected)
+                and all(_merged(static_dims(t), kt_lead, tail) for t, tail in ((transpose, (d, sk)),
+                                                                               (transpose.args[0], (sk, d))))):
             return None
         scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
         softcap = _scalar(m[self.cap]) if self.capped in m else 0.0
@@ -239,47 +256,85 @@ class _UnfusedAttention:
             scale *= softcap  # c * tanh(logit / c) with logit = scale * q.k: the chain holds scale / c
         if not finite_nonzero_float32(scale):
             return None  # the kernels scale the logits in float32 (and a 0 scale makes each row uniform)
-        slopes = None
+        key_terms = [] if key_bias is None else [(key_bias, 1.0)]  # (bias over the keys, its factor)
         if self.alibi_add in m:
             after = math.prod(peeled[self.biased][1], start=1.0)  # scales over scores + alibi (Falcon)
-            slopes = self._alibi_slopes(m[self.alibi], b, h, sk)
-            if slopes is None or not finite_nonzero_float32(scale * after):
+            if not finite_nonzero_float32(scale * after):
                 return None
-            scale, slopes = scale * after, relax.const((slopes * np.float32(after)).astype("float32"))
+            scale *= after
+            key_terms.append((m[self.alibi], after))
         options, may_empty = dict(softmax_scale=scale, softcap=softcap), False
+        mask_dtype, dtype = None if mask is None else str(mask.ty.dtype), str(m[self.logits].ty.dtype)
         if mask is not None:
             found = self._mask_options(mask, masked, (b, h, sq, sk))
             if found is None:
                 return None
             mask, more, may_empty = found
             options.update(more)
-        if slopes is not None and not options.get("causal"):
-            # slope * j is fuel's -slope * |i + Sk - Sq - j| up to a row's constant only left of the diagonal
-            return None
+        slopes = None
+        if key_terms:
+            found = self._key_bias(key_terms, (b, h, sk), dtype, bool(options.get("causal")))
+            if found is None:
+                return None
+            slopes, bias = found
+            if bias is not None and mask is None:
+                mask = bias
+            elif bias is not None:  # a compact keep mask and the bias: one float mask, -inf where not kept
+                mask = (relax.op.where(mask, bias, relax.const(_NEG_INF, dtype)) if mask_dtype == "bool"
+                        else relax.op.add(relax.op.astype(mask, dtype), bias))
         if huge_fill and may_empty:
             return _uniform_where_empty(op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options), v, group,
                                         sq)
         return op.flash_attn(q, k, v, slopes, mask, **options)
 
-    def _alibi_slopes(self, alibi, b: int, h: int, sk: int) -> np.ndarray | None:
-        """The slopes [H] of an ALiBi bias written out as ``slope_h * j`` over the keys j
-        ([B * H, 1, Sk] as Bloom builds it, or [B, H, 1, Sk]), computed from constants alone; None
-        where it is anything else (a bias read from the padding mask, a per-query term)."""
-        dims = static_dims(alibi)
-        if None in dims or len(dims) not in (3, 4) or dims[-1] != sk or dims[-2] != 1:
+    def _key_bias(self, terms: list, dims: tuple[int, int, int], dtype: str, causal: bool) -> tuple | None:
+        """(alibi_slopes, bias) for ``terms``, biases over the keys alone ([B * H, 1, Sk] as Bloom
+        builds ALiBi, or [B | 1, H | 1, 1, Sk]) each added to the logits times its factor: the
+        slopes [H] where their sum, computed from constants alone, is ``slope_h * j`` over the keys
+        j and the mask causal (left of the diagonal that is fuel's ``-slope * |i + Sk - Sq - j|`` up
+        to a row's constant); else the sum in ``dtype`` (the logits') as one [B | 1, H | 1, 1, Sk]
+        tensor (ALiBi over positions read from the padding mask, Falcon's bfloat16 ALiBi). None
+        where a term is no bias over the keys."""
+        b, h, sk = dims
+        shaped = []
+        for term, factor in terms:
+            shape = static_dims(term)
+            if None in shape or len(shape) not in (3, 4) or shape[-2:] != [1, sk] or str(term.ty.dtype) not in \
+                    FLOAT_DTYPES:
+                return None
+            if len(shape) == 3:
+                if shape[0] not in (1, b * h):
+                    return None
+                shape = [b, h, 1, sk] if shape[0] != 1 else [1, 1, 1, sk]
+            elif shape[0] not in (1, b) or shape[1] not in (1, h):
+                return None
+            shaped.append((term, shape, factor))
+        slopes = self._slopes(shaped, dims) if causal else None
+        if slopes is not None:
+            return relax.const(slopes), None
+        bias = None
+        for term, shape, factor in shaped:
+            term = term if str(term.ty.dtype) == dtype else relax.op.astype(term, dtype)
+            term = term if static_dims(term) == shape else relax.op.reshape(term, shape)
+            if factor != 1.0:
+                term = relax.op.multiply(term, relax.const(factor, dtype))
+            bias = term if bias is None else relax.op.add(bias, term)
+        return None, bias
+
+    def _slopes(self, shaped: list, dims: tuple[int, int, int]) -> np.ndarray | None:
+        """The slopes [H] of float32 key biases whose sum is ``slope_h * j`` in every batch row,
+        computed from constants alone; None where they are anything else."""
+        b, h, sk = dims
+        total = np.zeros((b, h, sk), np.float32)
+        for term, shape, factor in shaped:
+            value = ConstantEvaluator(self.bindings, self.evaluated)(term)
+            if value is None or value.dtype != np.float32:
+                return None
+            total = total + np.broadcast_to(value.reshape(shape), (b, h, 1, sk))[:, :, 0] * np.float32(factor)
+        slopes = total[0, :, 1] if sk > 1 else np.zeros(h, np.float32)
+        if not (total == slopes[:, None] * np.arange(sk, dtype=np.float32)).all():
             return None
-        value = ConstantEvaluator(self.bindings, self.evaluated)(alibi)
-        if value is None or value.dtype != np.float32:
-            return None
-        rows = np.broadcast_to(value, (*(1,) * (4 - value.ndim), *value.shape)).reshape(-1, sk)
-        if rows.shape[0] not in (h, b * h):
-            return None
-        if rows.shape[0] == b * h and not (rows.reshape(b, h, sk) == rows[:h]).all():
-            return None  # the batch rows differ
-        slopes = rows[:h, 1] if sk > 1 else np.zeros(h, np.float32)
-        if not (rows[:h] == slopes[:, None] * np.arange(sk, dtype=np.float32)).all():
-            return None
-        return slopes
+        return slopes.astype(np.float32)
 
     def _softmax_checked(self, m) -> bool:
         """Whether the softmax is over the last axis, and the guard (if any) is PyTorch's "no logit
@@ -294,28 +349,74 @@ class _UnfusedAttention:
                 and _scalar(m[self.guard_inf]) == _NEG_INF and (self.zero not in m or _scalar(m[self.zero]) == 0.0))
 
     def _mask(self, m) -> tuple | None:
-        """(mask, masked, huge_fill): the float bias or the bool keep mask, the tensor it is applied
-        to, and whether the keep mask came from a bias ``where(keep, 0, fill)`` whose finite fill
-        swallows any score (``finfo.min``: a row without a kept key is uniform, not 0);
-        (None, None, False) without a mask; None for a ``where`` that fills with anything but -inf."""
+        """(mask, masked, huge_fill, key_bias): the float bias or the bool keep mask, the tensor it
+        is applied to, whether the keep mask came from a bias whose finite fill swallows any score
+        (``finfo.min``: a row without a kept key is uniform, not 0), and the bias over the keys that
+        the kept logits get (``where(keep, key_bias, fill)``, as Falcon writes ALiBi into its mask;
+        None for 0); (None, None, False, None) without a mask; None for a ``where`` that fills
+        with anything but -inf."""
         if self.masked.leaf not in m:
-            return None, None, False
+            return None, None, False, None
         masked = m[self.masked.leaf]
         if self.add in m:
             fills = [_scalar(m[fill]) for fill in self.bias_fills] if self.bias_keep in m else None
             if fills == [0.0, _NEG_INF]:
-                return m[self.bias_keep], masked, False
+                return m[self.bias_keep], masked, False, None
             if fills is not None and fills[0] == 0.0 and _swallows_scores(fills[1], str(masked.ty.dtype)):
-                return m[self.bias_keep], masked, True
-            return m[self.bias], masked, False
+                return m[self.bias_keep], masked, True, None
+            split = self._split_bias(m[self.bias], masked)
+            return (m[self.bias], masked, False, None) if split is None else (split[0], masked, *split[1:])
         if _scalar(m[self.keep_fill if self.where_keep in m else self.drop_fill]) != _NEG_INF:
             return None  # an empty row would be uniform, not 0
         if self.where_keep in m:
-            return m[self.keep], masked, False
+            return m[self.keep], masked, False, None
         drop = m[self.drop]
         if self.drop_keep in m and str(drop.ty.dtype) == "bool":
-            return m[self.drop_keep], masked, False  # masked_fill(~keep, -inf)
-        return relax.BlockBuilder().normalize(relax.op.logical_not(drop)), masked, False
+            return m[self.drop_keep], masked, False, None  # masked_fill(~keep, -inf)
+        return relax.BlockBuilder().normalize(relax.op.logical_not(drop)), masked, False, None
+
+    def _split_bias(self, bias, masked) -> tuple | None:
+        """(keep, huge_fill, key_bias) of a float bias ``where(keep, key_bias, fill)`` or
+        ``where(drop, fill, key_bias)`` with ``key_bias`` over the keys alone ([.., 1, Sk]) and a
+        fill of -inf or one that swallows any score; None where it is not one."""
+        call = self._bound(bias)
+        if op_name(call) != "relax.where" or str(call.args[0].ty.dtype) != "bool":
+            return None
+        cond, then, other = call.args
+        for fill, key_bias, drops in ((other, then, False), (then, other, True)):
+            value = _scalar(self._bound(fill))
+            shape = static_dims(key_bias)
+            if (value is None or len(shape) < 3 or shape[-2:] != [1, static_dims(masked)[-1]]
+                    or str(key_bias.ty.dtype) not in FLOAT_DTYPES):
+                continue
+            huge = _swallows_scores(value, str(masked.ty.dtype))
+            keep = self._negated(cond) if drops else cond
+            if keep is not None and (value == _NEG_INF or huge):
+                return keep, huge, key_bias
+        return None
+
+    def _negated(self, drop) -> relax.Expr | None:
+        """The bool keep mask that the bool ``drop`` is the negation of: ``not(keep)``, or a
+        comparison of ``where(keep, a, b)`` with a constant that is false for a and true for b
+        (Falcon's ``where(keep, 0, finfo.min) < -1``); None where it is neither."""
+        call = self._bound(drop)
+        name = op_name(call)
+        if name in ("relax.logical_not", "relax.bitwise_not"):
+            return call.args[0] if str(call.args[0].ty.dtype) == "bool" else None
+        compare = _COMPARISONS.get(name)
+        where = self._bound(call.args[0]) if compare is not None else None
+        if op_name(where) != "relax.where" or str(where.args[0].ty.dtype) != "bool":
+            return None
+        limit, a, b = (_scalar(self._bound(x)) for x in (call.args[1], *where.args[1:]))
+        if None in (limit, a, b) or compare(a, limit) or not compare(b, limit):
+            return None
+        return where.args[0]
+
+    def _bound(self, expr: relax.Expr) -> relax.Expr:
+        """The value ``expr`` is bound to in the function's dataflow (``expr`` itself if none)."""
+        while isinstance(expr, relax.Var) and expr in self.bindings:
+            expr = self.bindings[expr]
+        return expr
 
     def _mask_options(self, mask, masked, dims: tuple[int, int, int, int]) -> tuple | None:
         """(attn_mask, options, may_empty) for a float bias or bool keep ``mask`` broadcast against
@@ -411,6 +512,16 @@ def _axes(rank: int, ci: int, cj: int) -> tuple[int, ...]:
     return (0,) * (rank - 2) + (ci, cj)
 
 
+def _head_repeat(call) -> int | None:
+    """H of a ``broadcast_to`` from [B, 1, m, n] to [B, H, m, n] (one head repeated), else None."""
+    if op_name(call) != "relax.broadcast_to":
+        return None
+    src, out = static_dims(call.args[0]), static_dims(call)
+    if len(src) != 4 or None in src + out or src[1] != 1 or out[:1] + out[2:] != src[:1] + src[2:]:
+        return None
+    return out[1]
+
+
 def _swaps_last_two(call) -> bool:
     """Whether ``call`` is a ``permute_dims`` that swaps the last two axes (k -> K^T)."""
     if op_name(call) != "relax.permute_dims" or call.attrs.axes is None:
@@ -450,8 +561,9 @@ class FuseAttention:
     block or of ``scaled_dot_product_attention``: batched matmuls over merged [B * H] dims (every
     operand's shape is checked), scalar constants on q, k or the scores (their product is the
     softmax scale), SDPA's guard that zeroes fully masked rows (fuel does the same), GQA's head
-    repeat of k and v (``enable_gqa``, ``repeat_interleave``: fuel reads them unrepeated), and a
-    mask between the scale and the softmax:
+    repeat of k and v (``enable_gqa``, ``repeat_interleave``: fuel reads them unrepeated) and a
+    single k and v head broadcast to every query head (multi-query, as the matmuls broadcast it),
+    and a mask between the scale and the softmax:
 
     * ``scores + bias`` (either order) with a float bias -> ``attn_mask``; a
       ``where(keep, 0, -inf)`` bias (SDPA's causal or bool ``attn_mask``) and
@@ -464,10 +576,14 @@ class FuseAttention:
       row without a kept key (uniform under the huge finite fill) the average of v over all keys,
       from the fused call's lse;
     * a softcap ``c * tanh(scores / c)`` before the mask -> ``softcap=c`` (Gemma2);
-    * ALiBi written out, ``scores + slope_h * j`` over the keys j (Bloom; scaled after it, as Falcon
-      does, or not) and computed from constants alone -> ``alibi_slopes`` where the mask is causal
-      (left of the diagonal ``slope * j`` is fuel's ``-slope * |i + Sk - Sq - j|`` up to a row's
-      constant); otherwise such a bias is an additive ``attn_mask``;
+    * a bias over the keys alone, added to the scores (ALiBi as Bloom writes it; scaled after it,
+      as Falcon does, or not) or inside the mask (``where(keep, bias, fill)``, or Falcon's
+      ``where(where(keep, 0, finfo.min) < -1, finfo.min, bias)``), all such terms summed: where the
+      sum is computed from constants alone, is ``slope_h * j`` over the keys j and the mask is
+      causal, ``alibi_slopes`` (left of the diagonal ``slope * j`` is fuel's
+      ``-slope * |i + Sk - Sq - j|`` up to a row's constant); otherwise (positions read from the
+      padding, bfloat16-rounded slopes) one float ``attn_mask`` of [B, H, 1, Sk] at most, the
+      compact keep mask folded in as -inf;
     * a mask over merged [B * H, Sq, Sk] scores is reshaped to [B, H, Sq, Sk]; ``ones_like(scores)``
       and the like in a mask become constants of the shape, so the unfused scores are dropped.
 
