@@ -2,8 +2,9 @@
 
 Contents:
     FuseAttention        -- R.nn.attention (FX import) and unfused softmax(mask(scale Q K^T)) V graphs
-                            (exported programs: causal, bool and additive masks, GQA) -> flash_attn,
-                            where the semantics match exactly
+                            (exported programs: masks read from their programs, softcap, ALiBi and other
+                            biases over the keys, GQA and multi-query) -> flash_attn, where the semantics
+                            match exactly (helpers: mask_program, view_chains)
     RepairImportedProgram -- what TVM 0.27's PyTorch importer mistranslates (bool cumsum, negative take
                             indices), made what PyTorch means
     ShareForwardState    -- flash_attn returns its lse too, so its gradient reuses out and lse

@@ -19,17 +19,14 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
 from .. import op
 from ..op.config import FLOAT_DTYPES, finite_nonzero_float32
 from ..op.nn_attention import band_options, flash_options, static_dims
-from .common import constant_value, int_dim, op_name
+from .common import int_dim, op_name
+from .view_chains import any_of, Chain, KV, scalar
 from .mask_program import ConstantEvaluator, broadcast_dims, constraint_tensor, read_keep_mask
-
-
-def _any(*patterns: DFPattern) -> DFPattern:
-    return functools.reduce(operator.or_, patterns)
 
 
 def _calls(*names: str) -> DFPattern:
     """A call of any of the ops ``names``, whatever its arguments."""
-    return _any(*(is_op(name)(varg_default_wildcard=True) for name in names))
+    return any_of(*(is_op(name)(varg_default_wildcard=True) for name in names))
 
 
 _NN_ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")  # the second carries a bias
@@ -43,14 +40,6 @@ def _fuse_nn_attention(call: relax.Call, _matched) -> relax.Expr:
     q, k, v = (relax.op.permute_dims(x, [0, 2, 1, 3]) for x in call.args[:3])
     bias = call.args[3] if len(call.args) > 3 else None
     return relax.op.permute_dims(op.flash_attn(q, k, v, None, bias, **options), [0, 2, 1, 3])
-
-
-def _scalar(expr) -> float | None:
-    """The value of a scalar float constant or of a ``full`` of one (None if ``expr`` is neither)."""
-    if op_name(expr) == "relax.full":
-        expr = expr.args[1]
-    value = constant_value(expr)
-    return float(value.reshape(())) if value is not None and value.size == 1 and value.dtype.kind == "f" else None
 
 
 def _filled() -> DFPattern:
@@ -75,92 +64,17 @@ def _unlike(call: relax.Call, _matched) -> relax.Expr:
 _NEG_INF = float("-inf")
 _COMPARISONS = {"relax.less": operator.lt, "relax.less_equal": operator.le, "relax.greater": operator.gt,
                 "relax.greater_equal": operator.ge}
-_VIEWS = ("relax.reshape", "relax.broadcast_to")
-_DEPTH = 6  # views and scales followed between two ops of the pattern (the importers write up to 3)
-
-
-class _Chain:
-    """``leaf`` under up to ``_DEPTH`` views (reshape, broadcast_to) and, where ``scaled``, products
-    and quotients by a constant; matched greedily (the leaf is none of these ops)."""
-
-    def __init__(self, leaf: DFPattern, scaled: bool):
-        def step(x: DFPattern, const: DFPattern) -> DFPattern:
-            scales = [is_op("relax.multiply")(x, const), is_op("relax.divide")(x, const)] if scaled else []
-            return _any(*(is_op(name)(x, wildcard()) for name in _VIEWS), *scales)
-
-        self.leaf, self.steps = leaf, []  # steps: (pattern, its constant), bottom up
-        bottom = leaf & ~step(wildcard(), is_const())
-        self.pattern = bottom
-        for _ in range(_DEPTH):
-            const = is_const()
-            self.steps.append((step(self.pattern, const), const))
-            self.pattern = self.steps[-1][0] | bottom
-
-    def matched(self, m) -> list[tuple]:
-        """(constant pattern, expression) of each step matched, top down."""
-        return [(const, m[step]) for step, const in reversed(self.steps) if step in m]
-
-    def peel(self, m, heads: list | None = None) -> tuple[relax.Expr, list[float], bool]:
-        """(where the peeling stops, the scale factors above it, whether that is the leaf): it stops
-        at a view that changes the element count and at a product or quotient by anything but a
-        float scalar (a nonzero one for a quotient). Given ``heads``, one broadcast of a single
-        head to H heads (multi-query k and v) is passed, H appended to it."""
-        scales: list[float] = []
-        for const, value in self.matched(m):
-            name = op_name(value)
-            if name in _VIEWS:
-                if _numel(value.args[0]) != _numel(value):
-                    repeat = _head_repeat(value) if heads == [] else None
-                    if repeat is None:
-                        return value, scales, False
-                    heads.append(repeat)
-                continue
-            factor = _scalar(m[const])
-            if factor is None or name == "relax.divide" and not factor:
-                return value, scales, False
-            scales.append(factor if name == "relax.multiply" else 1.0 / factor)
-        return m[self.leaf], scales, True
-
-
-class _KV:
-    """k or v under a chain, GQA's head repeat undone: ``expand_dims(x, 2)`` broadcast to
-    [B, Hkv, group, S, D] (and merged), so head h reads x's head h // group."""
-
-    def __init__(self, scaled: bool):
-        self.inner = _Chain(wildcard(), scaled)
-        self.expand = is_op("relax.expand_dims")(self.inner.pattern)
-        self.chain = _Chain(self.expand | wildcard(), scaled)
-        self.pattern = self.chain.pattern
-
-    def peel(self, m) -> tuple[relax.Expr, int, list[float]]:
-        """(k or v, its group, the scale factors)."""
-        heads: list = []
-        x, scales, whole = self.chain.peel(m, heads)
-        if heads:  # one head broadcast to every query head (multi-query)
-            return (x, heads[0], scales) if whole else (x, 1, scales)
-        steps = self.chain.matched(m)
-        repeat = steps[-1][1] if steps and self.expand in m else None  # the step right above expand_dims
-        if op_name(repeat) == "relax.broadcast_to" and (whole or x.same_as(repeat)):
-            expand = m[self.expand]
-            src, out = static_dims(expand.args[0]), static_dims(repeat)
-            if ([int(a) % 5 for a in expand.attrs.axis] == [2] and len(src) == 4 and None not in src + out
-                    and out == [src[0], src[1], out[2], src[2], src[3]]):
-                x, more, _ = self.inner.peel(m)
-                return x, out[2], scales + more
-        return x, 1, scales
-
-
 class _UnfusedAttention:
     """``reshape(matmul(P, V))`` with ``P = softmax(mask(scale * Q @ K^T))`` as frontends write it
     out -> ``flash_attn``: the pattern, and the rewrite that checks what a pattern does not say
     (shapes, axes, constants) and declines where the semantics differ."""
 
     def __init__(self):
-        self.q, self.k = _Chain(wildcard(), scaled=True), _KV(scaled=True)
+        self.q, self.k = Chain(wildcard(), scaled=True), KV(scaled=True)
         self.transpose = is_op("relax.permute_dims")(self.k.pattern)
-        self.k_t = _Chain(self.transpose, scaled=True)
+        self.k_t = Chain(self.transpose, scaled=True)
         self.qk = is_op("relax.matmul")(self.q.pattern, self.k_t.pattern)
-        self.scores = _Chain(self.qk, scaled=True)
+        self.scores = Chain(self.qk, scaled=True)
         # softcap c * tanh(scores / c) (Gemma2): the chain's scale takes the 1 / c, the product the c
         self.cap = is_const()
         self.tanh = is_op("relax.tanh")(self.scores.pattern)
@@ -169,19 +83,19 @@ class _UnfusedAttention:
         # ALiBi written out (Bloom, Falcon): + slope_h * key position, on any view, scaled after it or not
         self.alibi = wildcard()
         self.alibi_add = is_op("relax.add")(capped, self.alibi) | is_op("relax.add")(self.alibi, capped)
-        self.biased = _Chain(self.alibi_add, scaled=True)
+        self.biased = Chain(self.alibi_add, scaled=True)
         s = self.biased.pattern | capped
         # scores + bias (either order; a where(keep, 0, -inf) bias is its keep mask), where(keep, scores, -inf)
         # and where(drop, -inf, scores) (masked_fill(~keep, -inf)); no scale above them (it would scale the bias)
         self.bias_keep, self.bias_fills = wildcard(), (_filled(), _filled())
         self.bias = is_op("relax.where")(self.bias_keep, *self.bias_fills) | wildcard()
         self.keep, self.keep_fill, self.drop_keep, self.drop_fill = wildcard(), is_const(), wildcard(), is_const()
-        self.drop = _any(*(is_op(name)(self.drop_keep) for name in ("relax.logical_not", "relax.bitwise_not")),
+        self.drop = any_of(*(is_op(name)(self.drop_keep) for name in ("relax.logical_not", "relax.bitwise_not")),
                          wildcard())
         self.add = is_op("relax.add")(s, self.bias) | is_op("relax.add")(self.bias, s)
         self.where_keep = is_op("relax.where")(self.keep, s, self.keep_fill)
         self.where_drop = is_op("relax.where")(self.drop, self.drop_fill, s)
-        self.masked = _Chain(_any(self.add, self.where_keep, self.where_drop), scaled=False)
+        self.masked = Chain(any_of(self.add, self.where_keep, self.where_drop), scaled=False)
         self.logits = self.masked.pattern | s
         self.softmax = is_op("relax.nn.softmax")(self.logits)
         # PyTorch's guard where(no logit of the row is finite, 0, softmax):
@@ -190,10 +104,10 @@ class _UnfusedAttention:
         self.row_max = is_op("relax.max")(is_op("relax.astype")(is_op("relax.logical_not")(
             is_op("relax.equal")(self.logits, self.guard_inf))))
         empty_rows = is_op("relax.logical_not")(is_op("relax.astype")(self.row_max))
-        zeros = _any(*(is_op(name)(wildcard(), self.zero) for name in ("relax.full", "relax.full_like")),
+        zeros = any_of(*(is_op(name)(wildcard(), self.zero) for name in ("relax.full", "relax.full_like")),
                      *(is_op(name)(wildcard()) for name in ("relax.zeros", "relax.zeros_like")))
         self.guard = is_op("relax.where")(empty_rows, zeros, self.softmax)
-        self.probs, self.v = _Chain(self.guard | self.softmax, scaled=False), _KV(scaled=False)
+        self.probs, self.v = Chain(self.guard | self.softmax, scaled=False), KV(scaled=False)
         self.pv = is_op("relax.matmul")(self.probs.pattern, self.v.pattern)
         self.pattern = is_op("relax.reshape")(self.pv, wildcard())
         self.fused = 0
@@ -249,7 +163,7 @@ class _UnfusedAttention:
                                                                                (transpose.args[0], (sk, d))))):
             return None
         scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
-        softcap = _scalar(m[self.cap]) if self.capped in m else 0.0
+        softcap = scalar(m[self.cap]) if self.capped in m else 0.0
         if softcap is None or not (softcap == 0.0 or (math.isfinite(softcap) and softcap > 0)):
             return None  # fuel's softcap is a positive float
         if softcap:
@@ -346,7 +260,7 @@ class _UnfusedAttention:
         row_max = m[self.row_max]
         axis = row_max.attrs.axis
         return (bool(row_max.attrs.keepdims) and axis is not None and len(axis) == 1 and _last_axis(row_max, axis[0])
-                and _scalar(m[self.guard_inf]) == _NEG_INF and (self.zero not in m or _scalar(m[self.zero]) == 0.0))
+                and scalar(m[self.guard_inf]) == _NEG_INF and (self.zero not in m or scalar(m[self.zero]) == 0.0))
 
     def _mask(self, m) -> tuple | None:
         """(mask, masked, huge_fill, key_bias): the float bias or the bool keep mask, the tensor it
@@ -359,14 +273,14 @@ class _UnfusedAttention:
             return None, None, False, None
         masked = m[self.masked.leaf]
         if self.add in m:
-            fills = [_scalar(m[fill]) for fill in self.bias_fills] if self.bias_keep in m else None
+            fills = [scalar(m[fill]) for fill in self.bias_fills] if self.bias_keep in m else None
             if fills == [0.0, _NEG_INF]:
                 return m[self.bias_keep], masked, False, None
             if fills is not None and fills[0] == 0.0 and _swallows_scores(fills[1], str(masked.ty.dtype)):
                 return m[self.bias_keep], masked, True, None
             split = self._split_bias(m[self.bias], masked)
             return (m[self.bias], masked, False, None) if split is None else (split[0], masked, *split[1:])
-        if _scalar(m[self.keep_fill if self.where_keep in m else self.drop_fill]) != _NEG_INF:
+        if scalar(m[self.keep_fill if self.where_keep in m else self.drop_fill]) != _NEG_INF:
             return None  # an empty row would be uniform, not 0
         if self.where_keep in m:
             return m[self.keep], masked, False, None
@@ -384,7 +298,7 @@ class _UnfusedAttention:
             return None
         cond, then, other = call.args
         for fill, key_bias, drops in ((other, then, False), (then, other, True)):
-            value = _scalar(self._bound(fill))
+            value = scalar(self._bound(fill))
             shape = static_dims(key_bias)
             if (value is None or len(shape) < 3 or shape[-2:] != [1, static_dims(masked)[-1]]
                     or str(key_bias.ty.dtype) not in FLOAT_DTYPES):
@@ -407,7 +321,7 @@ class _UnfusedAttention:
         where = self._bound(call.args[0]) if compare is not None else None
         if op_name(where) != "relax.where" or str(where.args[0].ty.dtype) != "bool":
             return None
-        limit, a, b = (_scalar(self._bound(x)) for x in (call.args[1], *where.args[1:]))
+        limit, a, b = (scalar(self._bound(x)) for x in (call.args[1], *where.args[1:]))
         if None in (limit, a, b) or compare(a, limit) or not compare(b, limit):
             return None
         return where.args[0]
@@ -512,16 +426,6 @@ def _axes(rank: int, ci: int, cj: int) -> tuple[int, ...]:
     return (0,) * (rank - 2) + (ci, cj)
 
 
-def _head_repeat(call) -> int | None:
-    """H of a ``broadcast_to`` from [B, 1, m, n] to [B, H, m, n] (one head repeated), else None."""
-    if op_name(call) != "relax.broadcast_to":
-        return None
-    src, out = static_dims(call.args[0]), static_dims(call)
-    if len(src) != 4 or None in src + out or src[1] != 1 or out[:1] + out[2:] != src[:1] + src[2:]:
-        return None
-    return out[1]
-
-
 def _swaps_last_two(call) -> bool:
     """Whether ``call`` is a ``permute_dims`` that swaps the last two axes (k -> K^T)."""
     if op_name(call) != "relax.permute_dims" or call.attrs.axes is None:
@@ -538,11 +442,6 @@ def _last_axis(tensor, axis) -> bool:
 def _merged(shape: list, lead: tuple, tail: tuple) -> bool:
     """``shape`` is ``[*lead, *tail]`` or ``[prod(lead), *tail]``."""
     return list(shape) in ([*lead, *tail], [lead[0] * lead[1], *tail])
-
-
-def _numel(expr) -> int | None:
-    dims = static_dims(expr)
-    return None if None in dims else math.prod(dims)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_fuel.FuseAttention")
