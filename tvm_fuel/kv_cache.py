@@ -8,9 +8,13 @@ the slots and write them with the same kernel (``append_kernel``, through
 ``relax.call_tir_inplace``). ``block_table`` and ``context_lens`` are the arguments
 ``paged_attn`` takes for a batch of sequences; ``free`` returns a sequence's blocks to the pool.
 
+TVM's own paged KV cache (``relax.frontend.nn.llm``, MLC-LLM's) keeps its pages in C++ and calls
+the kernels a model passes it slot by slot: ``tvm_kernels`` gives fuel's for its attention slots.
+
 Contents:
     PagedKVCache  -- the block pool, tables and tensors
     append_kernel -- the PrimFunc that writes K/V rows into their slots
+    tvm_kernels   -- fuel's kernels for the attention slots of TVM's PagedKVCache (``TVM_SLOTS``)
 
 Example
 -------
@@ -267,6 +271,62 @@ class PagedKVCache:
         if len(set(seqs)) != len(seqs):  # one sequence twice in a batch would get two slots per position
             raise ValueError(f"PagedKVCache.{what}: seqs {seqs} repeat a sequence id")
         return seqs
+
+# the slots of TVM's PagedKVCache that fuel's kernels fill so far (the others stay TVM's)
+TVM_SLOTS = ("decode", "decode_sliding_window", "merge_state")
+
+
+def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *, page_size: int = 16,
+                rope_scaling: dict | None = None) -> dict[str, tvm.tirx.PrimFunc]:
+    """fuel's kernels for the attention slots of TVM's own paged KV cache
+    (``relax.frontend.nn.llm.kv_cache.PagedKVCache``, created by
+    ``vm.builtin.paged_attention_kv_cache_create``; what MLC-LLM serves from): slot name -> a
+    scheduled PrimFunc with the signature, global symbol and semantics of TVM 0.27's kernel for
+    that slot, to be passed to the runtime in its place.
+
+    Slots (``TVM_SLOTS``):
+
+    * ``decode``, ``decode_sliding_window``: ``batch_decode_paged_kv_cpu(q [B, Hq, D], pages
+      [max_num_pages, 2, Hkv, page_size, D], page_indptr [B + 1], page_values [nnz_pages],
+      length_info [B] or [3, B] (last page length, window offset, sink length), k_rope_pos_offset
+      [B], q_rope_position [B], output [B, Hq, D], lse [B, Hq] float32 (log2 units), rotary_mode,
+      rope_scale, rope_theta, sm_scale)``; each (sequence, KV head) a parallel task that reads
+      its group's K and V rows once, in place (``rotary_mode`` 1 rotates keys as it packs them);
+    * ``merge_state``: ``merge_state_inplace_cpu(v [N, H, D], s [N, H], v_other, s_other)``.
+
+    The prefill, ragged and tree-attention slots stay TVM's for now. llvm targets only.
+
+    Example
+    -------
+    >>> kernels = tvm_fuel.kv_cache.tvm_kernels(4, 32, 128, "float16", tvm_fuel.host_target())
+    >>> decode = tvm.compile(tvm.IRModule({"main": kernels["decode"]}), target)["batch_decode_paged_kv_cpu"]
+    """
+    from .op.config import AttnConfig
+    from .schedules.cpu import tvm_cache
+    from .schedules.cpu.tiles import tiles_for
+    from .schedules.workload import KernelSpec
+    from .schedules.cpu.tiles import vector_lanes
+    from .target import as_target
+
+    where = "kv_cache.tvm_kernels"
+    num_kv_heads, num_qo_heads, head_dim, page_size = (
+        _positive_int(where, name, value) for name, value in (("num_kv_heads", num_kv_heads),
+                                                              ("num_qo_heads", num_qo_heads), ("head_dim", head_dim),
+                                                              ("page_size", page_size)))
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"{where}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"{where}: dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    target = as_target(target)
+    if target.kind.name != "llvm":
+        raise ValueError(f"{where}: target must be an llvm (CPU) target for now, got {target.kind.name!r}")
+    spec = KernelSpec(dtype, num_qo_heads, num_kv_heads, head_dim, AttnConfig())
+    tiles = tiles_for(target, head_dim=head_dim, rows=num_qo_heads // num_kv_heads, num_kv_heads=1,
+                      element_bytes=tvm.DataType(dtype).bits // 8)
+    return {f"decode{suffix}": tvm_cache.decode(spec, tiles, page_size=page_size, sliding_window=bool(suffix),
+                                                rope_scaling=rope_scaling)
+            for suffix in ("", "_sliding_window")} | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
+
 
 def _positive_int(where: str, name: str, value) -> int:
     """``value`` as an int >= 1 (numpy integers qualify, bools do not); the error names ``where`` and ``name``."""

@@ -19,6 +19,10 @@ Contents:
     KernelSpec     -- the static facts of one kernel instance
     ForwardBuffers         -- the parameter buffers a task's macros read and write
     RowTile        -- the rows one task owns and the keys they may see
+    Scratch        -- a task's float32 scratch (queries, scores, accumulator, row statistics)
+    ForwardMacros  -- a task's macros: load, online-softmax tiles, store (the TVM-cache kernels use them too)
+    BlockTable     -- where a paged task's tokens live in vLLM's layout (page, slot, K and V reads)
+    PagedTile      -- the macros of one key tile of a paged task, streamed in place or packed
     dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
     paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
 """
@@ -106,7 +110,7 @@ class RowTile:
 
 
 @dataclass(frozen=True)
-class _Scratch:
+class Scratch:
     """A task's float32 scratch: queries Qs [block_q, D], scores S [block_q, block_k], the
     accumulator O [block_q, DP] and the row statistics m, l, alpha [block_q]. A paged task
     holds one of each per KV head it streams: [heads, ...] buffers."""
@@ -118,16 +122,16 @@ class _Scratch:
     l: tirx.Buffer
     alpha: tirx.Buffer
 
-    def view(self, index) -> _Scratch:
+    def view(self, index) -> Scratch:
         """The scratch of head ``index`` of [heads, ...] buffers, as views (declared in field order)."""
-        return _Scratch(_head(self.Qs, index), _head(self.S, index), _head(self.O, index), _head(self.m, index),
+        return Scratch(_head(self.Qs, index), _head(self.S, index), _head(self.O, index), _head(self.m, index),
                         _head(self.l, index), _head(self.alpha, index))
 
 
-class _Body:
+class ForwardMacros:
     """The macros of a forward task, specialised to one spec and tile configuration.
 
-    Their arguments: scratch buffers (or a ``_Scratch``), then the ``ForwardBuffers`` and the ``RowTile``.
+    Their arguments: scratch buffers (or a ``Scratch``), then the ``ForwardBuffers`` and the ``RowTile``.
     """
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles):
@@ -214,7 +218,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
     (symbolic where absent)."""
     sizes = kernel_sizes(dims)
     B, Sq, Sk = sizes.values()
-    body = _Body(spec, tiles)
+    body = ForwardMacros(spec, tiles)
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
     cfg = spec.cfg
@@ -274,7 +278,7 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
             m = T.alloc_buffer((BQ,), F32)
             l = T.alloc_buffer((BQ,), F32)
             alpha = T.alloc_buffer((BQ,), F32)
-            scratch = T.meta_var(_Scratch(Qs, S, O, m, l, alpha))
+            scratch = T.meta_var(Scratch(Qs, S, O, m, l, alpha))
             tile = T.meta_var(RowTile(group, b, g, r0, rows, kv_len=Sk, delta=Sk - Sq, first_pos=first_pos,
                                       last_pos=last_pos))
             body.load_queries(Qs, params, tile)
@@ -291,14 +295,43 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
     return finish(drop_params(fuel_flash_attn_cpu, unused))
 
 
-class _PagedTile:
-    """The macros that run one key tile of a paged task: ``stream_tile`` reads the tile's K and V
-    rows in place (decode), ``packed_tile`` packs them through the block table and runs the
-    register-tiled GEMMs. ``num_blocks``: the caches' block count (a dim of the kernel)."""
+@dataclass(frozen=True)
+class BlockTable:
+    """Where a paged task's tokens live, in vLLM's layout: caches [num_blocks, block_size, Hkv, D]
+    and a block table [B, max_blocks] (the sequence is ``b``). ``page(j)`` and ``slot(j)`` place
+    token j; ``k`` and ``v`` read a head's element there. Another cache layout (TVM's pages) is
+    another object with these four methods."""
 
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, body: _Body, num_blocks):
+    table: tirx.Buffer
+    k_cache: tirx.Buffer
+    v_cache: tirx.Buffer
+    b: tirx.PrimExpr
+    num_blocks: tirx.PrimExpr
+    block_size: int
+
+    def page(self, j):
+        # a live token's block id was validated before the kernel (CPU check); clamp all the same
+        return T.max(T.min(T.Cast("int64", self.table[self.b, j // self.block_size]), self.num_blocks - 1),
+                     T.int64(0))
+
+    def slot(self, j):
+        return j % self.block_size
+
+    def k(self, page, slot, g, d):
+        return self.k_cache[page, slot, g, d]
+
+    def v(self, page, slot, g, d):
+        return self.v_cache[page, slot, g, d]
+
+
+class PagedTile:
+    """The macros that run one key tile of a paged task, its tokens placed by ``cache`` (a
+    ``BlockTable`` or a layout like it): ``stream_tile`` reads the tile's K and V rows in place
+    (decode), ``packed_tile`` packs them and runs the register-tiled GEMMs."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, body: ForwardMacros):
         cfg, dtype, D = spec.cfg, spec.dtype, spec.head_dim
-        BQ, BK, DP, BS = tiles.block_q, tiles.block_k, tiles.padded_dim(D), spec.block_size
+        BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
         HT = tiles.kv_heads  # KV heads per streaming task
         LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
         VT = tiles.value_tokens
@@ -307,21 +340,17 @@ class _PagedTile:
         LINES = -(-D // PER_LINE)  # cache lines of one head's row of a token
         ROWS_POW2 = 1 << (BQ - 1).bit_length()  # rows of the score shuffle tree
 
-        def page_of(table, b, j):
-            # a live token's block id was validated before the kernel (CPU check); clamp all the same
-            return T.max(T.min(T.Cast("int64", table[b, j // BS]), num_blocks - 1), T.int64(0))
-
         @T.macro
-        def prefetch_row(cache, pages_ahead, token, kv_len, g, c):
+        def prefetch_row(cache, load, pages_ahead, token, kv_len, g, c):
             # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
             # pass. The hardware prefetchers restart at every 4 KiB page and at every jump through the
             # block table (measured: bfloat16 1.7x faster with it, float32 0-16 % by the memory load).
             ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
             for line in T.unroll(LINES):
-                prefetch(T.address_of(cache[pages_ahead[c], ahead % BS, g, T.min(line * PER_LINE, D - 1)]))
+                prefetch(T.address_of(load(pages_ahead[c], cache.slot(ahead), g, T.min(line * PER_LINE, D - 1))))
 
         @T.macro
-        def add_values(heads, params, tile, tokens, gi, first, count: T.int32, skip_zero_weights):
+        def add_values(heads, cache, tile, tokens, gi, first, count: T.int32, skip_zero_weights):
             # O[gi] += sum over tokens first .. first + count - 1 of P[gi, :, token] * V[token, head g + gi]
             # (skip_zero_weights: a dropped token's P is 0 and its V may be NaN, see the module docstring)
             for d0 in range(D // LD):
@@ -334,40 +363,40 @@ class _PagedTile:
                         for v in T.vectorized(LD):
                             acc_o[r, v] = add_term(
                                 acc_o[r, v], heads.S[gi, r, first + u],
-                                params.v_cache[tokens.pages[first + u], (tokens.kt * BK + first + u) % BS, tile.g + gi,
-                                               d0 * LD + v].astype(F32),
+                                cache.v(tokens.pages[first + u], cache.slot(tokens.kt * BK + first + u), tile.g + gi,
+                                        d0 * LD + v).astype(F32),
                                 skip_zero_weights)
                 for r in T.unroll(BQ):
                     for v in T.vectorized(LD):
                         heads.O[gi, r, d0 * LD + v] = acc_o[r, v]
 
         @T.macro
-        def add_value_rows(heads, params, tile, tokens, live, skip_zero_weights):
+        def add_value_rows(heads, cache, tile, tokens, live, skip_zero_weights):
             # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
             # VT tokens; each token's value row is still read as one contiguous run over the heads
             for c0 in range(live // VT):
                 for gi in range(HT):
                     if PREFETCH > 0:
                         for u in T.unroll(VT):
-                            prefetch_row(params.v_cache, tokens.pages_ahead, tokens.kt * BK + c0 * VT + u,
+                            prefetch_row(cache, cache.v, tokens.pages_ahead, tokens.kt * BK + c0 * VT + u,
                                          tile.kv_len, tile.g + gi, c0 * VT + u)
-                    add_values(heads, params, tile, tokens, gi, c0 * VT, VT, skip_zero_weights)
+                    add_values(heads, cache, tile, tokens, gi, c0 * VT, VT, skip_zero_weights)
             for c in range(live // VT * VT, live):
                 for gi in range(HT):
-                    add_values(heads, params, tile, tokens, gi, c, 1, skip_zero_weights)
+                    add_values(heads, cache, tile, tokens, gi, c, 1, skip_zero_weights)
 
         @T.macro
-        def stream_tile(heads, params, tile, kt):
+        def stream_tile(heads, params, cache, tile, kt):
             # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
             pages = T.alloc_buffer((BK,), "int64", scope="local")
             sums = T.alloc_buffer((ROWS_POW2,), F32, scope="local")
             for c in range(BK):
-                pages[c] = page_of(params.table, tile.b, T.min(kt * BK + c, tile.kv_len - 1))
+                pages[c] = cache.page(T.min(kt * BK + c, tile.kv_len - 1))
             # and of the token PREFETCH ahead of each (the last live one past the end)
             pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64", scope="local")
             if PREFETCH > 0:
                 for c in range(BK):
-                    pages_ahead[c] = page_of(params.table, tile.b, T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
+                    pages_ahead[c] = cache.page(T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
             tokens = T.meta_var(_Tokens(kt, pages, pages_ahead))
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
@@ -377,12 +406,12 @@ class _PagedTile:
                             for v in T.vectorized(LD):
                                 acc[r, v] = T.float32(0)
                         if PREFETCH > 0:
-                            prefetch_row(params.k_cache, pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
+                            prefetch_row(cache, cache.k, pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
                         for d0 in range(D // LD):
                             for r in T.unroll(BQ):
                                 for v in T.vectorized(LD):
-                                    acc[r, v] = acc[r, v] + heads.Qs[gi, r, d0 * LD + v] * params.k_cache[
-                                        pages[c], (kt * BK + c) % BS, tile.g + gi, d0 * LD + v].astype(F32)
+                                    acc[r, v] = acc[r, v] + heads.Qs[gi, r, d0 * LD + v] * cache.k(
+                                        pages[c], cache.slot(kt * BK + c), tile.g + gi, d0 * LD + v).astype(F32)
                         store_row_sums(sums, acc, BQ, LD)
                         for r in T.unroll(BQ):
                             heads.S[gi, r, c] = sums[r]
@@ -396,18 +425,18 @@ class _PagedTile:
             live = T.min(tile.kv_len - kt * BK, BK)
             # interior tiles drop no token: their value rows need no zero-weight check
             if tile.is_interior(cfg, kt * BK, BK):
-                add_value_rows(heads, params, tile, tokens, live, False)
+                add_value_rows(heads, cache, tile, tokens, live, False)
             else:
-                add_value_rows(heads, params, tile, tokens, live, True)
+                add_value_rows(heads, cache, tile, tokens, live, True)
 
         @T.macro
-        def packed_tile(heads, Kt, Vt, params, tile, kt):
+        def packed_tile(heads, Kt, Vt, params, cache, tile, kt):
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
-                    block: T.int64 = page_of(params.table, tile.b, kt * BK + c)
+                    block: T.int64 = cache.page(kt * BK + c)
                     for d in range(D):
-                        Kt[d, c] = params.k_cache[block, (kt * BK + c) % BS, tile.g, d].astype(F32)
-                        Vt[c, d] = params.v_cache[block, (kt * BK + c) % BS, tile.g, d].astype(F32)
+                        Kt[d, c] = cache.k(block, cache.slot(kt * BK + c), tile.g, d).astype(F32)
+                        Vt[c, d] = cache.v(block, cache.slot(kt * BK + c), tile.g, d).astype(F32)
                 else:
                     for d in range(D):
                         Kt[d, c] = T.float32(0)
@@ -443,8 +472,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     """
     sizes = kernel_sizes(dims, paged=True)
     B, Sq, num_blocks, max_blocks = sizes.values()
-    body = _Body(spec, tiles)
-    paged = _PagedTile(spec, tiles, body, num_blocks)
+    body = ForwardMacros(spec, tiles)
+    paged = PagedTile(spec, tiles, body)
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     cfg = spec.cfg
@@ -477,18 +506,19 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             alpha_all = T.alloc_buffer((HT, BQ), F32)
             Kt = T.alloc_buffer((D, BK) if not streaming else (1,), F32)
             Vt = T.alloc_buffer((BK, DP) if not streaming else (1,), F32)
-            heads = T.meta_var(_Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all))
+            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all))
             tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
                                       first_pos=first_pos, last_pos=last_pos))
+            cache = T.meta_var(BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size))
             for gi in range(HT):
                 body.load_queries(_head(Qs_all, gi), params, tile.head(gi))
                 body.init_state(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi))
             lo, hi = tile.key_tiles(cfg, BK)
             for kt in range(lo, hi):
                 if streaming:
-                    paged.stream_tile(heads, params, tile, kt)
+                    paged.stream_tile(heads, params, cache, tile, kt)
                 else:
-                    paged.packed_tile(heads, Kt, Vt, params, tile, kt)
+                    paged.packed_tile(heads, Kt, Vt, params, cache, tile, kt)
             for gi in range(HT):
                 body.store(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi), params, tile.head(gi))
     # fmt: on

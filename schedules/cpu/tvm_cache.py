@@ -1,0 +1,254 @@
+"""CPU kernels for TVM's own paged KV cache: the attention slots of ``relax.frontend.nn.llm``'s
+``PagedKVCache`` (``vm.builtin.paged_attention_kv_cache_create``, what MLC-LLM serves from), with
+the signatures and semantics of TVM 0.27's kernels for those slots, so the runtime calls them in
+TVM's place.
+
+TVM's cache, as these kernels read it:
+
+* pages [max_num_pages, 2, Hkv, page_size, D] (K, then V; a head's rows of a page contiguous), a
+  sequence's pages in CSR form (``page_indptr`` [B + 1] into ``page_values``);
+* ``length_info`` [B]: the used slots of each sequence's last page; with a sliding window
+  [3, B]: (last page's used slots, window offset, sink length), logical key j < sink at slot j,
+  later ones at slot j - sink + offset;
+* scores in log2 units, ``s = q . k * sm_scale * log2 e``: ``lse = m + log2(sum 2^(s - m))``, and
+  ``-5e4`` with an output of 0 for a sequence without keys (TVM's initial running max);
+* ``rotary_mode`` 1 (TVM's RopeMode.INLINE): q rotated at ``q_rope_position[b]`` and key j at
+  ``k_rope_pos_offset[b] + j``, over the whole head dim, with the cache's ``rope_scaling``
+  (TVM's ``position_embedding.switch_rope_freq_func``), each rotated value rounded to the cache
+  dtype as TVM's kernels round it.
+
+A decode task is one (sequence, KV head): its GQA group's query rows, the keys packed a tile at a
+time into registers-friendly [D, block_k] and [block_k, D] tiles (through the page table, rotated
+where asked) and run through the forward kernels' online-softmax macros (``ForwardMacros``).
+
+Contents:
+    TvmPages     -- where a sequence's tokens live in TVM's pages (what ``PagedTile`` reads)
+    decode       -- PrimFunc batch_decode_paged_kv_cpu (and ``_sliding_window``)
+    merge_state  -- PrimFunc merge_state_inplace_cpu: (v, s) <- the merge of two partial states
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tvm import tirx
+from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
+from tvm.script import tirx as T
+
+from ...op import semantics as sem
+from ..common import F32, finish, KernelSpec
+from .forward import ForwardBuffers, ForwardMacros, PagedTile, RowTile, Scratch
+from .tiles import CpuTiles, STREAMING_ROWS
+
+EMPTY_LSE = -5e4  # TVM's lse of a sequence without keys (its online softmax starts from m = -5e4, d = 1)
+
+
+def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, rope_scaling: dict[str, Any]):
+    """Element d of a row rotated at ``position`` (TVM's ``_rope`` over the whole head dim):
+    ``load(i)`` reads element i of the row."""
+    cos_freq, sin_freq, bindings = switch_rope_freq_func(rope_scaling)(position * rope_scale, d, head_dim,
+                                                                       rope_theta, "float32")
+    half = head_dim // 2
+    partner = tirx.if_then_else(d < half, -load(d + half), load(d - half))
+    value = (cos_freq * load(d).astype(F32) + sin_freq * partner.astype(F32)).astype(dtype)
+    for var, bound in bindings.items():
+        value = tirx.Let(var, bound, value)
+    return value
+
+
+@dataclass(frozen=True)
+class TvmPages:
+    """Where a sequence's tokens live in TVM's cache (the ``BlockTable`` methods ``PagedTile``
+    reads): logical key j at offset j (a sink) or j - sink + window_offset, page
+    ``page_values[first_page + offset // page_size]``, slot ``offset % page_size``."""
+
+    pages: tirx.Buffer
+    page_values: tirx.Buffer
+    first_page: tirx.PrimExpr
+    sink: tirx.PrimExpr
+    window_offset: tirx.PrimExpr
+    page_size: int
+
+    def offset(self, j):
+        j = T.Cast("int32", j)
+        return T.if_then_else(j < self.sink, j, j - self.sink + self.window_offset)
+
+    def page(self, j):
+        return T.Cast("int64", self.page_values[self.first_page + self.offset(j) // self.page_size])
+
+    def slot(self, j):
+        return self.offset(j) % self.page_size
+
+    def k(self, page, slot, g, d):
+        return self.pages[page, 0, g, slot, d]
+
+    def v(self, page, slot, g, d):
+        return self.pages[page, 1, g, slot, d]
+
+
+def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window: bool,
+           rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """TVM's ``batch_decode_paged_kv_cpu`` (``_sliding_window``): q [B, Hq, D] against each
+    sequence's cached keys; output [B, Hq, D] (q's dtype), lse [B, Hq] float32 (log2 units).
+
+    A group of at most ``STREAMING_ROWS`` rows streams K and V in place (``PagedTile.stream_tile``,
+    the decode of fuel's own paged kernel); a larger group, and keys rotated in the kernel
+    (rotary_mode 1), pack each key tile and run the register-tiled GEMMs."""
+    Hq, Hkv, D, group, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    if BQ < group or tiles.kv_heads != 1:
+        raise ValueError(f"tvm_cache.decode: tiles must hold the GQA group of {group} rows (block_q {BQ}) for one "
+                         f"KV head a task (kv_heads {tiles.kv_heads})")
+    streaming = BQ <= STREAMING_ROWS
+    body = ForwardMacros(spec, tiles)
+    paged = PagedTile(spec, tiles, body)
+    rope_scaling = rope_scaling or {}
+    log2e = T.float32(sem.LOG2E)
+
+    def rotated_query(q, b, h, d, position, rope_scale, rope_theta):
+        return _rope(lambda i: q[b, h, i], d, position, D, rope_scale, rope_theta, dtype, rope_scaling).astype(F32)
+
+    def rotated_key(cache, page, slot, g, d, position, rope_scale, rope_theta):
+        return _rope(lambda i: cache.k(page, slot, g, i), d, position, D, rope_scale, rope_theta, dtype,
+                     rope_scaling).astype(F32)
+
+    def lengths(length_info, b):
+        # (last page's used slots, window offset, sink length)
+        if sliding_window:
+            return length_info[0, b], length_info[1, b], length_info[2, b]
+        return length_info[b], T.int32(0), T.int32(0)
+
+    def info_shape(B):
+        return (3, B) if sliding_window else (B,)
+
+    @T.macro
+    def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale, rope_theta):
+        # key tile kt packed through the page table, its keys rotated where rotary_mode is 1
+        for c in range(BK):
+            j: T.int64 = kt * BK + c
+            if j < tile.kv_len:
+                page: T.int64 = cache.page(j)
+                slot: T.int32 = cache.slot(j)
+                if rotary_mode == 1:
+                    for d in range(D):
+                        Kt[d, c] = rotated_key(cache, page, slot, tile.g, d, k_position + T.Cast("int32", j),
+                                               rope_scale, rope_theta)
+                else:
+                    for d in range(D):
+                        Kt[d, c] = cache.k(page, slot, tile.g, d).astype(F32)
+                for d in range(D):
+                    Vt[c, d] = cache.v(page, slot, tile.g, d).astype(F32)
+            else:
+                for d in range(D):
+                    Kt[d, c] = T.float32(0)
+                    Vt[c, d] = T.float32(0)
+            for d in range(D, DP):
+                Vt[c, d] = T.float32(0)
+        nonfinite = T.alloc_buffer((1,), F32, scope="local")
+        body.count_nonfinite(nonfinite, Vt, BK, DP)
+        body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+
+    # fmt: off
+    @T.prim_func
+    def batch_decode_paged_kv_cpu(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
+                                  length_info_h: T.handle, k_rope_pos_offset_h: T.handle, q_rope_position_h: T.handle,
+                                  output_h: T.handle, lse_h: T.handle, rotary_mode: T.int32, rope_scale: T.float32,
+                                  rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32()
+        indptr_offset, values_offset, k_offset_offset, q_position_offset, info_offset = (
+            T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
+        q = T.match_buffer(q_h, (B, Hq, D), dtype)
+        pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
+        q_rope_position = T.match_buffer(q_rope_position_h, (B,), "int32", elem_offset=q_position_offset)
+        output = T.match_buffer(output_h, (B, Hq, D), dtype)
+        lse = T.match_buffer(lse_h, (B, Hq), "float32")
+        length_info = T.match_buffer(length_info_h, info_shape(B), "int32", elem_offset=info_offset)
+        params = T.meta_var(ForwardBuffers(q=q, out=output))
+        for task in T.parallel(B * Hkv):
+            b: T.int64 = T.Cast("int64", task // Hkv)
+            g: T.int64 = T.Cast("int64", task % Hkv)
+            first_page: T.int32 = page_indptr[b]
+            num_pages: T.int32 = page_indptr[b + 1] - first_page
+            last_page_len, window_offset, sink = T.meta_var(lengths(length_info, b))
+            kv_len: T.int64 = T.Cast("int64", T.if_then_else(
+                num_pages > 0, (num_pages - 1) * page_size + last_page_len - window_offset + sink, 0))
+            Qs = T.alloc_buffer((1, BQ, D), F32)
+            S = T.alloc_buffer((1, BQ, BK), F32)
+            O = T.alloc_buffer((1, BQ, DP), F32)
+            m = T.alloc_buffer((1, BQ), F32)
+            l = T.alloc_buffer((1, BQ), F32)
+            alpha = T.alloc_buffer((1, BQ), F32)
+            Kt = T.alloc_buffer((D, BK), F32)
+            Vt = T.alloc_buffer((BK, DP), F32)
+            heads = T.meta_var(Scratch(Qs, S, O, m, l, alpha))
+            scratch = T.meta_var(heads.view(0))
+            tile = T.meta_var(RowTile(group, b, g, T.int64(0), T.int64(group), kv_len=kv_len, delta=kv_len - 1,
+                                      first_pos=T.int64(0), last_pos=T.int64(0)))
+            cache = T.meta_var(TvmPages(pages, page_values, first_page, sink, window_offset, page_size))
+            for r, d in T.grid(BQ, D):  # the group's rows, then zero rows up to the register tile
+                Qs[0, r, d] = T.float32(0)
+            for r, d in T.grid(group, D):
+                if rotary_mode == 1:
+                    Qs[0, r, d] = rotated_query(q, b, g * group + r, d, q_rope_position[b], rope_scale, rope_theta)
+                else:
+                    Qs[0, r, d] = q[b, g * group + r, d].astype(F32)
+                Qs[0, r, d] = Qs[0, r, d] * sm_scale * log2e
+            body.init_state(scratch.O, scratch.m, scratch.l)
+            lo, hi = T.meta_var(tile.key_tiles(spec.cfg, BK))
+            for kt in range(lo, hi):
+                if streaming and rotary_mode != 1:
+                    paged.stream_tile(heads, params, cache, tile, kt)
+                else:
+                    packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_rope_pos_offset[b],
+                                rope_scale, rope_theta)
+            for r in range(group):
+                for d in range(D):
+                    output[b, g * group + r, d] = sem.normalize(O[0, r, d], l[0, r]).astype(dtype)
+                lse[b, g * group + r] = T.Select(l[0, r] == T.float32(0), T.float32(EMPTY_LSE),
+                                                 sem.safe_row_max(m[0, r]) + T.log2(l[0, r]))
+    # fmt: on
+
+    name = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
+    return finish(batch_decode_paged_kv_cpu.with_attr("global_symbol", name))
+
+
+def merge_state(dtype: str, lanes: int) -> tirx.PrimFunc:
+    """TVM's ``merge_state_inplace_cpu``: v [N, H, D] (``dtype``) and s [N, H] float32 (log2
+    units) become the merge of themselves with ``v_other``, ``s_other``: ``s = log2(2^s +
+    2^s_other)``, v weighted by each side's share. Rows in parallel, the head dim vectorized."""
+
+    # fmt: off
+    @T.prim_func
+    def merge_state_inplace_cpu(v_h: T.handle, s_h: T.handle, v_other_h: T.handle, s_other_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        N, H, D = T.int32(), T.int32(), T.int32()
+        v = T.match_buffer(v_h, (N, H, D), dtype)
+        s = T.match_buffer(s_h, (N, H), "float32")
+        v_other = T.match_buffer(v_other_h, (N, H, D), dtype)
+        s_other = T.match_buffer(s_other_h, (N, H), "float32")
+        for row in T.parallel(N * H):
+            n: T.int32 = row // H
+            h: T.int32 = row % H
+            top: T.float32 = T.max(s[n, h], s_other[n, h])
+            mine: T.float32 = T.exp2(s[n, h] - top)
+            theirs: T.float32 = T.exp2(s_other[n, h] - top)
+            for d0 in range(D // lanes):
+                for lane in T.vectorized(lanes):
+                    v[n, h, d0 * lanes + lane] = (v[n, h, d0 * lanes + lane].astype(F32) * (mine / (mine + theirs))
+                                                  + v_other[n, h, d0 * lanes + lane].astype(F32)
+                                                  * (theirs / (mine + theirs))).astype(dtype)
+            for d in range(D // lanes * lanes, D):
+                v[n, h, d] = (v[n, h, d].astype(F32) * (mine / (mine + theirs))
+                              + v_other[n, h, d].astype(F32) * (theirs / (mine + theirs))).astype(dtype)
+            s[n, h] = T.log2(mine + theirs) + top
+    # fmt: on
+
+    return finish(merge_state_inplace_cpu.with_attr("global_symbol", "merge_state_inplace_cpu"))
+
+
+__all__ = ["TvmPages", "decode", "merge_state", "EMPTY_LSE"]

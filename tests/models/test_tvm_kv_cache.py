@@ -1,0 +1,264 @@
+"""fuel's kernels inside TVM's own paged KV cache (``relax.frontend.nn.llm``'s ``PagedKVCache``,
+the runtime MLC-LLM serves from), through the runtime's own functions.
+
+Each scenario drives two runtime caches side by side (``vm.builtin.kv_state_*``,
+``attention_kv_cache_attention_with_fused_qkv``): one with TVM 0.27's CPU kernels in every slot,
+one with ``tvm_fuel.kv_cache.tvm_kernels`` in ``TVM_SLOTS`` (the other slots TVM's). Every
+layer's output of every step is checked against a float64 numpy reference of the same sequences
+(causal within the step, over everything the cache holds: after a fork, a popn, with a sliding
+window and attention sinks, keys rotated in the kernel), and fuel's slots are wrapped to count
+their calls, so each scenario asserts that fuel's kernels are what ran. Head dims 64 and 128,
+float32 and float16, GQA groups 1, 4 and 7.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
+# TVM's CPU kernels for the slots: TIRPagedKVCache builds them from these (TVM's own tests import them too)
+from tvm.relax.frontend.nn.llm.kv_cache import (
+    _attention_decode_cpu, _attention_prefill_cpu, _attention_prefill_ragged_cpu, _compact_kv_copy_cpu,
+    _copy_single_page_cpu, _kv_cache_debug_get_kv, _kv_cache_transpose_append, _merge_state_inplace_cpu)
+from tvm.runtime import ShapeTuple
+from tvm.s_tir import dlight as dl
+
+import tvm_fuel
+from tvm_fuel.kv_cache import TVM_SLOTS, tvm_kernels
+
+pytestmark = pytest.mark.integration
+
+LAYERS, PAGE, THETA = 2, 16, 1e4
+NONE, INLINE = int(tvm_kv.RopeMode.NONE), int(tvm_kv.RopeMode.INLINE)
+TOLERANCE = {"float32": 1e-5, "float16": 1e-3}
+CONFIGS = [  # (Hq, Hkv, D, dtype)
+    (8, 2, 64, "float32"), (4, 4, 128, "float16"), (7, 1, 64, "float16"), (14, 2, 128, "float32")]
+_GLOBAL = {name: tvm.get_global_func(f"vm.builtin.{name}") for name in (
+    "paged_attention_kv_cache_create", "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
+    "kv_state_popn", "kv_state_begin_forward", "kv_state_end_forward", "attention_kv_cache_attention_with_fused_qkv",
+    "attention_kv_cache_enable_sliding_window_for_seq")}
+
+
+def _built(func: tvm.tirx.PrimFunc, target) -> tvm.runtime.Function:
+    mod = tvm.IRModule({"main": func})
+    if not func.attrs.get("tirx.is_scheduled", False):  # TVM's kernels, scheduled as TVM's own tests do
+        with target:
+            mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
+    return tvm.compile(mod, target=target)[str(func.attrs["global_symbol"]) if "global_symbol" in func.attrs
+                                           else "main"]
+
+
+def _tvm_slots(hq: int, hkv: int, d: int, dtype: str) -> dict:
+    """TVM 0.27's CPU kernels for every slot (as ``TIRPagedKVCache`` builds them for llvm)."""
+    target = tvm.target.Target("llvm")
+    funcs = dict(
+        transpose_append=_kv_cache_transpose_append(hkv, d, dtype),
+        debug_get_kv=_kv_cache_debug_get_kv(LAYERS, hkv, d, dtype),
+        prefill=_attention_prefill_cpu(hkv, hq, d, dtype, False, {}),
+        decode=_attention_decode_cpu(hkv, hq, d, dtype, False, {}),
+        prefill_sliding_window=_attention_prefill_cpu(hkv, hq, d, dtype, True, {}),
+        decode_sliding_window=_attention_decode_cpu(hkv, hq, d, dtype, True, {}),
+        prefill_ragged=_attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),
+        prefill_with_tree_mask=tvm_kv.tree_attn_cpu(hkv, hq, d, dtype, {}),
+        prefill_with_tree_mask_paged_kv_cache=tvm_kv.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, {}),
+        merge_state=_merge_state_inplace_cpu(dtype),
+        split_rotary=tvm_kv.llama_rope_with_position_map(THETA, 1.0, d, hq, hkv, dtype, {}),
+        copy_single_page=_copy_single_page_cpu(hkv, PAGE, d, dtype),
+        compact_kv_copy=_compact_kv_copy_cpu(hkv, d, dtype))
+    return {slot: _built(func, target) for slot, func in funcs.items()}
+
+
+class Counted:
+    """A slot's kernel that counts its calls (the runtime takes any function)."""
+
+    def __init__(self, kernel: tvm.runtime.Function):
+        self.kernel, self.calls = kernel, 0
+        self.function = tvm.runtime.convert(self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.kernel(*args)
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
+def slots(request):
+    """(config, TVM's slots, fuel's slots with TVM_SLOTS counted)."""
+    hq, hkv, d, dtype = request.param
+    theirs = _tvm_slots(hq, hkv, d, dtype)
+    target = tvm_fuel.host_target()
+    fuel = {slot: Counted(_built(func, target)) for slot, func in tvm_kernels(hkv, hq, d, dtype, target,
+                                                                            page_size=PAGE).items()}
+    assert set(fuel) == set(TVM_SLOTS)
+    return request.param, theirs, fuel
+
+
+def _create(config, kernels: dict, rope_mode: int, sliding_window: bool):
+    hq, hkv, d, dtype = config
+    k = {slot: (f.function if isinstance(f, Counted) else f) for slot, f in kernels.items()}
+    return _GLOBAL["paged_attention_kv_cache_create"](
+        ShapeTuple([8, 2048, 512, PAGE, int(sliding_window), 1024]), ShapeTuple([0, LAYERS]), hq, hkv, d, d,
+        ShapeTuple([int(tvm_kv.AttnKind.MHA)] * LAYERS), False, rope_mode, 1.0, THETA, None,
+        tvm.runtime.empty((), dtype, device=tvm.cpu()), k["transpose_append"], None,
+        ["tirx", k["prefill_ragged"]], ["tirx", k["prefill"]], ["tirx", k["decode"]],
+        ["tirx", k["prefill_sliding_window"]], ["tirx", k["decode_sliding_window"]],
+        ["tirx", k["prefill_with_tree_mask_paged_kv_cache"]], ["tirx", k["prefill_with_tree_mask"]], [],
+        [k["merge_state"]], k["split_rotary"], k["copy_single_page"], k["debug_get_kv"], k["compact_kv_copy"])
+
+
+def _rotate(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """RoPE (rotate-half, theta THETA) of x [S, H, D] at ``positions`` [S], float64."""
+    d = x.shape[-1]
+    freqs = positions[:, None] / THETA ** (np.arange(0, d, 2) / d)
+    emb = np.concatenate([freqs, freqs], -1)[:, None, :]
+    half = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * np.cos(emb) + half * np.sin(emb)
+
+
+class Scenario:
+    """Two runtime caches (TVM's kernels, fuel's) and the sequences' K and V as numpy arrays."""
+
+    def __init__(self, slots, rope_mode: int = NONE, sliding_window: bool = False):
+        self.config, theirs, self.fuel = slots
+        ours = {**theirs, **self.fuel}
+        self.rope_mode = rope_mode
+        self.started = {slot: kernel.calls for slot, kernel in self.fuel.items()}
+        self.caches = {"tvm": _create(self.config, theirs, rope_mode, sliding_window),
+                       "fuel": _create(self.config, ours, rope_mode, sliding_window)}
+        self.k, self.v, self.windows = {}, {}, {}
+        self.rng = np.random.default_rng(0)
+
+    def calls(self, slot: str) -> int:
+        """The calls of fuel's ``slot`` kernel in this scenario."""
+        return self.fuel[slot].calls - self.started[slot]
+
+    def add(self, seq: int, window: tuple[int, int] | None = None):
+        _, hkv, d, _ = self.config
+        for cache in self.caches.values():
+            _GLOBAL["kv_state_add_sequence"](cache, seq)
+            if window is not None:
+                _GLOBAL["attention_kv_cache_enable_sliding_window_for_seq"](cache, seq, *window)
+        self.k[seq] = self.v[seq] = np.zeros((LAYERS, 0, hkv, d))
+        if window is not None:
+            self.windows[seq] = window
+
+    def fork(self, child: int, parent: int, position: int = -1):
+        for cache in self.caches.values():
+            _GLOBAL["kv_state_fork_sequence"](cache, parent, child, position)
+        keep = slice(None) if position == -1 else slice(0, position)
+        self.k[child], self.v[child] = self.k[parent][:, keep], self.v[parent][:, keep]
+
+    def remove(self, seq: int):
+        for cache in self.caches.values():
+            _GLOBAL["kv_state_remove_sequence"](cache, seq)
+        del self.k[seq], self.v[seq]
+
+    def popn(self, seq: int, n: int):
+        for cache in self.caches.values():
+            _GLOBAL["kv_state_popn"](cache, seq, n)
+        self.k[seq], self.v[seq] = self.k[seq][:, :self.k[seq].shape[1] - n], self.v[seq][:, :self.v[seq].shape[1] - n]
+
+    def step(self, batch: list[tuple[int, int]]):
+        """Append ``n`` tokens to each (seq, n) of ``batch`` and check every layer's attention."""
+        hq, hkv, d, dtype = self.config
+        for cache in self.caches.values():
+            _GLOBAL["kv_state_begin_forward"](cache, ShapeTuple([s for s, _ in batch]),
+                                              ShapeTuple([n for _, n in batch]), None)
+        total = sum(n for _, n in batch)
+        qkv = self.rng.standard_normal((LAYERS, total, hq + 2 * hkv, d)).astype(dtype)
+        starts = np.cumsum([0] + [n for _, n in batch])
+        for (seq, _), start, stop in zip(batch, starts, starts[1:]):
+            self.k[seq] = np.concatenate([self.k[seq], qkv[:, start:stop, hq:hq + hkv]], 1)
+            self.v[seq] = np.concatenate([self.v[seq], qkv[:, start:stop, hq + hkv:]], 1)
+        for layer in range(LAYERS):
+            want = np.concatenate([self._attention(layer, seq, qkv[layer, start:stop, :hq])
+                                   for (seq, _), start, stop in zip(batch, starts, starts[1:])])
+            for name, cache in self.caches.items():
+                out = tvm.runtime.empty((total, hq, d), dtype, tvm.cpu())
+                _GLOBAL["attention_kv_cache_attention_with_fused_qkv"](
+                    cache, layer, d ** -0.5, tvm.runtime.tensor(qkv[layer]), out)
+                np.testing.assert_allclose(out.numpy().astype("float64"), want, atol=TOLERANCE[dtype],
+                                           rtol=TOLERANCE[dtype], err_msg=f"{name} kernels, layer {layer}, {batch}")
+        for cache in self.caches.values():
+            _GLOBAL["kv_state_end_forward"](cache)
+        for seq, _ in batch:  # the window slides: the sinks and the last tokens stay
+            window, sinks = self.windows.get(seq, (0, 0))
+            if window and self.k[seq].shape[1] > window:
+                keep = np.r_[0:sinks, self.k[seq].shape[1] - (window - sinks):self.k[seq].shape[1]]
+                self.k[seq], self.v[seq] = self.k[seq][:, keep], self.v[seq][:, keep]
+
+    def _attention(self, layer: int, seq: int, q: np.ndarray) -> np.ndarray:
+        hq, hkv, d, _ = self.config
+        k, v, n = self.k[seq][layer].astype("float64"), self.v[seq][layer].astype("float64"), q.shape[0]
+        q = q.astype("float64")
+        if self.rope_mode == INLINE:  # positions within what the cache holds now
+            q, k = _rotate(q, np.arange(len(k) - n, len(k))), _rotate(k, np.arange(len(k)))
+        k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
+        scores = np.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+        causal = np.arange(len(k))[None, :] <= np.arange(len(k) - n, len(k))[:, None]
+        scores = np.where(causal, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
+
+
+def test_prefill_then_decode_with_sequences_joining_and_leaving(slots):
+    run = Scenario(slots)
+    for seq in range(4):
+        run.add(seq)
+    run.step([(0, 6)])
+    run.step([(1, 17), (2, 3)])
+    run.step([(0, 1), (1, 1), (2, 1)])  # decode
+    run.step([(3, 33), (0, 1)])
+    run.remove(1)
+    run.step([(0, 1), (2, 1), (3, 1)])
+    run.add(5)
+    run.step([(5, 97)])
+    run.step([(0, 1), (2, 1), (3, 1), (5, 1)])
+    assert run.calls("decode") == 3 * LAYERS  # the three decode steps ran fuel's decode, once a layer
+
+
+def test_fork_and_popn(slots):
+    run = Scenario(slots)
+    run.add(0)
+    run.step([(0, 40)])
+    run.fork(1, 0)  # the whole of 0
+    run.fork(2, 0, 17)  # 0's first 17 tokens
+    run.step([(1, 1), (2, 1), (0, 1)])
+    run.step([(1, 5), (2, 19)])  # a prefill over a cached prefix: ragged + paged, merged
+    run.popn(1, 3)
+    run.step([(0, 1), (1, 1), (2, 1)])
+    # forked sequences share their prefix's pages: the runtime attends depth by depth (a decode per
+    # depth) and merges the partial states
+    assert run.calls("decode") > 2 * LAYERS and run.calls("merge_state") > 0
+
+
+def test_sliding_window_with_sinks(slots):
+    run = Scenario(slots, sliding_window=True)
+    for seq, window in enumerate([(20, 6), (25, 4), (32, 0)]):
+        run.add(seq, window)
+    run.step([(0, 4), (1, 6), (2, 7)])
+    run.step([(0, 20), (1, 19), (2, 30)])
+    for _ in range(12):  # the windows slide past their sinks
+        run.step([(0, 1), (1, 1), (2, 1)])
+    assert run.calls("decode_sliding_window") == 12 * LAYERS
+
+
+def test_keys_rotated_in_the_kernel(slots):
+    run = Scenario(slots, rope_mode=INLINE)
+    for seq in range(3):
+        run.add(seq)
+    run.step([(0, 9), (1, 30), (2, 1)])
+    for _ in range(3):
+        run.step([(0, 1), (1, 1), (2, 1)])
+    assert run.calls("decode") == 3 * LAYERS
+
+
+@pytest.mark.parametrize("args, message", [
+    ((3, 8, 64, "float32", "llvm"), "num_qo_heads \\(8\\) must be a multiple of num_kv_heads \\(3\\)"),
+    ((2, 8, 64, "int8", "llvm"), "dtype must be float32, float16 or bfloat16, got 'int8'"),
+    ((2, 8, 0, "float32", "llvm"), "head_dim must be a positive int, got 0"),
+    ((2, 8, 64, "float32", "cuda"), "target must be an llvm \\(CPU\\) target for now, got 'cuda'"),
+])
+def test_bad_arguments_name_the_argument(args, message):
+    with pytest.raises(ValueError, match=f"kv_cache.tvm_kernels: {message}"):
+        tvm_kernels(*args)
