@@ -273,7 +273,7 @@ class PagedKVCache:
         return seqs
 
 # the slots of TVM's PagedKVCache that fuel's kernels fill so far (the others stay TVM's)
-TVM_SLOTS = ("decode", "decode_sliding_window", "merge_state")
+TVM_SLOTS = ("prefill", "decode", "decode_sliding_window", "prefill_ragged", "merge_state")
 
 
 def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *, page_size: int = 16,
@@ -292,9 +292,20 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
       [B], q_rope_position [B], output [B, Hq, D], lse [B, Hq] float32 (log2 units), rotary_mode,
       rope_scale, rope_theta, sm_scale)``; each (sequence, KV head) a parallel task that reads
       its group's K and V rows once, in place (``rotary_mode`` 1 rotates keys as it packs them);
+    * ``prefill``: ``batch_prefill_paged_kv_cpu(q [total_q, Hq, D], q_indptr [B + 1], pages,
+      page_indptr, page_values, length_info [B], k_rope_pos_offset [B], q_rope_position [total_q],
+      output [total_q, Hq, D], lse [total_q, Hq], causal, rotary_mode, rope_scale, rope_theta,
+      sm_scale)``: each sequence's queries against its cached keys, bottom-right causal where
+      ``causal`` is non-zero;
+    * ``prefill_ragged``: ``batch_prefill_ragged_kv(q, q_indptr, k [total_kv, Hkv, D], v,
+      kv_indptr [B + 1], q_rope_position, k_rope_pos_offset, output, lse, causal, rotary_mode,
+      rope_scale, rope_theta, sm_scale)``: the same over keys not yet in pages (the runtime merges
+      the two states of a prefill over a cached prefix);
     * ``merge_state``: ``merge_state_inplace_cpu(v [N, H, D], s [N, H], v_other, s_other)``.
 
-    The prefill, ragged and tree-attention slots stay TVM's for now. llvm targets only.
+    The prefill tasks are (sequence, KV head, tile of query rows), the key tiles packed and run
+    through the register-tiled GEMMs. The sliding-window prefill and the tree-attention slots stay
+    TVM's for now. llvm targets only.
 
     Example
     -------
@@ -321,11 +332,16 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
     if target.kind.name != "llvm":
         raise ValueError(f"{where}: target must be an llvm (CPU) target for now, got {target.kind.name!r}")
     spec = KernelSpec(dtype, num_qo_heads, num_kv_heads, head_dim, AttnConfig())
-    tiles = tiles_for(target, head_dim=head_dim, rows=num_qo_heads // num_kv_heads, num_kv_heads=1,
-                      element_bytes=tvm.DataType(dtype).bits // 8)
-    return {f"decode{suffix}": tvm_cache.decode(spec, tiles, page_size=page_size, sliding_window=bool(suffix),
-                                                rope_scaling=rope_scaling)
-            for suffix in ("", "_sliding_window")} | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
+    # decode: one query row per head of the group (streamed in place); prefill: row tiles of many
+    decode_tiles = tiles_for(target, head_dim=head_dim, rows=num_qo_heads // num_kv_heads, num_kv_heads=1,
+                             element_bytes=tvm.DataType(dtype).bits // 8)
+    prefill_tiles = tiles_for(target, head_dim=head_dim, rows=None, num_kv_heads=1)
+    kernels = {f"decode{suffix}": tvm_cache.decode(spec, decode_tiles, page_size=page_size,
+                                                   sliding_window=bool(suffix), rope_scaling=rope_scaling)
+               for suffix in ("", "_sliding_window")}
+    kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, keys=keys, page_size=page_size, rope_scaling=rope_scaling)
+                for slot, keys in (("prefill", "paged"), ("prefill_ragged", "ragged"))}
+    return kernels | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
 
 
 def _positive_int(where: str, name: str, value) -> int:

@@ -23,13 +23,15 @@ where asked) and run through the forward kernels' online-softmax macros (``Forwa
 
 Contents:
     TvmPages     -- where a sequence's tokens live in TVM's pages (what ``PagedTile`` reads)
+    RaggedKeys   -- the keys of a ragged prefill, read as TvmPages are
     decode       -- PrimFunc batch_decode_paged_kv_cpu (and ``_sliding_window``)
+    prefill      -- PrimFunc batch_prefill_paged_kv_cpu (cached keys) or batch_prefill_ragged_kv
     merge_state  -- PrimFunc merge_state_inplace_cpu: (v, s) <- the merge of two partial states
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tvm import tirx
@@ -37,7 +39,8 @@ from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import F32, finish, KernelSpec
+from ...op.config import AttnConfig
+from ..common import F32, finish, KernelSpec, row_position
 from .forward import ForwardBuffers, ForwardMacros, PagedTile, RowTile, Scratch
 from .tiles import CpuTiles, STREAMING_ROWS
 
@@ -87,6 +90,152 @@ class TvmPages:
         return self.pages[page, 1, g, slot, d]
 
 
+@dataclass(frozen=True)
+class RaggedKeys:
+    """The keys of ``prefill_ragged`` (k, v [total_kv, Hkv, D], sequence b's from ``start``) as
+    ``TvmPages``' methods read them: token j's "page" is its row, its slot 0."""
+
+    k_rows: tirx.Buffer
+    v_rows: tirx.Buffer
+    start: tirx.PrimExpr
+
+    def page(self, j):
+        return T.Cast("int64", self.start) + T.Cast("int64", j)
+
+    def slot(self, j):
+        return T.int32(0)
+
+    def k(self, page, slot, g, d):
+        return self.k_rows[page, g, d]
+
+    def v(self, page, slot, g, d):
+        return self.v_rows[page, g, d]
+
+
+def _lengths(length_info, b, sliding_window: bool):
+    """(last page's used slots, window offset, sink length) of sequence b."""
+    if sliding_window:
+        return length_info[0, b], length_info[1, b], length_info[2, b]
+    return length_info[b], T.int32(0), T.int32(0)
+
+
+def _paged_kv_len(num_pages, lengths, page_size: int):
+    last_page_len, window_offset, sink = lengths
+    return T.Cast("int64", T.if_then_else(num_pages > 0, (num_pages - 1) * page_size + last_page_len - window_offset
+                                          + sink, 0))
+
+
+class _Task:
+    """The macros of one (sequence, KV head, row tile) task over TVM's tokens, for one attention
+    config (causal or not): queries loaded (rotated where asked) and scaled by the run-time
+    sm_scale, key tiles packed (``packed_tile``, rotated where asked) or streamed (``paged``), the
+    output and TVM's log2 lse stored. Rows pack (query position, head of the group) as fuel's
+    forward kernels do."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_scaling: dict[str, Any]):
+        D, group, dtype = spec.head_dim, spec.group, spec.dtype
+        BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+        body = ForwardMacros(spec, tiles)
+        self.body, self.paged = body, PagedTile(spec, tiles, body)
+        log2e = T.float32(sem.LOG2E)
+
+        def rotated(load, d, position, rope_scale, rope_theta):
+            return _rope(load, d, position, D, rope_scale, rope_theta, dtype, rope_scaling).astype(F32)
+
+        @T.macro
+        def load_queries(Qs, q, q_row, q_position, tile, rotary_mode, rope_scale, rope_theta, sm_scale):
+            # row r: query head tile.row_head(r) of token q_row(position), rotated at q_position(position)
+            for r, d in T.grid(BQ, D):
+                Qs[r, d] = T.float32(0)
+            for r in range(BQ):
+                if tile.r0 + r < tile.head_rows:
+                    for d in range(D):
+                        if rotary_mode == 1:
+                            Qs[r, d] = rotated(lambda i: q[q_row(tile.row_position(r)), tile.row_head(r), i], d,
+                                               q_position(tile.row_position(r)), rope_scale, rope_theta)
+                        else:
+                            Qs[r, d] = q[q_row(tile.row_position(r)), tile.row_head(r), d].astype(F32)
+                        Qs[r, d] = Qs[r, d] * sm_scale * log2e
+
+        @T.macro
+        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale, rope_theta):
+            # key tile kt packed through the cache's layout, its keys rotated where rotary_mode is 1
+            for c in range(BK):
+                j: T.int64 = kt * BK + c
+                if j < tile.kv_len:
+                    page: T.int64 = cache.page(j)
+                    slot: T.int32 = cache.slot(j)
+                    if rotary_mode == 1:
+                        for d in range(D):
+                            Kt[d, c] = rotated(lambda i: cache.k(page, slot, tile.g, i), d,
+                                               k_position + T.Cast("int32", j), rope_scale, rope_theta)
+                    else:
+                        for d in range(D):
+                            Kt[d, c] = cache.k(page, slot, tile.g, d).astype(F32)
+                    for d in range(D):
+                        Vt[c, d] = cache.v(page, slot, tile.g, d).astype(F32)
+                else:
+                    for d in range(D):
+                        Kt[d, c] = T.float32(0)
+                        Vt[c, d] = T.float32(0)
+                for d in range(D, DP):
+                    Vt[c, d] = T.float32(0)
+            nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            body.count_nonfinite(nonfinite, Vt, BK, DP)
+            body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+
+        @T.macro
+        def store(scratch, output, lse, q_row, tile):
+            for r in range(BQ):
+                if tile.r0 + r < tile.head_rows:
+                    for d in range(D):
+                        output[q_row(tile.row_position(r)), tile.row_head(r), d] = sem.normalize(
+                            scratch.O[r, d], scratch.l[r]).astype(dtype)
+                    lse[q_row(tile.row_position(r)), tile.row_head(r)] = T.Select(
+                        scratch.l[r] == T.float32(0), T.float32(EMPTY_LSE),
+                        sem.safe_row_max(scratch.m[r]) + T.log2(scratch.l[r]))
+
+        @T.macro
+        def attend_rows(q, output, lse, params, cache, b, g, t, kv_len, qo_len, q_start, q_rope_position, k_position,
+                        rotary_mode, rope_scale, rope_theta, sm_scale):
+            # row tile t of (sequence b, KV head g): its rows' queries against the sequence's keys
+            rows: T.int64 = qo_len * group
+            if t * BQ < rows:
+                heads, Kt, Vt = T.meta_var(_scratch(tiles, D))
+                scratch = T.meta_var(heads.view(0))
+                tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len, delta=kv_len - qo_len,
+                                          first_pos=row_position(t * BQ, group),
+                                          last_pos=row_position(T.min(t * BQ + BQ, rows) - 1, group)))
+                load_queries(scratch.Qs, q, lambda position: q_start + position,
+                             lambda position: q_rope_position[q_start + position], tile, rotary_mode, rope_scale,
+                             rope_theta, sm_scale)
+                body.init_state(scratch.O, scratch.m, scratch.l)
+                lo, hi = T.meta_var(tile.key_tiles(spec.cfg, BK))
+                for kt in range(lo, hi):
+                    packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale,
+                                rope_theta)
+                store(scratch, output, lse, lambda position: q_start + position, tile)
+
+        self.load_queries, self.packed_tile, self.store = load_queries, packed_tile, store
+        self.attend_rows = attend_rows
+
+
+def _scratch(tiles: CpuTiles, D: int):
+    """A task's buffers, allocated where it is called in a prim_func: the [1, ...] scratch
+    (``PagedTile`` indexes per head) and the packed K and V tiles."""
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    return (Scratch(T.alloc_buffer((1, BQ, D), F32), T.alloc_buffer((1, BQ, BK), F32),
+                    T.alloc_buffer((1, BQ, DP), F32), T.alloc_buffer((1, BQ), F32), T.alloc_buffer((1, BQ), F32),
+                    T.alloc_buffer((1, BQ), F32)),
+            T.alloc_buffer((D, BK), F32), T.alloc_buffer((BK, DP), F32))
+
+
+def _check(where: str, spec: KernelSpec, tiles: CpuTiles):
+    if tiles.block_q < spec.group or tiles.kv_heads != 1:
+        raise ValueError(f"tvm_cache.{where}: tiles must hold the GQA group of {spec.group} rows (block_q "
+                         f"{tiles.block_q}) for one KV head a task (kv_heads {tiles.kv_heads})")
+
+
 def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window: bool,
            rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
     """TVM's ``batch_decode_paged_kv_cpu`` (``_sliding_window``): q [B, Hq, D] against each
@@ -95,59 +244,14 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
     A group of at most ``STREAMING_ROWS`` rows streams K and V in place (``PagedTile.stream_tile``,
     the decode of fuel's own paged kernel); a larger group, and keys rotated in the kernel
     (rotary_mode 1), pack each key tile and run the register-tiled GEMMs."""
+    _check("decode", spec, tiles)
     Hq, Hkv, D, group, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype
-    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-    if BQ < group or tiles.kv_heads != 1:
-        raise ValueError(f"tvm_cache.decode: tiles must hold the GQA group of {group} rows (block_q {BQ}) for one "
-                         f"KV head a task (kv_heads {tiles.kv_heads})")
-    streaming = BQ <= STREAMING_ROWS
-    body = ForwardMacros(spec, tiles)
-    paged = PagedTile(spec, tiles, body)
-    rope_scaling = rope_scaling or {}
-    log2e = T.float32(sem.LOG2E)
-
-    def rotated_query(q, b, h, d, position, rope_scale, rope_theta):
-        return _rope(lambda i: q[b, h, i], d, position, D, rope_scale, rope_theta, dtype, rope_scaling).astype(F32)
-
-    def rotated_key(cache, page, slot, g, d, position, rope_scale, rope_theta):
-        return _rope(lambda i: cache.k(page, slot, g, i), d, position, D, rope_scale, rope_theta, dtype,
-                     rope_scaling).astype(F32)
-
-    def lengths(length_info, b):
-        # (last page's used slots, window offset, sink length)
-        if sliding_window:
-            return length_info[0, b], length_info[1, b], length_info[2, b]
-        return length_info[b], T.int32(0), T.int32(0)
+    BK = tiles.block_k
+    streaming = tiles.block_q <= STREAMING_ROWS
+    task = _Task(spec, tiles, rope_scaling or {})
 
     def info_shape(B):
         return (3, B) if sliding_window else (B,)
-
-    @T.macro
-    def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale, rope_theta):
-        # key tile kt packed through the page table, its keys rotated where rotary_mode is 1
-        for c in range(BK):
-            j: T.int64 = kt * BK + c
-            if j < tile.kv_len:
-                page: T.int64 = cache.page(j)
-                slot: T.int32 = cache.slot(j)
-                if rotary_mode == 1:
-                    for d in range(D):
-                        Kt[d, c] = rotated_key(cache, page, slot, tile.g, d, k_position + T.Cast("int32", j),
-                                               rope_scale, rope_theta)
-                else:
-                    for d in range(D):
-                        Kt[d, c] = cache.k(page, slot, tile.g, d).astype(F32)
-                for d in range(D):
-                    Vt[c, d] = cache.v(page, slot, tile.g, d).astype(F32)
-            else:
-                for d in range(D):
-                    Kt[d, c] = T.float32(0)
-                    Vt[c, d] = T.float32(0)
-            for d in range(D, DP):
-                Vt[c, d] = T.float32(0)
-        nonfinite = T.alloc_buffer((1,), F32, scope="local")
-        body.count_nonfinite(nonfinite, Vt, BK, DP)
-        body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
     # fmt: off
     @T.prim_func
@@ -169,52 +273,135 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
         lse = T.match_buffer(lse_h, (B, Hq), "float32")
         length_info = T.match_buffer(length_info_h, info_shape(B), "int32", elem_offset=info_offset)
         params = T.meta_var(ForwardBuffers(q=q, out=output))
-        for task in T.parallel(B * Hkv):
-            b: T.int64 = T.Cast("int64", task // Hkv)
-            g: T.int64 = T.Cast("int64", task % Hkv)
+        for task_id in T.parallel(B * Hkv):
+            b: T.int64 = T.Cast("int64", task_id // Hkv)
+            g: T.int64 = T.Cast("int64", task_id % Hkv)
             first_page: T.int32 = page_indptr[b]
             num_pages: T.int32 = page_indptr[b + 1] - first_page
-            last_page_len, window_offset, sink = T.meta_var(lengths(length_info, b))
-            kv_len: T.int64 = T.Cast("int64", T.if_then_else(
-                num_pages > 0, (num_pages - 1) * page_size + last_page_len - window_offset + sink, 0))
-            Qs = T.alloc_buffer((1, BQ, D), F32)
-            S = T.alloc_buffer((1, BQ, BK), F32)
-            O = T.alloc_buffer((1, BQ, DP), F32)
-            m = T.alloc_buffer((1, BQ), F32)
-            l = T.alloc_buffer((1, BQ), F32)
-            alpha = T.alloc_buffer((1, BQ), F32)
-            Kt = T.alloc_buffer((D, BK), F32)
-            Vt = T.alloc_buffer((BK, DP), F32)
-            heads = T.meta_var(Scratch(Qs, S, O, m, l, alpha))
+            lengths = T.meta_var(_lengths(length_info, b, sliding_window))
+            kv_len: T.int64 = _paged_kv_len(num_pages, lengths, page_size)
+            heads, Kt, Vt = T.meta_var(_scratch(tiles, D))
             scratch = T.meta_var(heads.view(0))
             tile = T.meta_var(RowTile(group, b, g, T.int64(0), T.int64(group), kv_len=kv_len, delta=kv_len - 1,
                                       first_pos=T.int64(0), last_pos=T.int64(0)))
-            cache = T.meta_var(TvmPages(pages, page_values, first_page, sink, window_offset, page_size))
-            for r, d in T.grid(BQ, D):  # the group's rows, then zero rows up to the register tile
-                Qs[0, r, d] = T.float32(0)
-            for r, d in T.grid(group, D):
-                if rotary_mode == 1:
-                    Qs[0, r, d] = rotated_query(q, b, g * group + r, d, q_rope_position[b], rope_scale, rope_theta)
-                else:
-                    Qs[0, r, d] = q[b, g * group + r, d].astype(F32)
-                Qs[0, r, d] = Qs[0, r, d] * sm_scale * log2e
-            body.init_state(scratch.O, scratch.m, scratch.l)
+            cache = T.meta_var(TvmPages(pages, page_values, first_page, lengths[2], lengths[1], page_size))
+            task.load_queries(scratch.Qs, q, lambda position: b, lambda position: q_rope_position[b], tile,
+                              rotary_mode, rope_scale, rope_theta, sm_scale)
+            task.body.init_state(scratch.O, scratch.m, scratch.l)
             lo, hi = T.meta_var(tile.key_tiles(spec.cfg, BK))
             for kt in range(lo, hi):
                 if streaming and rotary_mode != 1:
-                    paged.stream_tile(heads, params, cache, tile, kt)
+                    task.paged.stream_tile(heads, params, cache, tile, kt)
                 else:
-                    packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_rope_pos_offset[b],
-                                rope_scale, rope_theta)
-            for r in range(group):
-                for d in range(D):
-                    output[b, g * group + r, d] = sem.normalize(O[0, r, d], l[0, r]).astype(dtype)
-                lse[b, g * group + r] = T.Select(l[0, r] == T.float32(0), T.float32(EMPTY_LSE),
-                                                 sem.safe_row_max(m[0, r]) + T.log2(l[0, r]))
+                    task.packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_rope_pos_offset[b],
+                                     rope_scale, rope_theta)
+            task.store(scratch, output, lse, lambda position: b, tile)
     # fmt: on
 
     name = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
     return finish(batch_decode_paged_kv_cpu.with_attr("global_symbol", name))
+
+
+def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16,
+            rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """TVM's ``batch_prefill_paged_kv_cpu`` (``keys="paged"``: each sequence's cached keys) or
+    ``batch_prefill_ragged_kv`` (``keys="ragged"``: k, v [total_kv, Hkv, D] by ``kv_indptr``):
+    q [total_q, Hq, D] by ``q_indptr``, bottom-right causal where the run-time ``causal`` is
+    non-zero; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2 units). A task is one
+    (sequence, KV head, tile of block_q rows); key tiles are packed (rotated where rotary_mode is
+    1) and run through the register-tiled GEMMs, causal tasks only over the tiles they see."""
+    if keys not in ("paged", "ragged"):
+        raise ValueError(f"tvm_cache.prefill: keys must be 'paged' or 'ragged', got {keys!r}")
+    _check("prefill", spec, tiles)
+    Hq, Hkv, D, group, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype
+    BQ = tiles.block_q
+    rope_scaling = rope_scaling or {}
+    plain, causal_task = (_Task(replace(spec, cfg=AttnConfig(causal=causal)), tiles, rope_scaling)
+                          for causal in (False, True))
+
+    @T.macro
+    def row_tiles(q_indptr, B, out):
+        # out[0]: the row tiles of the sequence with the most queries
+        out[0] = T.int64(0)
+        for b in range(B):
+            out[0] = T.max(out[0], (T.Cast("int64", q_indptr[b + 1] - q_indptr[b]) * group + BQ - 1) // BQ)
+
+    @T.macro
+    def attend(causal, *args):
+        if causal > 0:
+            causal_task.attend_rows(*args)
+        else:
+            plain.attend_rows(*args)
+
+    # fmt: off
+    @T.prim_func
+    def batch_prefill_paged_kv_cpu(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
+                                   page_values_h: T.handle, length_info_h: T.handle, k_rope_pos_offset_h: T.handle,
+                                   q_rope_position_h: T.handle, output_h: T.handle, lse_h: T.handle, causal: T.int32,
+                                   rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32,
+                                   sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B, total_q, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32(), T.int32()
+        q_indptr_offset, indptr_offset, values_offset, k_offset_offset, q_position_offset, info_offset = (
+            T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
+        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
+        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=q_indptr_offset)
+        pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
+        length_info = T.match_buffer(length_info_h, (B,), "int32", elem_offset=info_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
+        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
+        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
+        params = T.meta_var(ForwardBuffers(q=q, out=output))
+        n_tiles = T.alloc_buffer((1,), "int64")
+        row_tiles(q_indptr, B, n_tiles)
+        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_tiles[0]):
+            b: T.int64 = task_id // (Hkv * n_tiles[0])
+            g: T.int64 = task_id // n_tiles[0] % Hkv
+            first_page: T.int32 = page_indptr[b]
+            kv_len: T.int64 = _paged_kv_len(page_indptr[b + 1] - first_page, _lengths(length_info, b, False),
+                                            page_size)
+            cache = T.meta_var(TvmPages(pages, page_values, first_page, T.int32(0), T.int32(0), page_size))
+            attend(causal, q, output, lse, params, cache, b, g, task_id % n_tiles[0], kv_len,
+                   T.Cast("int64", q_indptr[b + 1] - q_indptr[b]), T.Cast("int64", q_indptr[b]), q_rope_position,
+                   k_rope_pos_offset[b], rotary_mode, rope_scale, rope_theta, sm_scale)
+
+    @T.prim_func
+    def batch_prefill_ragged_kv(q_h: T.handle, q_indptr_h: T.handle, k_h: T.handle, v_h: T.handle,
+                                kv_indptr_h: T.handle, q_rope_position_h: T.handle, k_rope_pos_offset_h: T.handle,
+                                output_h: T.handle, lse_h: T.handle, causal: T.int32, rotary_mode: T.int32,
+                                rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B, total_q, total_kv = T.int32(), T.int32(), T.int32()
+        q_indptr_offset, kv_indptr_offset, q_position_offset, k_offset_offset = (
+            T.int32(), T.int32(), T.int32(), T.int32())
+        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
+        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=q_indptr_offset)
+        k = T.match_buffer(k_h, (total_kv, Hkv, D), dtype)
+        v = T.match_buffer(v_h, (total_kv, Hkv, D), dtype)
+        kv_indptr = T.match_buffer(kv_indptr_h, (B + 1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
+        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
+        params = T.meta_var(ForwardBuffers(q=q, out=output))
+        n_tiles = T.alloc_buffer((1,), "int64")
+        row_tiles(q_indptr, B, n_tiles)
+        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_tiles[0]):
+            b: T.int64 = task_id // (Hkv * n_tiles[0])
+            g: T.int64 = task_id // n_tiles[0] % Hkv
+            cache = T.meta_var(RaggedKeys(k, v, kv_indptr[b]))
+            attend(causal, q, output, lse, params, cache, b, g, task_id % n_tiles[0],
+                   T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), T.Cast("int64", q_indptr[b + 1] - q_indptr[b]),
+                   T.Cast("int64", q_indptr[b]), q_rope_position, k_rope_pos_offset[b], rotary_mode, rope_scale,
+                   rope_theta, sm_scale)
+    # fmt: on
+
+    func = batch_prefill_paged_kv_cpu if keys == "paged" else batch_prefill_ragged_kv
+    name = "batch_prefill_paged_kv_cpu" if keys == "paged" else "batch_prefill_ragged_kv"
+    return finish(func.with_attr("global_symbol", name))
 
 
 def merge_state(dtype: str, lanes: int) -> tirx.PrimFunc:
@@ -251,4 +438,4 @@ def merge_state(dtype: str, lanes: int) -> tirx.PrimFunc:
     return finish(merge_state_inplace_cpu.with_attr("global_symbol", "merge_state_inplace_cpu"))
 
 
-__all__ = ["TvmPages", "decode", "merge_state", "EMPTY_LSE"]
+__all__ = ["TvmPages", "RaggedKeys", "decode", "prefill", "merge_state", "EMPTY_LSE"]

@@ -215,6 +215,8 @@ def test_prefill_then_decode_with_sequences_joining_and_leaving(slots):
     run.step([(5, 97)])
     run.step([(0, 1), (2, 1), (3, 1), (5, 1)])
     assert run.calls("decode") == 3 * LAYERS  # the three decode steps ran fuel's decode, once a layer
+    # a new sequence's prefill attends its own tokens (ragged); with a cached prefix also the pages, merged
+    assert run.calls("prefill_ragged") >= 4 * LAYERS and run.calls("prefill") > 0 and run.calls("merge_state") > 0
 
 
 def test_fork_and_popn(slots):
@@ -250,7 +252,8 @@ def test_keys_rotated_in_the_kernel(slots):
     run.step([(0, 9), (1, 30), (2, 1)])
     for _ in range(3):
         run.step([(0, 1), (1, 1), (2, 1)])
-    assert run.calls("decode") == 3 * LAYERS
+    run.step([(0, 7), (2, 12)])  # over a cached prefix: queries and keys rotated in fuel's prefill kernels
+    assert run.calls("decode") == 3 * LAYERS and run.calls("prefill") > 0 and run.calls("prefill_ragged") > 0
 
 
 @pytest.mark.parametrize("args, message", [
