@@ -15,6 +15,7 @@ Contents:
     PagedKVCache  -- the block pool, tables and tensors
     append_kernel -- the PrimFunc that writes K/V rows into their slots
     tvm_kernels   -- fuel's kernels for the attention slots of TVM's PagedKVCache (``TVM_SLOTS``)
+    FuelPagedKVCache -- TVM's TIRPagedKVCache (relax.frontend.nn) with those slots filled by fuel
 
 Example
 -------
@@ -31,9 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import math
 
 import numpy as np
 import tvm
+from tvm import relax
+from tvm.relax.frontend.nn.llm import kv_cache as tvm_llm_kv
 from tvm.script import tirx as T
 
 from .op.config import as_int
@@ -342,6 +347,74 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
     kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, keys=keys, page_size=page_size, rope_scaling=rope_scaling)
                 for slot, keys in (("prefill", "paged"), ("prefill_ragged", "ragged"))}
     return kernels | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
+
+
+# the functions TVM 0.27's TIRPagedKVCache adds for the attention slots on llvm targets
+_TVM_SLOT_FUNCTIONS = {"tir_attention_prefill_ragged_cpu": "prefill_ragged", "tir_attention_prefill_cpu": "prefill",
+                       "tir_attention_decode_cpu": "decode",
+                       "tir_attention_decode_cpu_sliding_window": "decode_sliding_window",
+                       "tir_attention_merge_state_cpu": "merge_state"}
+
+
+class _FuelSlots(tvm_llm_kv.PagedKVCache):
+    """In ``FuelPagedKVCache``'s MRO between ``TIRPagedKVCache`` and ``PagedKVCache``: the cache's
+    creation call (``vm.builtin.paged_attention_kv_cache_create``) that TIRPagedKVCache builds, its
+    attention slots pointed at fuel's kernels (``self._fuel_kernels``) before it is emitted."""
+
+    _fuel_kernels: dict
+
+    def __init__(self, *, _expr: relax.Expr, _name: str):
+        bb = relax.BlockBuilder.current()
+        replaced = {}
+
+        def swap(expr):
+            if isinstance(expr, relax.GlobalVar) and expr.name_hint in _TVM_SLOT_FUNCTIONS:
+                slot = _TVM_SLOT_FUNCTIONS[expr.name_hint]
+                name = f"fuel_{expr.name_hint}"  # TVM's own kernel, now unused, keeps its symbol in the module
+                replaced[slot] = bb.add_func(self._fuel_kernels[slot].with_attr("global_symbol", name), name)
+                return replaced[slot]
+            if isinstance(expr, relax.Tuple):
+                return relax.Tuple([swap(field) for field in expr.fields])
+            return expr
+
+        _expr = relax.Call(_expr.op, [swap(arg) for arg in _expr.args], _expr.attrs, _expr.ty_args)
+        missing = set(TVM_SLOTS) - set(replaced)
+        if missing:  # TVM named its slot functions otherwise: never a cache that claims fuel's kernels and has TVM's
+            raise RuntimeError(f"FuelPagedKVCache: TIRPagedKVCache added no function for the slots {sorted(missing)}")
+        super().__init__(_expr=_expr, _name=_name)
+
+
+class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
+    """TVM's ``TIRPagedKVCache`` (same arguments; ``relax.frontend.nn`` models, MLC-LLM's) with
+    the attention slots ``TVM_SLOTS`` filled by fuel's kernels (``tvm_kernels``), the other slots
+    (append, copy, rotary, tree attention, the sliding-window prefill) TVM's. A model switches by
+    its one constructor call::
+
+        cache = tvm_fuel.kv_cache.FuelPagedKVCache(attn_kind="mha", ..., dtype="float32", target=target)
+
+    llvm targets, "mha" attention, equal q/k and v head dims and TVM's CPU page size of 16 (its
+    CPU kernels' too): anything else is a ValueError naming the argument.
+    """
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(tvm_llm_kv.TIRPagedKVCache.__init__).bind(self, *args, **kwargs)
+        a = bound.arguments
+        where = "FuelPagedKVCache"
+        kinds = a["attn_kind"] if isinstance(a["attn_kind"], list) else [a["attn_kind"]]
+        if not set(kinds) <= {"mha", "mha_sliding"}:
+            raise ValueError(f"{where}: attn_kind must be 'mha' (or per layer 'mha' / 'mha_sliding'), got "
+                             f"{a['attn_kind']!r}")
+        if a["qk_head_dim"] != a["v_head_dim"]:
+            raise ValueError(f"{where}: v_head_dim ({a['v_head_dim']}) must equal qk_head_dim ({a['qk_head_dim']})")
+        page_size = a["page_size"]
+        if isinstance(page_size, (int, tvm.tirx.IntImm)) and int(page_size) != 16:
+            raise ValueError(f"{where}: page_size must be 16 (TVM's CPU kernels' page), got {int(page_size)}")
+        rope_scaling = dict(a["rope_scaling"] or {})
+        if rope_scaling.get("rope_type") == "yarn" and "inv_theta_log_scale" not in rope_scaling:
+            rope_scaling["inv_theta_log_scale"] = 1.0 / (2 * math.log(float(a["rope_theta"])))  # as TVM prepares it
+        self._fuel_kernels = tvm_kernels(a["num_key_value_heads"], a["num_attention_heads"], a["qk_head_dim"],
+                                         a["dtype"], a["target"], rope_scaling=rope_scaling)
+        super().__init__(*args, **kwargs)
 
 
 def _positive_int(where: str, name: str, value) -> int:

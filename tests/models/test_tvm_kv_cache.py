@@ -8,7 +8,8 @@ layer's output of every step is checked against a float64 numpy reference of the
 (causal within the step, over everything the cache holds: after a fork, a popn, with a sliding
 window and attention sinks, keys rotated in the kernel), and fuel's slots are wrapped to count
 their calls, so each scenario asserts that fuel's kernels are what ran. Head dims 64 and 128,
-float32 and float16, GQA groups 1, 4 and 7.
+float32 and float16, GQA groups 1, 4 and 7. ``FuelPagedKVCache`` is then checked where users meet
+it: in a relax.frontend.nn module, in place of TIRPagedKVCache.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tvm.runtime import ShapeTuple
 from tvm.s_tir import dlight as dl
 
 import tvm_fuel
-from tvm_fuel.kv_cache import TVM_SLOTS, tvm_kernels
+from tvm_fuel.kv_cache import FuelPagedKVCache, TVM_SLOTS, tvm_kernels
 
 pytestmark = pytest.mark.integration
 
@@ -188,17 +189,22 @@ class Scenario:
                 self.k[seq], self.v[seq] = self.k[seq][:, keep], self.v[seq][:, keep]
 
     def _attention(self, layer: int, seq: int, q: np.ndarray) -> np.ndarray:
-        hq, hkv, d, _ = self.config
-        k, v, n = self.k[seq][layer].astype("float64"), self.v[seq][layer].astype("float64"), q.shape[0]
-        q = q.astype("float64")
-        if self.rope_mode == INLINE:  # positions within what the cache holds now
-            q, k = _rotate(q, np.arange(len(k) - n, len(k))), _rotate(k, np.arange(len(k)))
-        k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
-        scores = np.einsum("qhd,khd->hqk", q, k) * d ** -0.5
-        causal = np.arange(len(k))[None, :] <= np.arange(len(k) - n, len(k))[:, None]
-        scores = np.where(causal, scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
+        return _reference(q, self.k[seq][layer], self.v[seq][layer], rotated=self.rope_mode == INLINE)
+
+
+def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, rotated: bool = False) -> np.ndarray:
+    """The new tokens' queries q [n, Hq, D] against a sequence's keys and values [S, Hkv, D] (its
+    last n the new ones), causal, float64; ``rotated``: RoPE at the positions within the sequence."""
+    (n, hq, d), hkv = q.shape, k.shape[1]
+    q, k, v = q.astype("float64"), k.astype("float64"), v.astype("float64")
+    if rotated:
+        q, k = _rotate(q, np.arange(len(k) - n, len(k))), _rotate(k, np.arange(len(k)))
+    k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+    causal = np.arange(len(k))[None, :] <= np.arange(len(k) - n, len(k))[:, None]
+    scores = np.where(causal, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
 
 
 def test_prefill_then_decode_with_sequences_joining_and_leaving(slots):
@@ -265,3 +271,80 @@ def test_keys_rotated_in_the_kernel(slots):
 def test_bad_arguments_name_the_argument(args, message):
     with pytest.raises(ValueError, match=f"kv_cache.tvm_kernels: {message}"):
         tvm_kernels(*args)
+
+
+def _nn_model(hq: int, hkv: int, d: int, dtype: str, **cache_options):
+    """A relax.frontend.nn module as MLC-LLM writes one: a method that creates the cache, and one
+    layer's attention over it (``attention_with_fused_qkv``)."""
+    from tvm import relax, tirx
+    from tvm.relax.frontend import nn
+
+    class Attention(nn.Module):
+        def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                  support_sliding_window: tirx.Var) -> tvm_kv.PagedKVCache:
+            options = dict(attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+                           prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+                           support_sliding_window=support_sliding_window, layer_partition=relax.ShapeExpr([0, 1]),
+                           num_hidden_layers=1, num_attention_heads=hq, num_key_value_heads=hkv, qk_head_dim=d,
+                           v_head_dim=d, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+                           rope_mode=tvm_kv.RopeMode.NONE, rope_scale=1, rope_theta=THETA, rope_scaling={},
+                           rope_ext_factors=relax.prim_value(0), rotary_dim=d, enable_disaggregation=False,
+                           dtype=dtype, target=tvm_fuel.host_target())
+            return FuelPagedKVCache(**{**options, **cache_options})
+
+        def attend(self, qkv: nn.Tensor, cache: tvm_kv.PagedKVCache):
+            return cache.attention_with_fused_qkv(0, qkv, hq, d ** -0.5)
+
+    none = {"param_mode": "none", "effect_mode": "none"}
+    spec = {"create_paged_kv_cache": {name: int for name in ("max_batch_size", "max_total_seq_len",
+                                                             "prefill_chunk_size", "page_size",
+                                                             "support_sliding_window")} | {"$": none},
+            "attend": {"qkv": nn.spec.Tensor([1, "n", hq + 2 * hkv, d], dtype),
+                       "cache": nn.spec.Object(object_type=tvm_kv.PagedKVCache), "$": none}}
+    model = Attention()
+    mod, _ = model.export_tvm(spec=nn.spec.ModuleSpec.from_raw(spec, model))
+    return mod
+
+
+def test_fuel_paged_kv_cache_in_a_relax_nn_model():
+    """FuelPagedKVCache in place of TIRPagedKVCache in a relax.frontend.nn module: the creation
+    call passes fuel's kernels for every slot of TVM_SLOTS, and the built model's attention over
+    the runtime cache (prefill, then decode) matches the reference."""
+    from tvm import relax
+
+    hq, hkv, d, dtype = 8, 2, 64, "float32"
+    mod = _nn_model(hq, hkv, d, dtype)
+    passed = []  # the functions the creation call passes (its slots)
+    relax.analysis.post_order_visit(mod["create_paged_kv_cache"],
+                                    lambda e: passed.append(e.name_hint) if isinstance(e, relax.GlobalVar) else None)
+    assert {name for name in passed if name.startswith("fuel_")} == {
+        f"fuel_tir_attention_{name}" for name in ("prefill_ragged_cpu", "prefill_cpu", "decode_cpu",
+                                                  "decode_cpu_sliding_window", "merge_state_cpu")}
+    theirs = ("batch_prefill_ragged_kv", "batch_prefill_paged_kv_cpu", "batch_decode_paged_kv_cpu",
+              "batch_decode_paged_kv_cpu_sliding_window", "merge_state_inplace_cpu")  # TVM's, by their symbols
+    assert not set(theirs) & set(passed)
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm_fuel.host_target()), tvm.cpu())
+    cache = vm["create_paged_kv_cache"](*(ShapeTuple([n]) for n in (4, 1024, 256, PAGE, 0)))
+    _GLOBAL["kv_state_add_sequence"](cache, 0)
+    rng = np.random.default_rng(0)
+    k = v = None
+    for n in (37, 1, 1):  # prefill, then two decode steps of one sequence
+        _GLOBAL["kv_state_begin_forward"](cache, ShapeTuple([0]), ShapeTuple([n]), None)
+        qkv = rng.standard_normal((1, n, hq + 2 * hkv, d)).astype(dtype)
+        out = vm["attend"](tvm.runtime.tensor(qkv), cache).numpy()
+        _GLOBAL["kv_state_end_forward"](cache)
+        new_k, new_v = qkv[0, :, hq:hq + hkv], qkv[0, :, hq + hkv:]
+        k = new_k if k is None else np.concatenate([k, new_k])
+        v = new_v if v is None else np.concatenate([v, new_v])
+        np.testing.assert_allclose(out[0], _reference(qkv[0, :, :hq], k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("attn_kind", "mla", "attn_kind must be 'mha'"),
+    ("v_head_dim", 32, "v_head_dim \\(32\\) must equal qk_head_dim \\(64\\)"),
+    ("page_size", 32, "page_size must be 16"),
+])
+def test_fuel_paged_kv_cache_refuses_what_its_kernels_do_not_serve(option, value, message):
+    with pytest.raises(ValueError, match=f"FuelPagedKVCache: {message}"):
+        _nn_model(8, 2, 64, "float32", **{option: value})
