@@ -158,30 +158,37 @@ class _Task:
                         Qs[r, d] = Qs[r, d] * sm_scale * log2e
 
         @T.macro
-        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale, rope_theta):
-            # key tile kt packed through the cache's layout, its keys rotated where rotary_mode is 1
+        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, k_position, rope_scale, rope_theta):
+            # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len), its keys
+            # rotated where rotary_mode is 1; nonfinite[0]: how many of Vt's elements are NaN or Inf
             for c in range(BK):
                 j: T.int64 = kt * BK + c
-                if j < tile.kv_len:
+                if j < kv_len:
                     page: T.int64 = cache.page(j)
                     slot: T.int32 = cache.slot(j)
                     if rotary_mode == 1:
                         for d in range(D):
-                            Kt[d, c] = rotated(lambda i: cache.k(page, slot, tile.g, i), d,
+                            Kt[d, c] = rotated(lambda i: cache.k(page, slot, g, i), d,
                                                k_position + T.Cast("int32", j), rope_scale, rope_theta)
                     else:
                         for d in range(D):
-                            Kt[d, c] = cache.k(page, slot, tile.g, d).astype(F32)
+                            Kt[d, c] = cache.k(page, slot, g, d).astype(F32)
                     for d in range(D):
-                        Vt[c, d] = cache.v(page, slot, tile.g, d).astype(F32)
+                        Vt[c, d] = cache.v(page, slot, g, d).astype(F32)
                 else:
                     for d in range(D):
                         Kt[d, c] = T.float32(0)
                         Vt[c, d] = T.float32(0)
                 for d in range(D, DP):
                     Vt[c, d] = T.float32(0)
-            nonfinite = T.alloc_buffer((1,), F32, scope="local")
             body.count_nonfinite(nonfinite, Vt, BK, DP)
+
+        @T.macro
+        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale, rope_theta):
+            # key tile kt packed, then both GEMMs over it
+            nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, k_position, rope_scale,
+                      rope_theta)
             body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
         @T.macro
@@ -196,13 +203,13 @@ class _Task:
                         sem.safe_row_max(scratch.m[r]) + T.log2(scratch.l[r]))
 
         @T.macro
-        def attend_rows(q, output, lse, params, cache, b, g, t, kv_len, qo_len, q_start, q_rope_position, k_position,
+        def attend_rows(q, output, lse, params, packed, b, g, t, kv_len, qo_len, q_start, q_rope_position,
                         rotary_mode, rope_scale, rope_theta, sm_scale):
-            # row tile t of (sequence b, KV head g): its rows' queries against the sequence's keys
+            # row tile t of (sequence b, KV head g): its rows' queries against the sequence's key
+            # tiles, packed beforehand (``packed.tile(kt)``: Kt, Vt and Vt's non-finite count)
             rows: T.int64 = qo_len * group
             if t * BQ < rows:
-                heads, Kt, Vt = T.meta_var(_scratch(tiles, D))
-                scratch = T.meta_var(heads.view(0))
+                scratch = T.meta_var(_scratch(tiles, D, packed=False)[0].view(0))
                 tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len, delta=kv_len - qo_len,
                                           first_pos=row_position(t * BQ, group),
                                           last_pos=row_position(T.min(t * BQ + BQ, rows) - 1, group)))
@@ -212,22 +219,47 @@ class _Task:
                 body.init_state(scratch.O, scratch.m, scratch.l)
                 lo, hi = T.meta_var(tile.key_tiles(spec.cfg, BK))
                 for kt in range(lo, hi):
-                    packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale,
-                                rope_theta)
+                    Kt, Vt, nonfinite = T.meta_var(packed.tile(kt))
+                    body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
                 store(scratch, output, lse, lambda position: q_start + position, tile)
 
-        self.load_queries, self.packed_tile, self.store = load_queries, packed_tile, store
+        self.load_queries, self.pack_tile, self.packed_tile, self.store = load_queries, pack_tile, packed_tile, store
         self.attend_rows = attend_rows
 
 
-def _scratch(tiles: CpuTiles, D: int):
+def _scratch(tiles: CpuTiles, D: int, packed: bool = True):
     """A task's buffers, allocated where it is called in a prim_func: the [1, ...] scratch
-    (``PagedTile`` indexes per head) and the packed K and V tiles."""
+    (``PagedTile`` indexes per head) and, with ``packed``, a packed K and V tile."""
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-    return (Scratch(T.alloc_buffer((1, BQ, D), F32), T.alloc_buffer((1, BQ, BK), F32),
-                    T.alloc_buffer((1, BQ, DP), F32), T.alloc_buffer((1, BQ), F32), T.alloc_buffer((1, BQ), F32),
-                    T.alloc_buffer((1, BQ), F32)),
-            T.alloc_buffer((D, BK), F32), T.alloc_buffer((BK, DP), F32))
+    scratch = Scratch(T.alloc_buffer((1, BQ, D), F32), T.alloc_buffer((1, BQ, BK), F32),
+                      T.alloc_buffer((1, BQ, DP), F32), T.alloc_buffer((1, BQ), F32), T.alloc_buffer((1, BQ), F32),
+                      T.alloc_buffer((1, BQ), F32))
+    if not packed:
+        return scratch, None, None
+    return scratch, T.alloc_buffer((D, BK), F32), T.alloc_buffer((BK, DP), F32)
+
+
+@dataclass(frozen=True)
+class _PackedKeys:
+    """Every (key tile, KV head) of a prefill's sequences, packed once into flat workspaces: sequence
+    b's key tile kt of head g at index ``(first_tile + kt) * Hkv + g`` (``first_tile``: the key
+    tiles of the sequences before b). ``tile(kt)`` gives its Kt [D, BK], Vt [BK, DP] and Vt's
+    non-finite count [1] as views."""
+
+    k_tiles: tirx.Buffer
+    v_tiles: tirx.Buffer
+    nonfinite: tirx.Buffer
+    first_tile: tirx.PrimExpr
+    g: tirx.PrimExpr
+    num_kv_heads: int
+    dims: tuple[int, int, int]  # D, BK, DP
+
+    def tile(self, kt):
+        D, BK, DP = self.dims
+        index = (self.first_tile + kt) * self.num_kv_heads + self.g
+        return (T.decl_buffer((D, BK), F32, data=self.k_tiles.data, elem_offset=index * (D * BK)),
+                T.decl_buffer((BK, DP), F32, data=self.v_tiles.data, elem_offset=index * (BK * DP)),
+                T.decl_buffer((1,), F32, data=self.nonfinite.data, elem_offset=index))
 
 
 def _check(where: str, spec: KernelSpec, tiles: CpuTiles):
@@ -307,31 +339,57 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
     """TVM's ``batch_prefill_paged_kv_cpu`` (``keys="paged"``: each sequence's cached keys) or
     ``batch_prefill_ragged_kv`` (``keys="ragged"``: k, v [total_kv, Hkv, D] by ``kv_indptr``):
     q [total_q, Hq, D] by ``q_indptr``, bottom-right causal where the run-time ``causal`` is
-    non-zero; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2 units). A task is one
-    (sequence, KV head, tile of block_q rows); key tiles are packed (rotated where rotary_mode is
-    1) and run through the register-tiled GEMMs, causal tasks only over the tiles they see."""
+    non-zero; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2 units).
+
+    Two parallel phases, as fuel's dense forward: every (sequence, KV head) packs its key tiles
+    once (rotated where rotary_mode is 1) into workspaces of O(total keys * D); then every
+    (sequence, KV head, tile of block_q rows) runs the register-tiled GEMMs over the tiles it sees."""
     if keys not in ("paged", "ragged"):
         raise ValueError(f"tvm_cache.prefill: keys must be 'paged' or 'ragged', got {keys!r}")
     _check("prefill", spec, tiles)
     Hq, Hkv, D, group, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype
-    BQ = tiles.block_q
-    rope_scaling = rope_scaling or {}
-    plain, causal_task = (_Task(replace(spec, cfg=AttnConfig(causal=causal)), tiles, rope_scaling)
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    plain, causal_task = (_Task(replace(spec, cfg=AttnConfig(causal=causal)), tiles, rope_scaling or {})
                           for causal in (False, True))
 
     @T.macro
-    def row_tiles(q_indptr, B, out):
-        # out[0]: the row tiles of the sequence with the most queries
-        out[0] = T.int64(0)
+    def run(q, q_indptr, output, lse, params, B, max_tiles, cache_of, kv_len_of, q_rope_position, k_rope_pos_offset,
+            causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        # max_tiles: a bound on the key tiles of all sequences, from the parameters' shapes (the
+        # workspaces are allocated with the function, before any statement runs)
+        # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
+        first_tile = T.alloc_buffer((B + 1,), "int64")
+        most_rows = T.alloc_buffer((1,), "int64")
+        first_tile[0] = T.int64(0)
+        most_rows[0] = T.int64(0)
         for b in range(B):
-            out[0] = T.max(out[0], (T.Cast("int64", q_indptr[b + 1] - q_indptr[b]) * group + BQ - 1) // BQ)
-
-    @T.macro
-    def attend(causal, *args):
-        if causal > 0:
-            causal_task.attend_rows(*args)
-        else:
-            plain.attend_rows(*args)
+            first_tile[b + 1] = first_tile[b] + (kv_len_of(b) + BK - 1) // BK
+            most_rows[0] = T.max(most_rows[0], (T.Cast("int64", q_indptr[b + 1] - q_indptr[b]) * group + BQ - 1)
+                                 // BQ)
+        assert first_tile[B] <= max_tiles, "tvm_cache.prefill: the sequences' keys exceed their pages (indptr)"
+        n_row_tiles: T.int64 = most_rows[0]
+        k_tiles = T.alloc_buffer((max_tiles * Hkv * D * BK,), F32)
+        v_tiles = T.alloc_buffer((max_tiles * Hkv * BK * DP,), F32)
+        nonfinite = T.alloc_buffer((max_tiles * Hkv,), F32)
+        for pack in T.parallel(T.Cast("int64", B) * Hkv):
+            pb: T.int64 = pack // Hkv
+            pg: T.int64 = pack % Hkv
+            tiles_of = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
+            for kt in range(first_tile[pb + 1] - first_tile[pb]):
+                Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
+                plain.pack_tile(Kt, Vt, count, cache_of(pb), pg, kv_len_of(pb), kt, rotary_mode,
+                                k_rope_pos_offset[pb], rope_scale, rope_theta)
+        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
+            b: T.int64 = task_id // (Hkv * n_row_tiles)
+            g: T.int64 = task_id // n_row_tiles % Hkv
+            packed = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
+            args = T.meta_var((q, output, lse, params, packed, b, g, task_id % n_row_tiles, kv_len_of(b),
+                               T.Cast("int64", q_indptr[b + 1] - q_indptr[b]), T.Cast("int64", q_indptr[b]),
+                               q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
+            if causal > 0:
+                causal_task.attend_rows(*args)
+            else:
+                plain.attend_rows(*args)
 
     # fmt: off
     @T.prim_func
@@ -354,19 +412,11 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
         q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
         output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
         lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        params = T.meta_var(ForwardBuffers(q=q, out=output))
-        n_tiles = T.alloc_buffer((1,), "int64")
-        row_tiles(q_indptr, B, n_tiles)
-        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_tiles[0]):
-            b: T.int64 = task_id // (Hkv * n_tiles[0])
-            g: T.int64 = task_id // n_tiles[0] % Hkv
-            first_page: T.int32 = page_indptr[b]
-            kv_len: T.int64 = _paged_kv_len(page_indptr[b + 1] - first_page, _lengths(length_info, b, False),
-                                            page_size)
-            cache = T.meta_var(TvmPages(pages, page_values, first_page, T.int32(0), T.int32(0), page_size))
-            attend(causal, q, output, lse, params, cache, b, g, task_id % n_tiles[0], kv_len,
-                   T.Cast("int64", q_indptr[b + 1] - q_indptr[b]), T.Cast("int64", q_indptr[b]), q_rope_position,
-                   k_rope_pos_offset[b], rotary_mode, rope_scale, rope_theta, sm_scale)
+        run(q, q_indptr, output, lse, ForwardBuffers(q=q, out=output), B,
+            T.Cast("int64", nnz_pages) * page_size // BK + B,  # each sequence's keys fill its pages but the last
+            lambda b: TvmPages(pages, page_values, page_indptr[b], T.int32(0), T.int32(0), page_size),
+            lambda b: _paged_kv_len(page_indptr[b + 1] - page_indptr[b], _lengths(length_info, b, False), page_size),
+            q_rope_position, k_rope_pos_offset, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 
     @T.prim_func
     def batch_prefill_ragged_kv(q_h: T.handle, q_indptr_h: T.handle, k_h: T.handle, v_h: T.handle,
@@ -386,17 +436,10 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
         output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
         lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        params = T.meta_var(ForwardBuffers(q=q, out=output))
-        n_tiles = T.alloc_buffer((1,), "int64")
-        row_tiles(q_indptr, B, n_tiles)
-        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_tiles[0]):
-            b: T.int64 = task_id // (Hkv * n_tiles[0])
-            g: T.int64 = task_id // n_tiles[0] % Hkv
-            cache = T.meta_var(RaggedKeys(k, v, kv_indptr[b]))
-            attend(causal, q, output, lse, params, cache, b, g, task_id % n_tiles[0],
-                   T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), T.Cast("int64", q_indptr[b + 1] - q_indptr[b]),
-                   T.Cast("int64", q_indptr[b]), q_rope_position, k_rope_pos_offset[b], rotary_mode, rope_scale,
-                   rope_theta, sm_scale)
+        run(q, q_indptr, output, lse, ForwardBuffers(q=q, out=output), B, T.Cast("int64", total_kv) // BK + B,
+            lambda b: RaggedKeys(k, v, kv_indptr[b]),
+            lambda b: T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), q_rope_position, k_rope_pos_offset, causal,
+            rotary_mode, rope_scale, rope_theta, sm_scale)
     # fmt: on
 
     func = batch_prefill_paged_kv_cpu if keys == "paged" else batch_prefill_ragged_kv
