@@ -127,6 +127,11 @@ def _bench(args: argparse.Namespace) -> int:
         from .deploy.gpucheck import run_gpucheck
 
         return run_gpucheck(out_dir=args.out, suite="bench")
+    if args.tvm_cache:
+        from .bench import tvm_cache as bench_tvm_cache
+
+        _bench_rows(args.out, "tvm_cache.json", bench_tvm_cache.tvm_cache_rows(), bench_tvm_cache.print_rows)
+        return 0
     if args.models:
         from .bench import models as bench_models
 
@@ -457,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
                             "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "
                             "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32)")
+    bench.add_argument("--tvm-cache", action="store_true",
+                       help="instead of the kernel rows: one layer's prefill and decode inside TVM's own paged KV "
+                            "cache (MLC-LLM's runtime), TVM's CPU kernels against fuel's in its slots")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)

@@ -16,6 +16,8 @@ Contents:
     append_kernel -- the PrimFunc that writes K/V rows into their slots
     tvm_kernels   -- fuel's kernels for the attention slots of TVM's PagedKVCache (``TVM_SLOTS``)
     FuelPagedKVCache -- TVM's TIRPagedKVCache (relax.frontend.nn) with those slots filled by fuel
+    runtime_kernels, runtime_cache -- every slot compiled (fuel's or TVM's), and the runtime cache
+                     made of them without a Relax model (benchmarks, tests)
 
 Example
 -------
@@ -347,6 +349,71 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
     kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, keys=keys, page_size=page_size, rope_scaling=rope_scaling)
                 for slot, keys in (("prefill", "paged"), ("prefill_ragged", "ragged"))}
     return kernels | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
+
+
+def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, *, num_layers: int,
+                    kernels: str = "fuel", rope_theta: float = 1e4, rope_scale: float = 1.0,
+                    page_size: int = 16) -> dict[str, tvm.runtime.Function]:
+    """Every slot of TVM's runtime cache compiled for this CPU, by slot name: TVM 0.27's CPU
+    kernels (as ``TIRPagedKVCache`` builds them for llvm, scheduled as TVM's tests do), with fuel's
+    in ``TVM_SLOTS`` unless ``kernels`` is "tvm". For driving the runtime cache without a Relax
+    model (``runtime_cache``: benchmarks, tests); a model uses ``FuelPagedKVCache``."""
+    from tvm.s_tir import dlight as dl
+
+    from .target import host_target
+
+    if kernels not in ("fuel", "tvm"):
+        raise ValueError(f"kv_cache.runtime_kernels: kernels must be 'fuel' or 'tvm', got {kernels!r}")
+    hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
+    # TVM's CPU kernels for the slots: TIRPagedKVCache builds them from these (TVM's own tests import them too)
+    funcs = dict(
+        transpose_append=tvm_llm_kv._kv_cache_transpose_append(hkv, d, dtype),  # noqa: SLF001
+        debug_get_kv=tvm_llm_kv._kv_cache_debug_get_kv(num_layers, hkv, d, dtype),  # noqa: SLF001
+        prefill=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
+        decode=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
+        prefill_sliding_window=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, True, {}),  # noqa: SLF001
+        decode_sliding_window=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, True, {}),  # noqa: SLF001
+        prefill_ragged=tvm_llm_kv._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),  # noqa: SLF001
+        prefill_with_tree_mask=tvm_llm_kv.tree_attn_cpu(hkv, hq, d, dtype, {}),
+        prefill_with_tree_mask_paged_kv_cache=tvm_llm_kv.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, {}),
+        merge_state=tvm_llm_kv._merge_state_inplace_cpu(dtype),  # noqa: SLF001
+        split_rotary=tvm_llm_kv.llama_rope_with_position_map(rope_theta, rope_scale, d, hq, hkv, dtype, {}),
+        copy_single_page=tvm_llm_kv._copy_single_page_cpu(hkv, page_size, d, dtype),  # noqa: SLF001
+        compact_kv_copy=tvm_llm_kv._compact_kv_copy_cpu(hkv, d, dtype))  # noqa: SLF001
+    target = host_target()
+    if kernels == "fuel":
+        funcs |= tvm_kernels(hkv, hq, d, dtype, target, page_size=page_size)
+    built = {}
+    for slot, func in funcs.items():
+        mod = tvm.IRModule({"main": func})
+        if not func.attrs.get("tirx.is_scheduled", False):
+            with target:
+                mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
+        symbol = str(func.attrs["global_symbol"]) if "global_symbol" in func.attrs else "main"
+        built[slot] = tvm.compile(mod, target=target)[symbol]
+    return built
+
+
+def runtime_cache(slots: dict, *, num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, num_layers: int,
+                  max_batch_size: int = 8, max_total_seq_len: int = 32768, prefill_chunk_size: int = 4096,
+                  page_size: int = 16, sliding_window: bool = False, rope_mode: int = 0, rope_theta: float = 1e4,
+                  rope_scale: float = 1.0):
+    """TVM's runtime cache (``vm.builtin.paged_attention_kv_cache_create``, what a model's
+    ``create_paged_kv_cache`` returns) with ``slots`` (``runtime_kernels``; any function will
+    do, e.g. one that counts its calls), driven by ``vm.builtin.kv_state_*`` and
+    ``attention_kv_cache_attention_with_fused_qkv``. MHA layers, no KV transfer."""
+    create = tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")
+    shape = tvm.runtime.ShapeTuple
+    return create(
+        shape([max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, int(sliding_window), 1024]),
+        shape([0, num_layers]), num_qo_heads, num_kv_heads, head_dim, head_dim,
+        shape([int(tvm_llm_kv.AttnKind.MHA)] * num_layers), False, rope_mode, rope_scale, rope_theta, None,
+        tvm.runtime.empty((), dtype, device=tvm.cpu()), slots["transpose_append"], None,
+        ["tirx", slots["prefill_ragged"]], ["tirx", slots["prefill"]], ["tirx", slots["decode"]],
+        ["tirx", slots["prefill_sliding_window"]], ["tirx", slots["decode_sliding_window"]],
+        ["tirx", slots["prefill_with_tree_mask_paged_kv_cache"]], ["tirx", slots["prefill_with_tree_mask"]], [],
+        [slots["merge_state"]], slots["split_rotary"], slots["copy_single_page"], slots["debug_get_kv"],
+        slots["compact_kv_copy"])
 
 
 # the functions TVM 0.27's TIRPagedKVCache adds for the attention slots on llvm targets

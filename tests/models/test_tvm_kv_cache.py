@@ -18,15 +18,10 @@ import numpy as np
 import pytest
 import tvm
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
-# TVM's CPU kernels for the slots: TIRPagedKVCache builds them from these (TVM's own tests import them too)
-from tvm.relax.frontend.nn.llm.kv_cache import (
-    _attention_decode_cpu, _attention_prefill_cpu, _attention_prefill_ragged_cpu, _compact_kv_copy_cpu,
-    _copy_single_page_cpu, _kv_cache_debug_get_kv, _kv_cache_transpose_append, _merge_state_inplace_cpu)
 from tvm.runtime import ShapeTuple
-from tvm.s_tir import dlight as dl
 
 import tvm_fuel
-from tvm_fuel.kv_cache import FuelPagedKVCache, TVM_SLOTS, tvm_kernels
+from tvm_fuel.kv_cache import FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_SLOTS, tvm_kernels
 
 pytestmark = pytest.mark.integration
 
@@ -36,38 +31,9 @@ TOLERANCE = {"float32": 1e-5, "float16": 1e-3}
 CONFIGS = [  # (Hq, Hkv, D, dtype)
     (8, 2, 64, "float32"), (4, 4, 128, "float16"), (7, 1, 64, "float16"), (14, 2, 128, "float32")]
 _GLOBAL = {name: tvm.get_global_func(f"vm.builtin.{name}") for name in (
-    "paged_attention_kv_cache_create", "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
+    "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
     "kv_state_popn", "kv_state_begin_forward", "kv_state_end_forward", "attention_kv_cache_attention_with_fused_qkv",
     "attention_kv_cache_enable_sliding_window_for_seq")}
-
-
-def _built(func: tvm.tirx.PrimFunc, target) -> tvm.runtime.Function:
-    mod = tvm.IRModule({"main": func})
-    if not func.attrs.get("tirx.is_scheduled", False):  # TVM's kernels, scheduled as TVM's own tests do
-        with target:
-            mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
-    return tvm.compile(mod, target=target)[str(func.attrs["global_symbol"]) if "global_symbol" in func.attrs
-                                           else "main"]
-
-
-def _tvm_slots(hq: int, hkv: int, d: int, dtype: str) -> dict:
-    """TVM 0.27's CPU kernels for every slot (as ``TIRPagedKVCache`` builds them for llvm)."""
-    target = tvm.target.Target("llvm")
-    funcs = dict(
-        transpose_append=_kv_cache_transpose_append(hkv, d, dtype),
-        debug_get_kv=_kv_cache_debug_get_kv(LAYERS, hkv, d, dtype),
-        prefill=_attention_prefill_cpu(hkv, hq, d, dtype, False, {}),
-        decode=_attention_decode_cpu(hkv, hq, d, dtype, False, {}),
-        prefill_sliding_window=_attention_prefill_cpu(hkv, hq, d, dtype, True, {}),
-        decode_sliding_window=_attention_decode_cpu(hkv, hq, d, dtype, True, {}),
-        prefill_ragged=_attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),
-        prefill_with_tree_mask=tvm_kv.tree_attn_cpu(hkv, hq, d, dtype, {}),
-        prefill_with_tree_mask_paged_kv_cache=tvm_kv.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, {}),
-        merge_state=_merge_state_inplace_cpu(dtype),
-        split_rotary=tvm_kv.llama_rope_with_position_map(THETA, 1.0, d, hq, hkv, dtype, {}),
-        copy_single_page=_copy_single_page_cpu(hkv, PAGE, d, dtype),
-        compact_kv_copy=_compact_kv_copy_cpu(hkv, d, dtype))
-    return {slot: _built(func, target) for slot, func in funcs.items()}
 
 
 class Counted:
@@ -86,25 +52,18 @@ class Counted:
 def slots(request):
     """(config, TVM's slots, fuel's slots with TVM_SLOTS counted)."""
     hq, hkv, d, dtype = request.param
-    theirs = _tvm_slots(hq, hkv, d, dtype)
-    target = tvm_fuel.host_target()
-    fuel = {slot: Counted(_built(func, target)) for slot, func in tvm_kernels(hkv, hq, d, dtype, target,
-                                                                            page_size=PAGE).items()}
-    assert set(fuel) == set(TVM_SLOTS)
-    return request.param, theirs, fuel
+    theirs = runtime_kernels(hkv, hq, d, dtype, num_layers=LAYERS, kernels="tvm", rope_theta=THETA)
+    ours = runtime_kernels(hkv, hq, d, dtype, num_layers=LAYERS, rope_theta=THETA)
+    assert set(TVM_SLOTS) <= set(ours)
+    return request.param, theirs, {slot: Counted(ours[slot]) for slot in TVM_SLOTS}
 
 
 def _create(config, kernels: dict, rope_mode: int, sliding_window: bool):
     hq, hkv, d, dtype = config
-    k = {slot: (f.function if isinstance(f, Counted) else f) for slot, f in kernels.items()}
-    return _GLOBAL["paged_attention_kv_cache_create"](
-        ShapeTuple([8, 2048, 512, PAGE, int(sliding_window), 1024]), ShapeTuple([0, LAYERS]), hq, hkv, d, d,
-        ShapeTuple([int(tvm_kv.AttnKind.MHA)] * LAYERS), False, rope_mode, 1.0, THETA, None,
-        tvm.runtime.empty((), dtype, device=tvm.cpu()), k["transpose_append"], None,
-        ["tirx", k["prefill_ragged"]], ["tirx", k["prefill"]], ["tirx", k["decode"]],
-        ["tirx", k["prefill_sliding_window"]], ["tirx", k["decode_sliding_window"]],
-        ["tirx", k["prefill_with_tree_mask_paged_kv_cache"]], ["tirx", k["prefill_with_tree_mask"]], [],
-        [k["merge_state"]], k["split_rotary"], k["copy_single_page"], k["debug_get_kv"], k["compact_kv_copy"])
+    slots = {slot: (f.function if isinstance(f, Counted) else f) for slot, f in kernels.items()}
+    return runtime_cache(slots, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d, dtype=dtype, num_layers=LAYERS,
+                         max_total_seq_len=2048, prefill_chunk_size=512, page_size=PAGE,
+                         sliding_window=sliding_window, rope_mode=rope_mode, rope_theta=THETA)
 
 
 def _rotate(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
