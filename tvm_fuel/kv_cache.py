@@ -279,12 +279,13 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.{what}: seqs {seqs} repeat a sequence id")
         return seqs
 
-# the slots of TVM's PagedKVCache that fuel's kernels fill so far (the others stay TVM's)
-TVM_SLOTS = ("prefill", "decode", "decode_sliding_window", "prefill_ragged", "merge_state")
+# the attention slots of TVM's PagedKVCache, all filled by fuel's kernels (append, copy, rotary and debug stay TVM's)
+TVM_SLOTS = ("prefill", "decode", "prefill_sliding_window", "decode_sliding_window", "prefill_ragged",
+             "prefill_with_tree_mask", "prefill_with_tree_mask_paged_kv_cache", "merge_state")
 
 
 def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *, page_size: int = 16,
-                rope_scaling: dict | None = None) -> dict[str, tvm.tirx.PrimFunc]:
+                sliding_window_size: int = 1024, rope_scaling: dict | None = None) -> dict[str, tvm.tirx.PrimFunc]:
     """fuel's kernels for the attention slots of TVM's own paged KV cache
     (``relax.frontend.nn.llm.kv_cache.PagedKVCache``, created by
     ``vm.builtin.paged_attention_kv_cache_create``; what MLC-LLM serves from): slot name -> a
@@ -304,15 +305,26 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
       output [total_q, Hq, D], lse [total_q, Hq], causal, rotary_mode, rope_scale, rope_theta,
       sm_scale)``: each sequence's queries against its cached keys, bottom-right causal where
       ``causal`` is non-zero;
+    * ``prefill_sliding_window``: ``batch_prefill_paged_kv_cpu_sliding_window``, ``prefill``'s
+      signature with length_info [3, B]: the new tokens against a sliding-window sequence's cached
+      keys (sinks first); where ``causal`` is non-zero, TVM's cross-window rule: new token i sees
+      the last ``sliding_window_size - 1 - i`` cached keys (``sliding_window_size`` 0: causal);
     * ``prefill_ragged``: ``batch_prefill_ragged_kv(q, q_indptr, k [total_kv, Hkv, D], v,
       kv_indptr [B + 1], q_rope_position, k_rope_pos_offset, output, lse, causal, rotary_mode,
       rope_scale, rope_theta, sm_scale)``: the same over keys not yet in pages (the runtime merges
       the two states of a prefill over a cached prefix);
+    * ``prefill_with_tree_mask``: ``batch_tree_attn(q, q_indptr, k [total_kv, Hkv, D], v,
+      kv_indptr, q_rope_position, mn_indptr [B + 1], mask [n, 2] int32, output, lse, rotary_mode,
+      rope_scale, rope_theta, sm_scale)``: speculative decoding's token trees among themselves, a
+      token seeing its ancestors and itself (``mask``: each node's depth-first enter/exit numbers);
+    * ``prefill_with_tree_mask_paged_kv_cache``: ``tree_attn_paged_kv_cpu(q, q_indptr, pages,
+      page_indptr, page_values, length_info [B], k_rope_pos_offset, q_rope_position, output, lse,
+      rotary_mode, rope_scale, rope_theta, sm_scale, tree_order_indptr, tree_order)``: the same
+      against the cached keys, the tree's earlier nodes the pages' last;
     * ``merge_state``: ``merge_state_inplace_cpu(v [N, H, D], s [N, H], v_other, s_other)``.
 
-    The prefill tasks are (sequence, KV head, tile of query rows), the key tiles packed and run
-    through the register-tiled GEMMs. The sliding-window prefill and the tree-attention slots stay
-    TVM's for now. llvm targets only.
+    The prefill and tree tasks are (sequence, KV head, tile of query rows), the key tiles packed
+    once and run through the register-tiled GEMMs. llvm targets only.
 
     Example
     -------
@@ -331,6 +343,9 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
         _positive_int(where, name, value) for name, value in (("num_kv_heads", num_kv_heads),
                                                               ("num_qo_heads", num_qo_heads), ("head_dim", head_dim),
                                                               ("page_size", page_size)))
+    sliding_window_size = as_int(where, "sliding_window_size", sliding_window_size)
+    if sliding_window_size < 0:
+        raise ValueError(f"{where}: sliding_window_size must be >= 0 (0: no window), got {sliding_window_size}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"{where}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if dtype not in ("float32", "float16", "bfloat16"):
@@ -346,14 +361,21 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
     kernels = {f"decode{suffix}": tvm_cache.decode(spec, decode_tiles, page_size=page_size,
                                                    sliding_window=bool(suffix), rope_scaling=rope_scaling)
                for suffix in ("", "_sliding_window")}
-    kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, keys=keys, page_size=page_size, rope_scaling=rope_scaling)
-                for slot, keys in (("prefill", "paged"), ("prefill_ragged", "ragged"))}
+    kernels |= {slot: tvm_cache.tree_attention(spec, prefill_tiles, keys=keys, page_size=page_size,
+                                               rope_scaling=rope_scaling)
+                for slot, keys in (("prefill_with_tree_mask", "ragged"),
+                                   ("prefill_with_tree_mask_paged_kv_cache", "paged"))}
+    kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, keys=keys, page_size=page_size,
+                                        sliding_window=slot.endswith("_sliding_window"),
+                                        sliding_window_size=sliding_window_size, rope_scaling=rope_scaling)
+                for slot, keys in (("prefill", "paged"), ("prefill_sliding_window", "paged"),
+                                   ("prefill_ragged", "ragged"))}
     return kernels | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
 
 
 def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, *, num_layers: int,
                     kernels: str = "fuel", rope_theta: float = 1e4, rope_scale: float = 1.0,
-                    page_size: int = 16) -> dict[str, tvm.runtime.Function]:
+                    page_size: int = 16, sliding_window_size: int = 1024) -> dict[str, tvm.runtime.Function]:
     """Every slot of TVM's runtime cache compiled for this CPU, by slot name: TVM 0.27's CPU
     kernels (as ``TIRPagedKVCache`` builds them for llvm, scheduled as TVM's tests do), with fuel's
     in ``TVM_SLOTS`` unless ``kernels`` is "tvm". For driving the runtime cache without a Relax
@@ -371,7 +393,8 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
         debug_get_kv=tvm_llm_kv._kv_cache_debug_get_kv(num_layers, hkv, d, dtype),  # noqa: SLF001
         prefill=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
         decode=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
-        prefill_sliding_window=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, True, {}),  # noqa: SLF001
+        prefill_sliding_window=tvm_llm_kv._attention_prefill_cpu(  # noqa: SLF001
+            hkv, hq, d, dtype, True, {}, sliding_window_size=sliding_window_size),
         decode_sliding_window=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, True, {}),  # noqa: SLF001
         prefill_ragged=tvm_llm_kv._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),  # noqa: SLF001
         prefill_with_tree_mask=tvm_llm_kv.tree_attn_cpu(hkv, hq, d, dtype, {}),
@@ -382,7 +405,7 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
         compact_kv_copy=tvm_llm_kv._compact_kv_copy_cpu(hkv, d, dtype))  # noqa: SLF001
     target = host_target()
     if kernels == "fuel":
-        funcs |= tvm_kernels(hkv, hq, d, dtype, target, page_size=page_size)
+        funcs |= tvm_kernels(hkv, hq, d, dtype, target, page_size=page_size, sliding_window_size=sliding_window_size)
     built = {}
     for slot, func in funcs.items():
         mod = tvm.IRModule({"main": func})
@@ -397,17 +420,25 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
 def runtime_cache(slots: dict, *, num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, num_layers: int,
                   max_batch_size: int = 8, max_total_seq_len: int = 32768, prefill_chunk_size: int = 4096,
                   page_size: int = 16, sliding_window: bool = False, rope_mode: int = 0, rope_theta: float = 1e4,
-                  rope_scale: float = 1.0):
+                  rope_scale: float = 1.0, layer_kinds: list[str] | None = None, layer_sliding_window_size: int = 1024):
     """TVM's runtime cache (``vm.builtin.paged_attention_kv_cache_create``, what a model's
     ``create_paged_kv_cache`` returns) with ``slots`` (``runtime_kernels``; any function will
     do, e.g. one that counts its calls), driven by ``vm.builtin.kv_state_*`` and
-    ``attention_kv_cache_attention_with_fused_qkv``. MHA layers, no KV transfer."""
+    ``attention_kv_cache_attention_with_fused_qkv``. No KV transfer; ``layer_kinds``: each
+    layer's "mha" (the default) or "mha_sliding" (a window of ``layer_sliding_window_size``, the
+    size the slots' sliding-window kernels were built for)."""
+    kinds = layer_kinds or ["mha"] * num_layers
+    if len(kinds) != num_layers or not set(kinds) <= {"mha", "mha_sliding"}:
+        raise ValueError(f"kv_cache.runtime_cache: layer_kinds must be {num_layers} of 'mha' / 'mha_sliding', "
+                         f"got {layer_kinds!r}")
     create = tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")
     shape = tvm.runtime.ShapeTuple
     return create(
-        shape([max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, int(sliding_window), 1024]),
+        shape([max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, int(sliding_window),
+               layer_sliding_window_size]),
         shape([0, num_layers]), num_qo_heads, num_kv_heads, head_dim, head_dim,
-        shape([int(tvm_llm_kv.AttnKind.MHA)] * num_layers), False, rope_mode, rope_scale, rope_theta, None,
+        shape([int(getattr(tvm_llm_kv.AttnKind, kind.upper())) for kind in kinds]), False, rope_mode, rope_scale,
+        rope_theta, None,
         tvm.runtime.empty((), dtype, device=tvm.cpu()), slots["transpose_append"], None,
         ["tirx", slots["prefill_ragged"]], ["tirx", slots["prefill"]], ["tirx", slots["decode"]],
         ["tirx", slots["prefill_sliding_window"]], ["tirx", slots["decode_sliding_window"]],
@@ -420,6 +451,10 @@ def runtime_cache(slots: dict, *, num_kv_heads: int, num_qo_heads: int, head_dim
 _TVM_SLOT_FUNCTIONS = {"tir_attention_prefill_ragged_cpu": "prefill_ragged", "tir_attention_prefill_cpu": "prefill",
                        "tir_attention_decode_cpu": "decode",
                        "tir_attention_decode_cpu_sliding_window": "decode_sliding_window",
+                       "tir_attention_prefill_cpu_sliding_window": "prefill_sliding_window",
+                       "tir_attention_prefill_with_tree_mask_cpu": "prefill_with_tree_mask",
+                       "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu":
+                           "prefill_with_tree_mask_paged_kv_cache",
                        "tir_attention_merge_state_cpu": "merge_state"}
 
 
@@ -453,8 +488,8 @@ class _FuelSlots(tvm_llm_kv.PagedKVCache):
 
 class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
     """TVM's ``TIRPagedKVCache`` (same arguments; ``relax.frontend.nn`` models, MLC-LLM's) with
-    the attention slots ``TVM_SLOTS`` filled by fuel's kernels (``tvm_kernels``), the other slots
-    (append, copy, rotary, tree attention, the sliding-window prefill) TVM's. A model switches by
+    every attention slot (``TVM_SLOTS``) filled by fuel's kernels (``tvm_kernels``), the other
+    slots (append, copy, rotary, debug) TVM's. A model switches by
     its one constructor call::
 
         cache = tvm_fuel.kv_cache.FuelPagedKVCache(attn_kind="mha", ..., dtype="float32", target=target)
@@ -465,6 +500,7 @@ class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(tvm_llm_kv.TIRPagedKVCache.__init__).bind(self, *args, **kwargs)
+        bound.apply_defaults()
         a = bound.arguments
         where = "FuelPagedKVCache"
         kinds = a["attn_kind"] if isinstance(a["attn_kind"], list) else [a["attn_kind"]]
@@ -480,7 +516,8 @@ class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
         if rope_scaling.get("rope_type") == "yarn" and "inv_theta_log_scale" not in rope_scaling:
             rope_scaling["inv_theta_log_scale"] = 1.0 / (2 * math.log(float(a["rope_theta"])))  # as TVM prepares it
         self._fuel_kernels = tvm_kernels(a["num_key_value_heads"], a["num_attention_heads"], a["qk_head_dim"],
-                                         a["dtype"], a["target"], rope_scaling=rope_scaling)
+                                         a["dtype"], a["target"], rope_scaling=rope_scaling,
+                                         sliding_window_size=a["layer_sliding_window_size"])
         super().__init__(*args, **kwargs)
 
 

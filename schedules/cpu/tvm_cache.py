@@ -25,7 +25,10 @@ Contents:
     TvmPages     -- where a sequence's tokens live in TVM's pages (what ``PagedTile`` reads)
     RaggedKeys   -- the keys of a ragged prefill, read as TvmPages are
     decode       -- PrimFunc batch_decode_paged_kv_cpu (and ``_sliding_window``)
-    prefill      -- PrimFunc batch_prefill_paged_kv_cpu (cached keys) or batch_prefill_ragged_kv
+    prefill      -- PrimFunc batch_prefill_paged_kv_cpu (cached keys; ``_sliding_window``) or
+                    batch_prefill_ragged_kv
+    TreeMask     -- TVM's tree-attention rule as a boolean mask
+    tree_attention -- PrimFunc batch_tree_attn (ragged) or tree_attn_paged_kv_cpu
     merge_state  -- PrimFunc merge_state_inplace_cpu: (v, s) <- the merge of two partial states
 """
 
@@ -72,6 +75,10 @@ class TvmPages:
     sink: tirx.PrimExpr
     window_offset: tirx.PrimExpr
     page_size: int
+    rope_offset: tirx.PrimExpr  # key j is rotated at rope_offset + j (k_rope_pos_offset[b])
+
+    def rope_position(self, j):
+        return self.rope_offset + T.Cast("int32", j)
 
     def offset(self, j):
         j = T.Cast("int32", j)
@@ -93,11 +100,20 @@ class TvmPages:
 @dataclass(frozen=True)
 class RaggedKeys:
     """The keys of ``prefill_ragged`` (k, v [total_kv, Hkv, D], sequence b's from ``start``) as
-    ``TvmPages``' methods read them: token j's "page" is its row, its slot 0."""
+    ``TvmPages``' methods read them: token j's "page" is its row, its slot 0. Key j is rotated at
+    ``rope_offset + j``, or at ``positions[start + j]`` where the keys' positions are given (tree
+    attention: the positions of the tree's nodes)."""
 
     k_rows: tirx.Buffer
     v_rows: tirx.Buffer
     start: tirx.PrimExpr
+    rope_offset: tirx.PrimExpr = 0
+    positions: tirx.Buffer | None = None
+
+    def rope_position(self, j):
+        if self.positions is not None:
+            return self.positions[self.start + T.Cast("int32", j)]
+        return self.rope_offset + T.Cast("int32", j)
 
     def page(self, j):
         return T.Cast("int64", self.start) + T.Cast("int64", j)
@@ -132,7 +148,10 @@ class _Task:
     output and TVM's log2 lse stored. Rows pack (query position, head of the group) as fuel's
     forward kernels do."""
 
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_scaling: dict[str, Any]):
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_scaling: dict[str, Any], *,
+                 queries_after_keys: bool = False):
+        # queries_after_keys: the rows are the tokens after all of the keys (the sliding-window
+        # prefill over cached keys only), not its last tokens
         D, group, dtype = spec.head_dim, spec.group, spec.dtype
         BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
         body = ForwardMacros(spec, tiles)
@@ -158,7 +177,7 @@ class _Task:
                         Qs[r, d] = Qs[r, d] * sm_scale * log2e
 
         @T.macro
-        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, k_position, rope_scale, rope_theta):
+        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, rope_scale, rope_theta):
             # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len), its keys
             # rotated where rotary_mode is 1; nonfinite[0]: how many of Vt's elements are NaN or Inf
             for c in range(BK):
@@ -169,7 +188,7 @@ class _Task:
                     if rotary_mode == 1:
                         for d in range(D):
                             Kt[d, c] = rotated(lambda i: cache.k(page, slot, g, i), d,
-                                               k_position + T.Cast("int32", j), rope_scale, rope_theta)
+                                               cache.rope_position(j), rope_scale, rope_theta)
                     else:
                         for d in range(D):
                             Kt[d, c] = cache.k(page, slot, g, d).astype(F32)
@@ -184,11 +203,10 @@ class _Task:
             body.count_nonfinite(nonfinite, Vt, BK, DP)
 
         @T.macro
-        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_position, rope_scale, rope_theta):
+        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta):
             # key tile kt packed, then both GEMMs over it
             nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, k_position, rope_scale,
-                      rope_theta)
+            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, rope_scale, rope_theta)
             body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
         @T.macro
@@ -210,7 +228,8 @@ class _Task:
             rows: T.int64 = qo_len * group
             if t * BQ < rows:
                 scratch = T.meta_var(_scratch(tiles, D, packed=False)[0].view(0))
-                tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len, delta=kv_len - qo_len,
+                tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len,
+                                          delta=kv_len if queries_after_keys else kv_len - qo_len,
                                           first_pos=row_position(t * BQ, group),
                                           last_pos=row_position(T.min(t * BQ + BQ, rows) - 1, group)))
                 load_queries(scratch.Qs, q, lambda position: q_start + position,
@@ -316,7 +335,8 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
             scratch = T.meta_var(heads.view(0))
             tile = T.meta_var(RowTile(group, b, g, T.int64(0), T.int64(group), kv_len=kv_len, delta=kv_len - 1,
                                       first_pos=T.int64(0), last_pos=T.int64(0)))
-            cache = T.meta_var(TvmPages(pages, page_values, first_page, lengths[2], lengths[1], page_size))
+            cache = T.meta_var(TvmPages(pages, page_values, first_page, lengths[2], lengths[1], page_size,
+                                        k_rope_pos_offset[b]))
             task.load_queries(scratch.Qs, q, lambda position: b, lambda position: q_rope_position[b], tile,
                               rotary_mode, rope_scale, rope_theta, sm_scale)
             task.body.init_state(scratch.O, scratch.m, scratch.l)
@@ -325,8 +345,7 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
                 if streaming and rotary_mode != 1:
                     task.paged.stream_tile(heads, params, cache, tile, kt)
                 else:
-                    task.packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, k_rope_pos_offset[b],
-                                     rope_scale, rope_theta)
+                    task.packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta)
             task.store(scratch, output, lse, lambda position: b, tile)
     # fmt: on
 
@@ -334,27 +353,16 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
     return finish(batch_decode_paged_kv_cpu.with_attr("global_symbol", name))
 
 
-def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16,
-            rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
-    """TVM's ``batch_prefill_paged_kv_cpu`` (``keys="paged"``: each sequence's cached keys) or
-    ``batch_prefill_ragged_kv`` (``keys="ragged"``: k, v [total_kv, Hkv, D] by ``kv_indptr``):
-    q [total_q, Hq, D] by ``q_indptr``, bottom-right causal where the run-time ``causal`` is
-    non-zero; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2 units).
-
-    Two parallel phases, as fuel's dense forward: every (sequence, KV head) packs its key tiles
-    once (rotated where rotary_mode is 1) into workspaces of O(total keys * D); then every
-    (sequence, KV head, tile of block_q rows) runs the register-tiled GEMMs over the tiles it sees."""
-    if keys not in ("paged", "ragged"):
-        raise ValueError(f"tvm_cache.prefill: keys must be 'paged' or 'ragged', got {keys!r}")
-    _check("prefill", spec, tiles)
-    Hq, Hkv, D, group, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype
+def _prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: _Task, causal_task: _Task | None):
+    """The macro of every prefill kernel: key tiles packed once per (sequence, KV head), then the
+    (sequence, KV head, row tile) tasks over them (``causal_task`` where the run-time ``causal`` is
+    non-zero; None: ``plain`` always)."""
+    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-    plain, causal_task = (_Task(replace(spec, cfg=AttnConfig(causal=causal)), tiles, rope_scaling or {})
-                          for causal in (False, True))
 
     @T.macro
-    def run(q, q_indptr, output, lse, params, B, max_tiles, cache_of, kv_len_of, q_rope_position, k_rope_pos_offset,
-            causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+    def run(q, q_indptr, output, lse, params_of, B, max_tiles, cache_of, kv_len_of, q_rope_position, causal,
+            rotary_mode, rope_scale, rope_theta, sm_scale):
         # max_tiles: a bound on the key tiles of all sequences, from the parameters' shapes (the
         # workspaces are allocated with the function, before any statement runs)
         # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
@@ -377,19 +385,55 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
             tiles_of = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
             for kt in range(first_tile[pb + 1] - first_tile[pb]):
                 Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
-                plain.pack_tile(Kt, Vt, count, cache_of(pb), pg, kv_len_of(pb), kt, rotary_mode,
-                                k_rope_pos_offset[pb], rope_scale, rope_theta)
+                plain.pack_tile(Kt, Vt, count, cache_of(pb), pg, kv_len_of(pb), kt, rotary_mode, rope_scale,
+                                rope_theta)
         for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
             b: T.int64 = task_id // (Hkv * n_row_tiles)
             g: T.int64 = task_id // n_row_tiles % Hkv
             packed = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
-            args = T.meta_var((q, output, lse, params, packed, b, g, task_id % n_row_tiles, kv_len_of(b),
+            args = T.meta_var((q, output, lse, params_of(b), packed, b, g, task_id % n_row_tiles, kv_len_of(b),
                                T.Cast("int64", q_indptr[b + 1] - q_indptr[b]), T.Cast("int64", q_indptr[b]),
                                q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
-            if causal > 0:
+            if causal_task is None:
+                plain.attend_rows(*args)
+            elif causal > 0:
                 causal_task.attend_rows(*args)
             else:
                 plain.attend_rows(*args)
+
+    return run
+
+
+def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16, sliding_window: bool = False,
+            sliding_window_size: int = 1024, rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """TVM's ``batch_prefill_paged_kv_cpu`` (``keys="paged"``: each sequence's cached keys) or
+    ``batch_prefill_ragged_kv`` (``keys="ragged"``: k, v [total_kv, Hkv, D] by ``kv_indptr``):
+    q [total_q, Hq, D] by ``q_indptr``, bottom-right causal where the run-time ``causal`` is
+    non-zero; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2 units).
+
+    ``sliding_window`` (paged keys): TVM's ``batch_prefill_paged_kv_cpu_sliding_window``, the
+    new tokens against the cached ones of a sliding-window sequence (length_info [3, B], sinks
+    first). Its causal rule is TVM's ``_causal_or_sliding_cross_mask``: the queries are the
+    tokens after the cached keys, and row i sees the last ``sliding_window_size - 1 - i`` of them
+    (window (W - 1, 0) with delta = kv_len); with ``sliding_window_size`` 0, bottom-right causal.
+
+    Two parallel phases, as fuel's dense forward: every (sequence, KV head) packs its key tiles
+    once (rotated where rotary_mode is 1) into workspaces of O(total keys * D); then every
+    (sequence, KV head, tile of block_q rows) runs the register-tiled GEMMs over the tiles it sees."""
+    if keys not in ("paged", "ragged"):
+        raise ValueError(f"tvm_cache.prefill: keys must be 'paged' or 'ragged', got {keys!r}")
+    if sliding_window and keys != "paged":
+        raise ValueError("tvm_cache.prefill: sliding_window reads paged keys (keys='paged')")
+    _check("prefill", spec, tiles)
+    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    BK = tiles.block_k
+    plain = _Task(replace(spec, cfg=AttnConfig()), tiles, rope_scaling or {})
+    if sliding_window and sliding_window_size > 0:
+        causal_task = _Task(replace(spec, cfg=AttnConfig(causal=True, window_size=(sliding_window_size - 1, 0))),
+                            tiles, rope_scaling or {}, queries_after_keys=True)
+    else:
+        causal_task = _Task(replace(spec, cfg=AttnConfig(causal=True)), tiles, rope_scaling or {})
+    run = _prefill_phases(spec, tiles, plain, causal_task)
 
     # fmt: off
     @T.prim_func
@@ -407,16 +451,19 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
         pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
         page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
         page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
-        length_info = T.match_buffer(length_info_h, (B,), "int32", elem_offset=info_offset)
+        length_info = T.match_buffer(length_info_h, (3, B) if sliding_window else (B,), "int32",
+                                     elem_offset=info_offset)
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
         q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
         output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
         lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        run(q, q_indptr, output, lse, ForwardBuffers(q=q, out=output), B,
+        run(q, q_indptr, output, lse, lambda b: ForwardBuffers(q=q, out=output), B,
             T.Cast("int64", nnz_pages) * page_size // BK + B,  # each sequence's keys fill its pages but the last
-            lambda b: TvmPages(pages, page_values, page_indptr[b], T.int32(0), T.int32(0), page_size),
-            lambda b: _paged_kv_len(page_indptr[b + 1] - page_indptr[b], _lengths(length_info, b, False), page_size),
-            q_rope_position, k_rope_pos_offset, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+            lambda b: _cached_keys(pages, page_values, page_indptr, length_info, k_rope_pos_offset, b, sliding_window,
+                                   page_size),
+            lambda b: _paged_kv_len(page_indptr[b + 1] - page_indptr[b], _lengths(length_info, b, sliding_window),
+                                    page_size),
+            q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 
     @T.prim_func
     def batch_prefill_ragged_kv(q_h: T.handle, q_indptr_h: T.handle, k_h: T.handle, v_h: T.handle,
@@ -436,15 +483,146 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
         output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
         lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        run(q, q_indptr, output, lse, ForwardBuffers(q=q, out=output), B, T.Cast("int64", total_kv) // BK + B,
-            lambda b: RaggedKeys(k, v, kv_indptr[b]),
-            lambda b: T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), q_rope_position, k_rope_pos_offset, causal,
-            rotary_mode, rope_scale, rope_theta, sm_scale)
+        run(q, q_indptr, output, lse, lambda b: ForwardBuffers(q=q, out=output), B,
+            T.Cast("int64", total_kv) // BK + B, lambda b: RaggedKeys(k, v, kv_indptr[b], k_rope_pos_offset[b]),
+            lambda b: T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), q_rope_position, causal, rotary_mode,
+            rope_scale, rope_theta, sm_scale)
     # fmt: on
 
     func = batch_prefill_paged_kv_cpu if keys == "paged" else batch_prefill_ragged_kv
-    name = "batch_prefill_paged_kv_cpu" if keys == "paged" else "batch_prefill_ragged_kv"
+    name = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "") if keys == "paged" else (
+        "batch_prefill_ragged_kv")
     return finish(func.with_attr("global_symbol", name))
+
+
+def _cached_keys(pages, page_values, page_indptr, length_info, k_rope_pos_offset, b, sliding_window: bool,
+                 page_size: int) -> TvmPages:
+    """Sequence b's cached keys in TVM's pages."""
+    _, window_offset, sink = _lengths(length_info, b, sliding_window)
+    return TvmPages(pages, page_values, page_indptr[b], sink, window_offset, page_size, k_rope_pos_offset[b])
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """TVM's tree-attention rule for sequence b (``_check_tree_order``) as the boolean mask
+    [qo_len, kv_len] that ``visible`` reads: the last ``tree_len`` keys are the tree's nodes
+    (the queries its last ``tree_len`` ones), every key before them is visible, and node p is
+    visible to node c iff p is c or an ancestor of c (``semantics.in_subtree`` of the nodes' DFS
+    (enter, exit) numbers in ``order`` [n, 2] int32, sequence b's from ``first``)."""
+
+    order: tirx.Buffer
+    first: tirx.PrimExpr
+    tree_len: tirx.PrimExpr
+    qo_len: tirx.PrimExpr
+    kv_len: tirx.PrimExpr
+
+    @property
+    def shape(self):
+        return (sem.as_int64(self.qo_len), sem.as_int64(self.kv_len))
+
+    def __getitem__(self, index):
+        i, j = (sem.as_int64(x) for x in index)
+        tree_len = sem.as_int64(self.tree_len)
+        tree_start = sem.as_int64(self.kv_len) - tree_len
+        last = sem.as_int64(self.order.shape[0]) - 1
+
+        def node(n):  # row of node n (clamped: the vectorized select reads every lane, visible or not)
+            return tirx.max(tirx.min(sem.as_int64(self.first) + tirx.max(n, 0), last), 0)
+
+        child, parent = node(i + tree_len - sem.as_int64(self.qo_len)), node(j - tree_start)
+        return tirx.any(j < tree_start, sem.in_subtree(self.order[child, 0], self.order[parent, 0],
+                                                       self.order[parent, 1]))
+
+
+def tree_attention(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16,
+                   rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """TVM's tree attention (speculative decoding: the new tokens are a token tree), q
+    [total_q, Hq, D] by ``q_indptr``; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2):
+
+    * ``keys="ragged"``: ``batch_tree_attn(q, q_indptr, k [total_kv, Hkv, D], v, kv_indptr,
+      q_rope_position, mn_indptr [B + 1], mask [n, 2] int32, output, lse, rotary_mode, rope_scale,
+      rope_theta, sm_scale)``: the tree's tokens among themselves, key j rotated at its node's
+      position ``q_rope_position[kv_indptr[b] + j]``;
+    * ``keys="paged"``: ``tree_attn_paged_kv_cpu(q, q_indptr, pages, page_indptr, page_values,
+      length_info [B], k_rope_pos_offset, q_rope_position, output, lse, rotary_mode, rope_scale,
+      rope_theta, sm_scale, tree_order_indptr [B + 1], tree_order [n, 2] int32)``: against the
+      sequence's cached keys, the tree's nodes their last.
+
+    The tree rule is a boolean mask (``TreeMask``) read per score; otherwise ``prefill``'s kernel."""
+    if keys not in ("paged", "ragged"):
+        raise ValueError(f"tvm_cache.tree_attention: keys must be 'paged' or 'ragged', got {keys!r}")
+    _check("tree_attention", spec, tiles)
+    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    BK = tiles.block_k
+    masked = _Task(replace(spec, cfg=AttnConfig(), mask_dtype="bool"), tiles, rope_scaling or {})
+    run = _prefill_phases(spec, tiles, masked, None)
+
+    def params_of(q, output, q_indptr, kv_len, order, order_indptr):
+        return lambda b: ForwardBuffers(q=q, out=output, mask=TreeMask(
+            order, order_indptr[b], order_indptr[b + 1] - order_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len(b)))
+
+    # fmt: off
+    @T.prim_func
+    def batch_tree_attn(q_h: T.handle, q_indptr_h: T.handle, k_h: T.handle, v_h: T.handle, kv_indptr_h: T.handle,
+                        q_rope_position_h: T.handle, mn_indptr_h: T.handle, mask_h: T.handle, output_h: T.handle,
+                        lse_h: T.handle, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32,
+                        sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B1, total_q, total_kv, tree_size = T.int32(), T.int32(), T.int32(), T.int32()  # B1: the batch + 1
+        q_indptr_offset, kv_indptr_offset, q_position_offset, mn_indptr_offset, mask_offset = (
+            T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
+        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
+        q_indptr = T.match_buffer(q_indptr_h, (B1,), "int32", elem_offset=q_indptr_offset)
+        k = T.match_buffer(k_h, (total_kv, Hkv, D), dtype)
+        v = T.match_buffer(v_h, (total_kv, Hkv, D), dtype)
+        kv_indptr = T.match_buffer(kv_indptr_h, (B1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
+        mn_indptr = T.match_buffer(mn_indptr_h, (B1,), "int32", elem_offset=mn_indptr_offset)
+        mask = T.match_buffer(mask_h, (tree_size, 2), "int32", elem_offset=mask_offset)
+        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
+        run(q, q_indptr, output, lse,
+            params_of(q, output, q_indptr, lambda b: kv_indptr[b + 1] - kv_indptr[b], mask, mn_indptr), B1 - 1,
+            T.Cast("int64", total_kv) // BK + B1,
+            lambda b: RaggedKeys(k, v, kv_indptr[b], positions=q_rope_position),
+            lambda b: T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), q_rope_position, T.int32(0), rotary_mode,
+            rope_scale, rope_theta, sm_scale)
+
+    @T.prim_func
+    def tree_attn_paged_kv_cpu(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
+                               page_values_h: T.handle, length_info_h: T.handle, k_rope_pos_offset_h: T.handle,
+                               q_rope_position_h: T.handle, output_h: T.handle, lse_h: T.handle, rotary_mode: T.int32,
+                               rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+                               tree_order_indptr_h: T.handle, tree_order_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B, total_q, nnz_pages, max_num_pages, tree_size = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        q_indptr_offset, indptr_offset, values_offset, k_offset_offset, q_position_offset, info_offset = (
+            T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
+        order_indptr_offset, order_offset = T.int32(), T.int32()
+        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
+        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=q_indptr_offset)
+        pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
+        length_info = T.match_buffer(length_info_h, (B,), "int32", elem_offset=info_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
+        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
+        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
+        tree_order_indptr = T.match_buffer(tree_order_indptr_h, (B + 1,), "int32", elem_offset=order_indptr_offset)
+        tree_order = T.match_buffer(tree_order_h, (tree_size, 2), "int32", elem_offset=order_offset)
+        kv_len = T.meta_var(lambda b: _paged_kv_len(page_indptr[b + 1] - page_indptr[b],
+                                                    _lengths(length_info, b, False), page_size))
+        run(q, q_indptr, output, lse,
+            params_of(q, output, q_indptr, kv_len, tree_order, tree_order_indptr), B,
+            T.Cast("int64", nnz_pages) * page_size // BK + B,
+            lambda b: _cached_keys(pages, page_values, page_indptr, length_info, k_rope_pos_offset, b, False,
+                                   page_size),
+            kv_len, q_rope_position, T.int32(0), rotary_mode, rope_scale, rope_theta, sm_scale)
+    # fmt: on
+
+    func = batch_tree_attn if keys == "ragged" else tree_attn_paged_kv_cpu
+    return finish(func.with_attr("global_symbol", "batch_tree_attn" if keys == "ragged" else "tree_attn_paged_kv_cpu"))
 
 
 def merge_state(dtype: str, lanes: int) -> tirx.PrimFunc:
@@ -481,4 +659,4 @@ def merge_state(dtype: str, lanes: int) -> tirx.PrimFunc:
     return finish(merge_state_inplace_cpu.with_attr("global_symbol", "merge_state_inplace_cpu"))
 
 
-__all__ = ["TvmPages", "RaggedKeys", "decode", "prefill", "merge_state", "EMPTY_LSE"]
+__all__ = ["TvmPages", "RaggedKeys", "TreeMask", "decode", "prefill", "tree_attention", "merge_state", "EMPTY_LSE"]

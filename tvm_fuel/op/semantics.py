@@ -23,7 +23,7 @@ may hold anything, and ``0 * NaN`` would otherwise be NaN. Whether a visible key
 underflows to 0 passes its NaN on is unspecified (the paths round differently).
 
 Contents:
-    kv_head, keep, softcap, softcap_grad, alibi_bias, add_mask (BIAS_BOUND), masked, mask_index, NEG_INF,
+    kv_head, keep, in_subtree, softcap, softcap_grad, alibi_bias, add_mask (BIAS_BOUND), masked, mask_index, NEG_INF,
     safe_row_max, normalize, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
     fast_exp2 (LOG2E, LN2), fast_tanh
     logit_tangent, prob_tangent, score_grad_tangent -- forward-mode pieces of the JVP and the
@@ -64,6 +64,12 @@ def keep(cfg: AttnConfig, i, j, *, kv_len, delta):
     if cfg.window_right >= 0:
         cond = tirx.all(cond, j <= diagonal + cfg.window_right)
     return cond
+
+
+def in_subtree(node_enter, root_enter, root_exit):
+    """Whether a tree's node lies in the subtree of ``root`` (root itself included), from their
+    depth-first (enter, exit) numbers: tree attention's rule, where a token sees its ancestors."""
+    return tirx.all(node_enter >= root_enter, node_enter < root_exit)
 
 
 def softcap(cfg: AttnConfig, s, *, fast: bool = False):
