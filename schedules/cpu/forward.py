@@ -327,7 +327,8 @@ class BlockTable:
 class PagedTile:
     """The macros that run one key tile of a paged task, its tokens placed by ``cache`` (a
     ``BlockTable`` or a layout like it): ``stream_tile`` reads the tile's K and V rows in place
-    (decode), ``packed_tile`` packs them and runs the register-tiled GEMMs."""
+    (decode), ``pack_tile`` packs them, ``packed_tile`` packs them and runs the register-tiled
+    GEMMs."""
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, body: ForwardMacros):
         cfg, dtype, D = spec.cfg, spec.dtype, spec.head_dim
@@ -430,24 +431,30 @@ class PagedTile:
                 add_value_rows(heads, cache, tile, tokens, live, True)
 
         @T.macro
-        def packed_tile(heads, Kt, Vt, params, cache, tile, kt):
+        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt):
+            # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len);
+            # nonfinite[0]: how many of Vt's elements are NaN or Inf
             for c in range(BK):
-                if kt * BK + c < tile.kv_len:
+                if kt * BK + c < kv_len:
                     block: T.int64 = cache.page(kt * BK + c)
                     for d in range(D):
-                        Kt[d, c] = cache.k(block, cache.slot(kt * BK + c), tile.g, d).astype(F32)
-                        Vt[c, d] = cache.v(block, cache.slot(kt * BK + c), tile.g, d).astype(F32)
+                        Kt[d, c] = cache.k(block, cache.slot(kt * BK + c), g, d).astype(F32)
+                        Vt[c, d] = cache.v(block, cache.slot(kt * BK + c), g, d).astype(F32)
                 else:
                     for d in range(D):
                         Kt[d, c] = T.float32(0)
                         Vt[c, d] = T.float32(0)
                 for d in range(D, DP):
                     Vt[c, d] = T.float32(0)
-            nonfinite = T.alloc_buffer((1,), F32, scope="local")
             body.count_nonfinite(nonfinite, Vt, BK, DP)
+
+        @T.macro
+        def packed_tile(heads, Kt, Vt, params, cache, tile, kt):
+            nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt)
             body.attend_tile(heads.view(0), Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
-        self.stream_tile, self.packed_tile = stream_tile, packed_tile
+        self.stream_tile, self.pack_tile, self.packed_tile = stream_tile, pack_tile, packed_tile
 
 
 @dataclass(frozen=True)

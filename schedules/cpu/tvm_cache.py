@@ -153,9 +153,10 @@ class _Task:
         # queries_after_keys: the rows are the tokens after all of the keys (the sliding-window
         # prefill over cached keys only), not its last tokens
         D, group, dtype = spec.head_dim, spec.group, spec.dtype
-        BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+        BQ, BK = tiles.block_q, tiles.block_k
         body = ForwardMacros(spec, tiles)
-        self.body, self.paged = body, PagedTile(spec, tiles, body)
+        paged = PagedTile(spec, tiles, body)
+        self.body, self.paged = body, paged
         log2e = T.float32(sem.LOG2E)
 
         def rotated(load, d, position, rope_scale, rope_theta):
@@ -178,29 +179,18 @@ class _Task:
 
         @T.macro
         def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, rope_scale, rope_theta):
-            # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len), its keys
-            # rotated where rotary_mode is 1; nonfinite[0]: how many of Vt's elements are NaN or Inf
-            for c in range(BK):
-                j: T.int64 = kt * BK + c
-                if j < kv_len:
-                    page: T.int64 = cache.page(j)
-                    slot: T.int32 = cache.slot(j)
-                    if rotary_mode == 1:
+            # the paged kernels' packing (PagedTile.pack_tile), then the keys rotated in place where
+            # rotary_mode is 1: key j at cache.rope_position(j), rounded to the cache dtype as TVM rounds
+            paged.pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt)
+            if rotary_mode == 1:
+                row = T.alloc_buffer((D,), F32, scope="local")
+                for c in range(BK):
+                    j: T.int64 = kt * BK + c  # (bound first: LLVM codegen fails on the loop vars in RoPE's Lets)
+                    if j < kv_len:
                         for d in range(D):
-                            Kt[d, c] = rotated(lambda i: cache.k(page, slot, g, i), d,
-                                               cache.rope_position(j), rope_scale, rope_theta)
-                    else:
+                            row[d] = Kt[d, c]
                         for d in range(D):
-                            Kt[d, c] = cache.k(page, slot, g, d).astype(F32)
-                    for d in range(D):
-                        Vt[c, d] = cache.v(page, slot, g, d).astype(F32)
-                else:
-                    for d in range(D):
-                        Kt[d, c] = T.float32(0)
-                        Vt[c, d] = T.float32(0)
-                for d in range(D, DP):
-                    Vt[c, d] = T.float32(0)
-            body.count_nonfinite(nonfinite, Vt, BK, DP)
+                            Kt[d, c] = rotated(lambda i: row[i], d, cache.rope_position(j), rope_scale, rope_theta)
 
         @T.macro
         def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta):

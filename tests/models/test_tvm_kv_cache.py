@@ -99,11 +99,15 @@ class Scenario:
         _, hkv, d, _ = self.config
         for cache in self.caches.values():
             _GLOBAL["kv_state_add_sequence"](cache, seq)
-            if window is not None:
-                _GLOBAL["attention_kv_cache_enable_sliding_window_for_seq"](cache, seq, *window)
         self.k[seq] = self.v[seq] = np.zeros((LAYERS, 0, hkv, d))
         if window is not None:
-            self.windows[seq] = window
+            self.slide(seq, window)
+
+    def slide(self, seq: int, window: tuple[int, int]):
+        """A sliding window of (size, sink tokens) for ``seq`` from now on."""
+        for cache in self.caches.values():
+            _GLOBAL["attention_kv_cache_enable_sliding_window_for_seq"](cache, seq, *window)
+        self.windows[seq] = window
 
     def fork(self, child: int, parent: int, position: int = -1):
         for cache in self.caches.values():
@@ -250,6 +254,40 @@ def test_sliding_window_with_sinks(slots):
         run.step([(0, 1), (1, 1), (2, 1)])
     run.step([(0, 6), (1, 5), (2, 4)])  # new tokens over a slid window: its sinks, then its last tokens
     assert run.calls("decode_sliding_window") == 12 * LAYERS and run.calls("prefill_sliding_window") > 0
+
+
+def test_forks_of_unlimited_depth(slots):
+    """A chain of forks eight deep, each fork a prefill over its ancestors' shared pages, then
+    decode steps that attend depth by depth and merge (TVM's unlimited-depth scenario)."""
+    run = Scenario(slots)
+    run.add(0)
+    run.step([(0, 30)])
+    for child, parent, n in [(1, 0, 15), (2, 1, 5), (3, 2, 20), (4, 3, 26), (5, 3, 18), (6, 5, 22), (7, 5, 12),
+                             (8, 7, 29), (9, 7, 9)]:
+        run.fork(child, parent)
+        run.step([(child, n)])
+    for batch in ([(3, 1), (6, 1), (9, 1)], [(4, 1), (8, 1)], [(5, 1), (7, 1), (0, 1)]):
+        run.step(batch)
+    assert run.calls("decode") > 3 * LAYERS and run.calls("merge_state") > 0
+
+
+def test_sliding_window_fork(slots):
+    """Forks of sliding-window sequences (at their end and within their window), forks without a
+    window, and a window enabled on a fork (TVM's sliding-window fork scenario)."""
+    run = Scenario(slots, sliding_window=True)
+    for seq, window in enumerate([(30, 15), (35, 20), (40, 25)]):
+        run.add(seq, window)
+    run.step([(0, 12), (1, 18), (2, 28)])
+    run.fork(3, 0, 10)
+    run.fork(4, 1)
+    run.fork(5, 2, 18)
+    run.step([(3, 8), (4, 20), (5, 18)])
+    run.step([(0, 9), (1, 15), (2, 4), (3, 10), (4, 3), (5, 7)])
+    run.fork(6, 3, 18)
+    run.slide(6, (25, 24))
+    run.step([(3, 10), (6, 12)])
+    run.step([(6, 1), (0, 1), (4, 1)])
+    assert run.calls("prefill_sliding_window") > 0 and run.calls("decode_sliding_window") > 0
 
 
 def test_token_tree_attention_then_commit(slots):
@@ -401,3 +439,85 @@ def test_fuel_paged_kv_cache_in_a_relax_nn_model():
 def test_fuel_paged_kv_cache_refuses_what_its_kernels_do_not_serve(option, value, message):
     with pytest.raises(ValueError, match=f"FuelPagedKVCache: {message}"):
         _nn_model(8, 2, 64, "float32", **{option: value})
+
+
+def _tree_order(parents: list[int]) -> np.ndarray:
+    """[n, 2] int32: each node's depth-first (enter, exit) numbers (TVM's tree_order)."""
+    children = [[node for node, parent in enumerate(parents) if parent == p] for p in range(len(parents))]
+    order, counter = np.zeros((len(parents), 2), "int32"), [0]
+
+    def visit(node):
+        order[node, 0], counter[0] = counter[0], counter[0] + 1
+        for child in children[node]:
+            visit(child)
+        order[node, 1] = counter[0]
+
+    for root in (node for node, parent in enumerate(parents) if parent == -1):
+        visit(root)
+    return order
+
+
+@pytest.mark.parametrize("config", [(6, 2, 40, "float32"), (3, 3, 96, "float16"), (7, 1, 256, "float16")],
+                         ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
+def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
+    """Each attention slot's kernel called directly, fuel's against TVM's, on one batch of
+    TVM-cache inputs: pages in random order, sequences of 0, 1, 17 and 97 cached keys (a window
+    offset and sinks for the sliding-window slots, a window of 24 so rows drop keys), new tokens
+    with RoPE in the kernel (rotary_mode 1) and without, token trees; head dims 40, 96 and 256."""
+    hq, hkv, d, dtype = config
+    options = dict(num_layers=1, rope_theta=THETA, sliding_window_size=24)
+    ours, theirs = runtime_kernels(hkv, hq, d, dtype, **options), runtime_kernels(hkv, hq, d, dtype, kernels="tvm",
+                                                                                   **options)
+    rng = np.random.default_rng(1)
+    t = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a))  # noqa: E731
+    cached, new = [0, 1, 17, 97], [3, 1, 5, 9]
+    num_pages = [-(-n // PAGE) for n in cached]
+    page_indptr = np.cumsum([0] + num_pages).astype("int32")
+    pages = rng.standard_normal((page_indptr[-1] + 3, 2, hkv, PAGE, d)).astype(dtype)
+    page_values = rng.permutation(len(pages))[:page_indptr[-1]].astype("int32")
+    last = np.array([n - (p - 1) * PAGE if p else 0 for n, p in zip(cached, num_pages)], "int32")
+    window = np.stack([last, [0, 0, 2, 5], [0, 0, 2, 4]]).astype("int32")  # (last page, offset, sinks)
+    q_indptr = np.cumsum([0] + new).astype("int32")
+    q = rng.standard_normal((q_indptr[-1], hq, d)).astype(dtype)
+    k, v = (rng.standard_normal((q_indptr[-1], hkv, d)).astype(dtype) for _ in range(2))
+    trees = [[-1, 0, 0], [-1], [-1, 0, 1, 0, -1], [-1, 0, 0, 1, 1, 2, 2, 5, 3]]
+    order, order_indptr = np.concatenate([_tree_order(tree) for tree in trees]), q_indptr
+    q_position = rng.integers(0, 50, q_indptr[-1]).astype("int32")
+    k_offset = np.array([4, 0, 7, 30], "int32")
+    scale = d ** -0.5
+    decode_q = q[q_indptr[:-1]]
+    calls = {  # slot -> (arguments before output and lse, after them)
+        "prefill": ((q, q_indptr, pages, page_indptr, page_values, last, k_offset, q_position), (1,)),
+        "prefill_sliding_window": ((q, q_indptr, pages, page_indptr, page_values, window, k_offset, q_position),
+                                   (1,)),
+        "prefill_ragged": ((q, q_indptr, k, v, q_indptr, q_position, k_offset), (1,)),
+        "decode": ((decode_q, pages, page_indptr, page_values, last, k_offset, q_position[:4]), ()),
+        "decode_sliding_window": ((decode_q, pages, page_indptr, page_values, window, k_offset, q_position[:4]), ()),
+        "prefill_with_tree_mask": ((q, q_indptr, k, v, q_indptr, q_position, order_indptr, order), ()),
+    }
+    for slot, (before, after) in calls.items():
+        for rotary_mode in (NONE, 1):
+            rows = len(before[0])
+            outputs = {}
+            for name, kernels in (("fuel", ours), ("tvm", theirs)):
+                out, lse = tvm.runtime.empty((rows, hq, d), dtype), tvm.runtime.empty((rows, hq), "float32")
+                kernels[slot](*map(t, before), out, lse, *after, rotary_mode, 1.0, THETA, scale)
+                outputs[name] = out.numpy().astype("float64"), lse.numpy()
+            where = f"{slot}, rotary_mode {rotary_mode}"
+            np.testing.assert_allclose(*(outputs[name][0] for name in ("fuel", "tvm")), atol=TOLERANCE[dtype],
+                                       rtol=TOLERANCE[dtype], err_msg=where)
+            fuel_lse, tvm_lse = outputs["fuel"][1], outputs["tvm"][1]
+            empty = fuel_lse == -5e4  # no key seen: TVM's lse is -5e4 or -inf (its sliding prefill)
+            assert np.all(np.isfinite(fuel_lse)) and np.all(tvm_lse[empty] <= -5e4 + 1), where
+            np.testing.assert_allclose(fuel_lse[~empty], tvm_lse[~empty], atol=1e-4, rtol=1e-4, err_msg=where)
+    # tree attention over the pages (its nodes the pages' last keys); TVM's kernel has no inline RoPE
+    outputs, first = {}, q_indptr[2]  # the sequences of 17 and 97 keys, their last 5 and 9 a tree
+    for name, kernels in (("fuel", ours), ("tvm", theirs)):
+        out, lse = tvm.runtime.empty((len(q) - first, hq, d), dtype), tvm.runtime.empty((len(q) - first, hq), "float32")
+        kernels["prefill_with_tree_mask_paged_kv_cache"](
+            *map(t, (q[first:], q_indptr[2:] - first, pages, page_indptr[2:] - page_indptr[2],
+                     page_values[page_indptr[2]:], last[2:], k_offset[2:], q_position[first:])),
+            out, lse, NONE, 1.0, THETA, scale, t(order_indptr[2:] - first), t(order[first:]))
+        outputs[name] = out.numpy().astype("float64")
+    np.testing.assert_allclose(outputs["fuel"], outputs["tvm"], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
+                               err_msg="prefill_with_tree_mask_paged_kv_cache")
