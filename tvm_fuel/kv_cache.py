@@ -285,7 +285,8 @@ TVM_SLOTS = ("prefill", "decode", "prefill_sliding_window", "decode_sliding_wind
 
 
 def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *, page_size: int = 16,
-                sliding_window_size: int = 1024, rope_scaling: dict | None = None) -> dict[str, tvm.tirx.PrimFunc]:
+                sliding_window_size: int = 1024, rope_scaling: dict | None = None,
+                emulate_cuda: bool = False) -> dict[str, tvm.tirx.PrimFunc]:
     """fuel's kernels for the attention slots of TVM's own paged KV cache
     (``relax.frontend.nn.llm.kv_cache.PagedKVCache``, created by
     ``vm.builtin.paged_attention_kv_cache_create``; what MLC-LLM serves from): slot name -> a
@@ -323,8 +324,12 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
       against the cached keys, the tree's earlier nodes the pages' last;
     * ``merge_state``: ``merge_state_inplace_cpu(v [N, H, D], s [N, H], v_other, s_other)``.
 
-    The prefill and tree tasks are (sequence, KV head, tile of query rows), the key tiles packed
-    once and run through the register-tiled GEMMs. llvm targets only.
+    On llvm targets the prefill and tree tasks are (sequence, KV head, tile of query rows), the
+    key tiles packed once and run through the register-tiled GEMMs. On cuda targets (sm_80 or
+    newer) every slot is fuel's CUDA forward kernel with TVM's I/O, under TVM's GPU global symbols
+    (no ``_cpu`` suffix); ``rotary_mode`` 1 is refused there by a host-side check.
+    ``emulate_cuda`` (llvm target): the CUDA kernels' emulation, one thread per block, for checking
+    them without a GPU.
 
     Example
     -------
@@ -332,10 +337,7 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
     >>> decode = tvm.compile(tvm.IRModule({"main": kernels["decode"]}), target)["batch_decode_paged_kv_cpu"]
     """
     from .op.config import AttnConfig
-    from .schedules.cpu import tvm_cache
-    from .schedules.cpu.tiles import tiles_for
     from .schedules.workload import KernelSpec
-    from .schedules.cpu.tiles import vector_lanes
     from .target import as_target
 
     where = "kv_cache.tvm_kernels"
@@ -343,19 +345,30 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
         _positive_int(where, name, value) for name, value in (("num_kv_heads", num_kv_heads),
                                                               ("num_qo_heads", num_qo_heads), ("head_dim", head_dim),
                                                               ("page_size", page_size)))
-    sliding_window_size = as_int(where, "sliding_window_size", sliding_window_size)
-    if sliding_window_size < 0:
-        raise ValueError(f"{where}: sliding_window_size must be >= 0 (0: no window), got {sliding_window_size}")
+    sliding_window_size = max(as_int(where, "sliding_window_size", sliding_window_size), 0)  # <= 0: none, as TVM
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"{where}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"{where}: dtype must be float32, float16 or bfloat16, got {dtype!r}")
     target = as_target(target)
-    if target.kind.name != "llvm":
-        raise ValueError(f"{where}: target must be an llvm (CPU) target for now, got {target.kind.name!r}")
+    if target.kind.name not in ("llvm", "cuda") or (emulate_cuda and target.kind.name != "llvm"):
+        raise ValueError(f"{where}: target must be an llvm (CPU) or cuda target (llvm with emulate_cuda), got "
+                         f"{target.kind.name!r}")
     spec = KernelSpec(dtype, num_qo_heads, num_kv_heads, head_dim, AttnConfig())
+    if target.kind.name == "cuda" or emulate_cuda:
+        return _cuda_tvm_kernels(spec, target, page_size=page_size, sliding_window_size=sliding_window_size,
+                                 emulated=emulate_cuda)
+    return _cpu_tvm_kernels(spec, target, page_size=page_size, sliding_window_size=sliding_window_size,
+                            rope_scaling=rope_scaling)
+
+
+def _cpu_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int, rope_scaling) -> dict:
+    from .schedules.cpu import tvm_cache
+    from .schedules.cpu.tiles import tiles_for, vector_lanes
+
+    dtype, head_dim = spec.dtype, spec.head_dim
     # decode: one query row per head of the group (streamed in place); prefill: row tiles of many
-    decode_tiles = tiles_for(target, head_dim=head_dim, rows=num_qo_heads // num_kv_heads, num_kv_heads=1,
+    decode_tiles = tiles_for(target, head_dim=head_dim, rows=spec.group, num_kv_heads=1,
                              element_bytes=tvm.DataType(dtype).bits // 8)
     prefill_tiles = tiles_for(target, head_dim=head_dim, rows=None, num_kv_heads=1)
     kernels = {f"decode{suffix}": tvm_cache.decode(spec, decode_tiles, page_size=page_size,
@@ -371,6 +384,41 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                 for slot, keys in (("prefill", "paged"), ("prefill_sliding_window", "paged"),
                                    ("prefill_ragged", "ragged"))}
     return kernels | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
+
+
+def _cuda_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int, emulated: bool) -> dict:
+    """The slots on CUDA (``schedules.cuda.tvm_cache``), tiles as fuel's CUDA rules pick them for
+    the target (a dense forward's for the prefills, a decode's for decode); ``emulated``: their
+    llvm emulation (one thread per block), for checking without a GPU."""
+    from dataclasses import replace
+
+    from .schedules.cuda import tvm_cache
+    from .schedules.cuda.rules import arch_of, CudaFlashForward, CudaPagedAttention
+    from .schedules.cuda.tiles import CudaTiles
+    from .schedules.workload import Workload
+
+    if not emulated and arch_of(target) is None:
+        raise ValueError(f"kv_cache.tvm_kernels: a cuda target needs an arch of sm_80 or newer, got "
+                         f"{target.attrs.get('arch')!r}")
+    dense, paged = CudaFlashForward(emulated=emulated), CudaPagedAttention(emulated=emulated)
+    lse = replace(spec, return_lse=True)
+    prefill_knobs = dense.default_knobs(Workload("flash_attn", lse, (("B", None), ("Sq", None), ("Sk", None))), target)
+    decode_knobs = paged.default_knobs(Workload("paged_attn", replace(spec, block_size=page_size), (
+        ("B", None), ("Sq", 1), ("num_blocks", None), ("max_blocks", None))), target)
+    prefill_tiles, decode_tiles = (replace(CudaTiles(**knobs), splits=1) for knobs in (prefill_knobs, decode_knobs))
+    prefill_launch, decode_launch = dense.launch(prefill_knobs), paged.launch(decode_knobs)
+    kernels = {f"decode{suffix}": tvm_cache.decode(spec, decode_tiles, decode_launch, page_size=page_size,
+                                                   sliding_window=bool(suffix))
+               for suffix in ("", "_sliding_window")}
+    kernels |= {slot: tvm_cache.tree_attention(spec, prefill_tiles, prefill_launch, keys=keys, page_size=page_size)
+                for slot, keys in (("prefill_with_tree_mask", "ragged"),
+                                   ("prefill_with_tree_mask_paged_kv_cache", "paged"))}
+    kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, prefill_launch, keys=keys, page_size=page_size,
+                                        sliding_window=slot.endswith("_sliding_window"),
+                                        sliding_window_size=sliding_window_size)
+                for slot, keys in (("prefill", "paged"), ("prefill_sliding_window", "paged"),
+                                   ("prefill_ragged", "ragged"))}
+    return kernels | {"merge_state": tvm_cache.merge_state(spec.dtype, decode_launch)}
 
 
 def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, *, num_layers: int,
@@ -447,7 +495,7 @@ def runtime_cache(slots: dict, *, num_kv_heads: int, num_qo_heads: int, head_dim
         slots["compact_kv_copy"])
 
 
-# the functions TVM 0.27's TIRPagedKVCache adds for the attention slots on llvm targets
+# the functions TVM 0.27's TIRPagedKVCache adds for the attention slots (llvm, then cuda targets)
 _TVM_SLOT_FUNCTIONS = {"tir_attention_prefill_ragged_cpu": "prefill_ragged", "tir_attention_prefill_cpu": "prefill",
                        "tir_attention_decode_cpu": "decode",
                        "tir_attention_decode_cpu_sliding_window": "decode_sliding_window",
@@ -455,7 +503,14 @@ _TVM_SLOT_FUNCTIONS = {"tir_attention_prefill_ragged_cpu": "prefill_ragged", "ti
                        "tir_attention_prefill_with_tree_mask_cpu": "prefill_with_tree_mask",
                        "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu":
                            "prefill_with_tree_mask_paged_kv_cache",
-                       "tir_attention_merge_state_cpu": "merge_state"}
+                       "tir_attention_merge_state_cpu": "merge_state",
+                       "tir_attention_prefill_ragged": "prefill_ragged", "tir_attention_prefill": "prefill",
+                       "tir_attention_decode": "decode", "tir_attention_decode_sliding_window": "decode_sliding_window",
+                       "tir_attention_prefill_sliding_window": "prefill_sliding_window",
+                       "tir_attention_prefill_with_tree_mask": "prefill_with_tree_mask",
+                       "tir_attention_prefill_with_tree_mask_with_paged_kv_cache":
+                           "prefill_with_tree_mask_paged_kv_cache",
+                       "tir_attention_merge_state": "merge_state"}
 
 
 class _FuelSlots(tvm_llm_kv.PagedKVCache):
@@ -489,13 +544,13 @@ class _FuelSlots(tvm_llm_kv.PagedKVCache):
 class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
     """TVM's ``TIRPagedKVCache`` (same arguments; ``relax.frontend.nn`` models, MLC-LLM's) with
     every attention slot (``TVM_SLOTS``) filled by fuel's kernels (``tvm_kernels``), the other
-    slots (append, copy, rotary, debug) TVM's. A model switches by
-    its one constructor call::
+    slots (append, copy, rotary, debug) TVM's. A model switches by its one constructor call::
 
         cache = tvm_fuel.kv_cache.FuelPagedKVCache(attn_kind="mha", ..., dtype="float32", target=target)
 
-    llvm targets, "mha" attention, equal q/k and v head dims and TVM's CPU page size of 16 (its
-    CPU kernels' too): anything else is a ValueError naming the argument.
+    llvm and cuda (sm_80 or newer) targets, "mha" attention, equal q/k and v head dims, pages of
+    16 and, on cuda, RoPE applied at append (RopeMode.NORMAL or NONE, as TVM's FlashInfer path
+    requires): anything else is a ValueError naming the argument.
     """
 
     def __init__(self, *args, **kwargs):
@@ -511,7 +566,13 @@ class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
             raise ValueError(f"{where}: v_head_dim ({a['v_head_dim']}) must equal qk_head_dim ({a['qk_head_dim']})")
         page_size = a["page_size"]
         if isinstance(page_size, (int, tvm.tirx.IntImm)) and int(page_size) != 16:
-            raise ValueError(f"{where}: page_size must be 16 (TVM's CPU kernels' page), got {int(page_size)}")
+            raise ValueError(f"{where}: page_size must be 16 (the page fuel's kernels are built for), got "
+                             f"{int(page_size)}")
+        from .target import as_target
+
+        if as_target(a["target"]).kind.name == "cuda" and int(a["rope_mode"]) == int(tvm_llm_kv.RopeMode.INLINE):
+            raise ValueError(f"{where}: rope_mode INLINE (RoPE in the kernel) is not served by fuel's CUDA kernels; "
+                             "use RopeMode.NORMAL (RoPE applied as keys are appended)")
         rope_scaling = dict(a["rope_scaling"] or {})
         if rope_scaling.get("rope_type") == "yarn" and "inv_theta_log_scale" not in rope_scaling:
             rope_scaling["inv_theta_log_scale"] = 1.0 / (2 * math.log(float(a["rope_theta"])))  # as TVM prepares it

@@ -39,6 +39,7 @@ from tvm.script import tirx as T
 from ...op import semantics as sem
 from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
                       kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
+from ..layouts import BlockTable
 from .common import absent_inputs, Buffers, prefetch
 from .micro import add_term, Micro, store_row_sums
 from .tiles import STREAMING_ROWS, CpuTiles
@@ -293,35 +294,6 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
     # fmt: on
 
     return finish(drop_params(fuel_flash_attn_cpu, unused))
-
-
-@dataclass(frozen=True)
-class BlockTable:
-    """Where a paged task's tokens live, in vLLM's layout: caches [num_blocks, block_size, Hkv, D]
-    and a block table [B, max_blocks] (the sequence is ``b``). ``page(j)`` and ``slot(j)`` place
-    token j; ``k`` and ``v`` read a head's element there. Another cache layout (TVM's pages) is
-    another object with these four methods."""
-
-    table: tirx.Buffer
-    k_cache: tirx.Buffer
-    v_cache: tirx.Buffer
-    b: tirx.PrimExpr
-    num_blocks: tirx.PrimExpr
-    block_size: int
-
-    def page(self, j):
-        # a live token's block id was validated before the kernel (CPU check); clamp all the same
-        return T.max(T.min(T.Cast("int64", self.table[self.b, j // self.block_size]), self.num_blocks - 1),
-                     T.int64(0))
-
-    def slot(self, j):
-        return j % self.block_size
-
-    def k(self, page, slot, g, d):
-        return self.k_cache[page, slot, g, d]
-
-    def v(self, page, slot, g, d):
-        return self.v_cache[page, slot, g, d]
 
 
 class PagedTile:

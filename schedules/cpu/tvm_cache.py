@@ -3,13 +3,10 @@
 the signatures and semantics of TVM 0.27's kernels for those slots, so the runtime calls them in
 TVM's place.
 
-TVM's cache, as these kernels read it:
+TVM's cache is read through ``schedules.layouts`` (its pages, CSR page tables and ``length_info``
+forms) and each slot's parameters are declared by ``schedules.tvm_params`` (the CUDA kernels'
+too, ``schedules.cuda.tvm_cache``). Its semantics:
 
-* pages [max_num_pages, 2, Hkv, page_size, D] (K, then V; a head's rows of a page contiguous), a
-  sequence's pages in CSR form (``page_indptr`` [B + 1] into ``page_values``);
-* ``length_info`` [B]: the used slots of each sequence's last page; with a sliding window
-  [3, B]: (last page's used slots, window offset, sink length), logical key j < sink at slot j,
-  later ones at slot j - sink + offset;
 * scores in log2 units, ``s = q . k * sm_scale * log2 e``: ``lse = m + log2(sum 2^(s - m))``, and
   ``-5e4`` with an output of 0 for a sequence without keys (TVM's initial running max);
 * ``rotary_mode`` 1 (TVM's RopeMode.INLINE): q rotated at ``q_rope_position[b]`` and key j at
@@ -22,12 +19,9 @@ time into registers-friendly [D, block_k] and [block_k, D] tiles (through the pa
 where asked) and run through the forward kernels' online-softmax macros (``ForwardMacros``).
 
 Contents:
-    TvmPages     -- where a sequence's tokens live in TVM's pages (what ``PagedTile`` reads)
-    RaggedKeys   -- the keys of a ragged prefill, read as TvmPages are
     decode       -- PrimFunc batch_decode_paged_kv_cpu (and ``_sliding_window``)
     prefill      -- PrimFunc batch_prefill_paged_kv_cpu (cached keys; ``_sliding_window``) or
                     batch_prefill_ragged_kv
-    TreeMask     -- TVM's tree-attention rule as a boolean mask
     tree_attention -- PrimFunc batch_tree_attn (ragged) or tree_attn_paged_kv_cpu
     merge_state  -- PrimFunc merge_state_inplace_cpu: (v, s) <- the merge of two partial states
 """
@@ -44,10 +38,11 @@ from tvm.script import tirx as T
 from ...op import semantics as sem
 from ...op.config import AttnConfig
 from ..common import F32, finish, KernelSpec, row_position
+from ..layouts import EMPTY_LSE
+from ..tvm_params import merge_kernel, tvm_kernel
 from .forward import ForwardBuffers, ForwardMacros, PagedTile, RowTile, Scratch
 from .tiles import CpuTiles, STREAMING_ROWS
 
-EMPTY_LSE = -5e4  # TVM's lse of a sequence without keys (its online softmax starts from m = -5e4, d = 1)
 
 
 def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, rope_scaling: dict[str, Any]):
@@ -61,84 +56,6 @@ def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, 
     for var, bound in bindings.items():
         value = tirx.Let(var, bound, value)
     return value
-
-
-@dataclass(frozen=True)
-class TvmPages:
-    """Where a sequence's tokens live in TVM's cache (the ``BlockTable`` methods ``PagedTile``
-    reads): logical key j at offset j (a sink) or j - sink + window_offset, page
-    ``page_values[first_page + offset // page_size]``, slot ``offset % page_size``."""
-
-    pages: tirx.Buffer
-    page_values: tirx.Buffer
-    first_page: tirx.PrimExpr
-    sink: tirx.PrimExpr
-    window_offset: tirx.PrimExpr
-    page_size: int
-    rope_offset: tirx.PrimExpr  # key j is rotated at rope_offset + j (k_rope_pos_offset[b])
-
-    def rope_position(self, j):
-        return self.rope_offset + T.Cast("int32", j)
-
-    def offset(self, j):
-        j = T.Cast("int32", j)
-        return T.if_then_else(j < self.sink, j, j - self.sink + self.window_offset)
-
-    def page(self, j):
-        return T.Cast("int64", self.page_values[self.first_page + self.offset(j) // self.page_size])
-
-    def slot(self, j):
-        return self.offset(j) % self.page_size
-
-    def k(self, page, slot, g, d):
-        return self.pages[page, 0, g, slot, d]
-
-    def v(self, page, slot, g, d):
-        return self.pages[page, 1, g, slot, d]
-
-
-@dataclass(frozen=True)
-class RaggedKeys:
-    """The keys of ``prefill_ragged`` (k, v [total_kv, Hkv, D], sequence b's from ``start``) as
-    ``TvmPages``' methods read them: token j's "page" is its row, its slot 0. Key j is rotated at
-    ``rope_offset + j``, or at ``positions[start + j]`` where the keys' positions are given (tree
-    attention: the positions of the tree's nodes)."""
-
-    k_rows: tirx.Buffer
-    v_rows: tirx.Buffer
-    start: tirx.PrimExpr
-    rope_offset: tirx.PrimExpr = 0
-    positions: tirx.Buffer | None = None
-
-    def rope_position(self, j):
-        if self.positions is not None:
-            return self.positions[self.start + T.Cast("int32", j)]
-        return self.rope_offset + T.Cast("int32", j)
-
-    def page(self, j):
-        return T.Cast("int64", self.start) + T.Cast("int64", j)
-
-    def slot(self, j):
-        return T.int32(0)
-
-    def k(self, page, slot, g, d):
-        return self.k_rows[page, g, d]
-
-    def v(self, page, slot, g, d):
-        return self.v_rows[page, g, d]
-
-
-def _lengths(length_info, b, sliding_window: bool):
-    """(last page's used slots, window offset, sink length) of sequence b."""
-    if sliding_window:
-        return length_info[0, b], length_info[1, b], length_info[2, b]
-    return length_info[b], T.int32(0), T.int32(0)
-
-
-def _paged_kv_len(num_pages, lengths, page_size: int):
-    last_page_len, window_offset, sink = lengths
-    return T.Cast("int64", T.if_then_else(num_pages > 0, (num_pages - 1) * page_size + last_page_len - window_offset
-                                          + sink, 0))
 
 
 class _Task:
@@ -286,47 +203,24 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
     the decode of fuel's own paged kernel); a larger group, and keys rotated in the kernel
     (rotary_mode 1), pack each key tile and run the register-tiled GEMMs."""
     _check("decode", spec, tiles)
-    Hq, Hkv, D, group, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype
+    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BK = tiles.block_k
     streaming = tiles.block_q <= STREAMING_ROWS
     task = _Task(spec, tiles, rope_scaling or {})
 
-    def info_shape(B):
-        return (3, B) if sliding_window else (B,)
-
-    # fmt: off
-    @T.prim_func
-    def batch_decode_paged_kv_cpu(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
-                                  length_info_h: T.handle, k_rope_pos_offset_h: T.handle, q_rope_position_h: T.handle,
-                                  output_h: T.handle, lse_h: T.handle, rotary_mode: T.int32, rope_scale: T.float32,
-                                  rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"tirx.noalias": True})
-        B, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32()
-        indptr_offset, values_offset, k_offset_offset, q_position_offset, info_offset = (
-            T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
-        q = T.match_buffer(q_h, (B, Hq, D), dtype)
-        pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
-        q_rope_position = T.match_buffer(q_rope_position_h, (B,), "int32", elem_offset=q_position_offset)
-        output = T.match_buffer(output_h, (B, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (B, Hq), "float32")
-        length_info = T.match_buffer(length_info_h, info_shape(B), "int32", elem_offset=info_offset)
+    @T.macro
+    def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        q, output, lse, q_rope_position, B = T.meta_var((a.q, a.output, a.lse, a.q_rope_position, a.B))
         params = T.meta_var(ForwardBuffers(q=q, out=output))
         for task_id in T.parallel(B * Hkv):
             b: T.int64 = T.Cast("int64", task_id // Hkv)
             g: T.int64 = T.Cast("int64", task_id % Hkv)
-            first_page: T.int32 = page_indptr[b]
-            num_pages: T.int32 = page_indptr[b + 1] - first_page
-            lengths = T.meta_var(_lengths(length_info, b, sliding_window))
-            kv_len: T.int64 = _paged_kv_len(num_pages, lengths, page_size)
+            kv_len: T.int64 = a.kv_len(b)
             heads, Kt, Vt = T.meta_var(_scratch(tiles, D))
             scratch = T.meta_var(heads.view(0))
             tile = T.meta_var(RowTile(group, b, g, T.int64(0), T.int64(group), kv_len=kv_len, delta=kv_len - 1,
                                       first_pos=T.int64(0), last_pos=T.int64(0)))
-            cache = T.meta_var(TvmPages(pages, page_values, first_page, lengths[2], lengths[1], page_size,
-                                        k_rope_pos_offset[b]))
+            cache = T.meta_var(a.keys(b))
             task.load_queries(scratch.Qs, q, lambda position: b, lambda position: q_rope_position[b], tile,
                               rotary_mode, rope_scale, rope_theta, sm_scale)
             task.body.init_state(scratch.O, scratch.m, scratch.l)
@@ -337,10 +231,9 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
                 else:
                     task.packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta)
             task.store(scratch, output, lse, lambda position: b, tile)
-    # fmt: on
 
     name = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
-    return finish(batch_decode_paged_kv_cpu.with_attr("global_symbol", name))
+    return finish(tvm_kernel("decode", spec, body, name=name, page_size=page_size, sliding_window=sliding_window))
 
 
 def _prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: _Task, causal_task: _Task | None):
@@ -351,19 +244,21 @@ def _prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: _Task, causal_task
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
 
     @T.macro
-    def run(q, q_indptr, output, lse, params_of, B, max_tiles, cache_of, kv_len_of, q_rope_position, causal,
-            rotary_mode, rope_scale, rope_theta, sm_scale):
-        # max_tiles: a bound on the key tiles of all sequences, from the parameters' shapes (the
-        # workspaces are allocated with the function, before any statement runs)
+    def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        # a (TvmArgs): the kernel's parameters; max_tiles: a bound on the key tiles of all sequences,
+        # from the parameters' shapes (the workspaces are allocated with the function, before any
+        # statement runs): each sequence's keys fill its pages (its rows of k) but the last
+        B = T.meta_var(a.B)
+        max_tiles = T.meta_var((T.Cast("int64", a.nnz_pages) * a.page_size if a.pages is not None
+                                else T.Cast("int64", a.total_kv)) // BK + B)
         # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
         first_tile = T.alloc_buffer((B + 1,), "int64")
         most_rows = T.alloc_buffer((1,), "int64")
         first_tile[0] = T.int64(0)
         most_rows[0] = T.int64(0)
         for b in range(B):
-            first_tile[b + 1] = first_tile[b] + (kv_len_of(b) + BK - 1) // BK
-            most_rows[0] = T.max(most_rows[0], (T.Cast("int64", q_indptr[b + 1] - q_indptr[b]) * group + BQ - 1)
-                                 // BQ)
+            first_tile[b + 1] = first_tile[b] + (a.kv_len(b) + BK - 1) // BK
+            most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
         assert first_tile[B] <= max_tiles, "tvm_cache.prefill: the sequences' keys exceed their pages (indptr)"
         n_row_tiles: T.int64 = most_rows[0]
         k_tiles = T.alloc_buffer((max_tiles * Hkv * D * BK,), F32)
@@ -375,15 +270,14 @@ def _prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: _Task, causal_task
             tiles_of = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
             for kt in range(first_tile[pb + 1] - first_tile[pb]):
                 Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
-                plain.pack_tile(Kt, Vt, count, cache_of(pb), pg, kv_len_of(pb), kt, rotary_mode, rope_scale,
-                                rope_theta)
+                plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale, rope_theta)
         for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
             b: T.int64 = task_id // (Hkv * n_row_tiles)
             g: T.int64 = task_id // n_row_tiles % Hkv
             packed = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
-            args = T.meta_var((q, output, lse, params_of(b), packed, b, g, task_id % n_row_tiles, kv_len_of(b),
-                               T.Cast("int64", q_indptr[b + 1] - q_indptr[b]), T.Cast("int64", q_indptr[b]),
-                               q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
+            args = T.meta_var((a.q, a.output, a.lse, params, packed, b, g, task_id % n_row_tiles, a.kv_len(b),
+                               a.q_len(b), a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta,
+                               sm_scale))
             if causal_task is None:
                 plain.attend_rows(*args)
             elif causal > 0:
@@ -415,8 +309,6 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
     if sliding_window and keys != "paged":
         raise ValueError("tvm_cache.prefill: sliding_window reads paged keys (keys='paged')")
     _check("prefill", spec, tiles)
-    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
-    BK = tiles.block_k
     plain = _Task(replace(spec, cfg=AttnConfig()), tiles, rope_scaling or {})
     if sliding_window and sliding_window_size > 0:
         causal_task = _Task(replace(spec, cfg=AttnConfig(causal=True, window_size=(sliding_window_size - 1, 0))),
@@ -425,103 +317,14 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
         causal_task = _Task(replace(spec, cfg=AttnConfig(causal=True)), tiles, rope_scaling or {})
     run = _prefill_phases(spec, tiles, plain, causal_task)
 
-    # fmt: off
-    @T.prim_func
-    def batch_prefill_paged_kv_cpu(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
-                                   page_values_h: T.handle, length_info_h: T.handle, k_rope_pos_offset_h: T.handle,
-                                   q_rope_position_h: T.handle, output_h: T.handle, lse_h: T.handle, causal: T.int32,
-                                   rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32,
-                                   sm_scale: T.float32):
-        T.func_attr({"tirx.noalias": True})
-        B, total_q, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32(), T.int32()
-        q_indptr_offset, indptr_offset, values_offset, k_offset_offset, q_position_offset, info_offset = (
-            T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
-        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=q_indptr_offset)
-        pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
-        length_info = T.match_buffer(length_info_h, (3, B) if sliding_window else (B,), "int32",
-                                     elem_offset=info_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
-        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
-        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        run(q, q_indptr, output, lse, lambda b: ForwardBuffers(q=q, out=output), B,
-            T.Cast("int64", nnz_pages) * page_size // BK + B,  # each sequence's keys fill its pages but the last
-            lambda b: _cached_keys(pages, page_values, page_indptr, length_info, k_rope_pos_offset, b, sliding_window,
-                                   page_size),
-            lambda b: _paged_kv_len(page_indptr[b + 1] - page_indptr[b], _lengths(length_info, b, sliding_window),
-                                    page_size),
-            q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+    @T.macro
+    def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        run(a, ForwardBuffers(q=a.q, out=a.output), causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 
-    @T.prim_func
-    def batch_prefill_ragged_kv(q_h: T.handle, q_indptr_h: T.handle, k_h: T.handle, v_h: T.handle,
-                                kv_indptr_h: T.handle, q_rope_position_h: T.handle, k_rope_pos_offset_h: T.handle,
-                                output_h: T.handle, lse_h: T.handle, causal: T.int32, rotary_mode: T.int32,
-                                rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"tirx.noalias": True})
-        B, total_q, total_kv = T.int32(), T.int32(), T.int32()
-        q_indptr_offset, kv_indptr_offset, q_position_offset, k_offset_offset = (
-            T.int32(), T.int32(), T.int32(), T.int32())
-        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=q_indptr_offset)
-        k = T.match_buffer(k_h, (total_kv, Hkv, D), dtype)
-        v = T.match_buffer(v_h, (total_kv, Hkv, D), dtype)
-        kv_indptr = T.match_buffer(kv_indptr_h, (B + 1,), "int32", elem_offset=kv_indptr_offset)
-        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
-        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        run(q, q_indptr, output, lse, lambda b: ForwardBuffers(q=q, out=output), B,
-            T.Cast("int64", total_kv) // BK + B, lambda b: RaggedKeys(k, v, kv_indptr[b], k_rope_pos_offset[b]),
-            lambda b: T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), q_rope_position, causal, rotary_mode,
-            rope_scale, rope_theta, sm_scale)
-    # fmt: on
-
-    func = batch_prefill_paged_kv_cpu if keys == "paged" else batch_prefill_ragged_kv
-    name = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "") if keys == "paged" else (
-        "batch_prefill_ragged_kv")
-    return finish(func.with_attr("global_symbol", name))
-
-
-def _cached_keys(pages, page_values, page_indptr, length_info, k_rope_pos_offset, b, sliding_window: bool,
-                 page_size: int) -> TvmPages:
-    """Sequence b's cached keys in TVM's pages."""
-    _, window_offset, sink = _lengths(length_info, b, sliding_window)
-    return TvmPages(pages, page_values, page_indptr[b], sink, window_offset, page_size, k_rope_pos_offset[b])
-
-
-@dataclass(frozen=True)
-class TreeMask:
-    """TVM's tree-attention rule for sequence b (``_check_tree_order``) as the boolean mask
-    [qo_len, kv_len] that ``visible`` reads: the last ``tree_len`` keys are the tree's nodes
-    (the queries its last ``tree_len`` ones), every key before them is visible, and node p is
-    visible to node c iff p is c or an ancestor of c (``semantics.in_subtree`` of the nodes' DFS
-    (enter, exit) numbers in ``order`` [n, 2] int32, sequence b's from ``first``)."""
-
-    order: tirx.Buffer
-    first: tirx.PrimExpr
-    tree_len: tirx.PrimExpr
-    qo_len: tirx.PrimExpr
-    kv_len: tirx.PrimExpr
-
-    @property
-    def shape(self):
-        return (sem.as_int64(self.qo_len), sem.as_int64(self.kv_len))
-
-    def __getitem__(self, index):
-        i, j = (sem.as_int64(x) for x in index)
-        tree_len = sem.as_int64(self.tree_len)
-        tree_start = sem.as_int64(self.kv_len) - tree_len
-        last = sem.as_int64(self.order.shape[0]) - 1
-
-        def node(n):  # row of node n (clamped: the vectorized select reads every lane, visible or not)
-            return tirx.max(tirx.min(sem.as_int64(self.first) + tirx.max(n, 0), last), 0)
-
-        child, parent = node(i + tree_len - sem.as_int64(self.qo_len)), node(j - tree_start)
-        return tirx.any(j < tree_start, sem.in_subtree(self.order[child, 0], self.order[parent, 0],
-                                                       self.order[parent, 1]))
+    if keys == "ragged":
+        return finish(tvm_kernel("ragged", spec, body, name="batch_prefill_ragged_kv"))
+    name = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
+    return finish(tvm_kernel("paged", spec, body, name=name, page_size=page_size, sliding_window=sliding_window))
 
 
 def tree_attention(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16,
@@ -542,111 +345,29 @@ def tree_attention(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: i
     if keys not in ("paged", "ragged"):
         raise ValueError(f"tvm_cache.tree_attention: keys must be 'paged' or 'ragged', got {keys!r}")
     _check("tree_attention", spec, tiles)
-    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
-    BK = tiles.block_k
     masked = _Task(replace(spec, cfg=AttnConfig(), mask_dtype="bool"), tiles, rope_scaling or {})
     run = _prefill_phases(spec, tiles, masked, None)
 
-    def params_of(q, output, q_indptr, kv_len, order, order_indptr):
-        return lambda b: ForwardBuffers(q=q, out=output, mask=TreeMask(
-            order, order_indptr[b], order_indptr[b + 1] - order_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len(b)))
+    @T.macro
+    def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        run(a, ForwardBuffers(q=a.q, out=a.output, mask=a.tree_mask()), causal, rotary_mode, rope_scale, rope_theta,
+            sm_scale)
 
-    # fmt: off
-    @T.prim_func
-    def batch_tree_attn(q_h: T.handle, q_indptr_h: T.handle, k_h: T.handle, v_h: T.handle, kv_indptr_h: T.handle,
-                        q_rope_position_h: T.handle, mn_indptr_h: T.handle, mask_h: T.handle, output_h: T.handle,
-                        lse_h: T.handle, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32,
-                        sm_scale: T.float32):
-        T.func_attr({"tirx.noalias": True})
-        B1, total_q, total_kv, tree_size = T.int32(), T.int32(), T.int32(), T.int32()  # B1: the batch + 1
-        q_indptr_offset, kv_indptr_offset, q_position_offset, mn_indptr_offset, mask_offset = (
-            T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
-        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
-        q_indptr = T.match_buffer(q_indptr_h, (B1,), "int32", elem_offset=q_indptr_offset)
-        k = T.match_buffer(k_h, (total_kv, Hkv, D), dtype)
-        v = T.match_buffer(v_h, (total_kv, Hkv, D), dtype)
-        kv_indptr = T.match_buffer(kv_indptr_h, (B1,), "int32", elem_offset=kv_indptr_offset)
-        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
-        mn_indptr = T.match_buffer(mn_indptr_h, (B1,), "int32", elem_offset=mn_indptr_offset)
-        mask = T.match_buffer(mask_h, (tree_size, 2), "int32", elem_offset=mask_offset)
-        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        run(q, q_indptr, output, lse,
-            params_of(q, output, q_indptr, lambda b: kv_indptr[b + 1] - kv_indptr[b], mask, mn_indptr), B1 - 1,
-            T.Cast("int64", total_kv) // BK + B1,
-            lambda b: RaggedKeys(k, v, kv_indptr[b], positions=q_rope_position),
-            lambda b: T.Cast("int64", kv_indptr[b + 1] - kv_indptr[b]), q_rope_position, T.int32(0), rotary_mode,
-            rope_scale, rope_theta, sm_scale)
-
-    @T.prim_func
-    def tree_attn_paged_kv_cpu(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
-                               page_values_h: T.handle, length_info_h: T.handle, k_rope_pos_offset_h: T.handle,
-                               q_rope_position_h: T.handle, output_h: T.handle, lse_h: T.handle, rotary_mode: T.int32,
-                               rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
-                               tree_order_indptr_h: T.handle, tree_order_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        B, total_q, nnz_pages, max_num_pages, tree_size = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        q_indptr_offset, indptr_offset, values_offset, k_offset_offset, q_position_offset, info_offset = (
-            T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
-        order_indptr_offset, order_offset = T.int32(), T.int32()
-        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=q_indptr_offset)
-        pages = T.match_buffer(pages_h, (max_num_pages, 2, Hkv, page_size, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_values = T.match_buffer(page_values_h, (nnz_pages,), "int32", elem_offset=values_offset)
-        length_info = T.match_buffer(length_info_h, (B,), "int32", elem_offset=info_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_h, (B,), "int32", elem_offset=k_offset_offset)
-        q_rope_position = T.match_buffer(q_rope_position_h, (total_q,), "int32", elem_offset=q_position_offset)
-        output = T.match_buffer(output_h, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (total_q, Hq), "float32")
-        tree_order_indptr = T.match_buffer(tree_order_indptr_h, (B + 1,), "int32", elem_offset=order_indptr_offset)
-        tree_order = T.match_buffer(tree_order_h, (tree_size, 2), "int32", elem_offset=order_offset)
-        kv_len = T.meta_var(lambda b: _paged_kv_len(page_indptr[b + 1] - page_indptr[b],
-                                                    _lengths(length_info, b, False), page_size))
-        run(q, q_indptr, output, lse,
-            params_of(q, output, q_indptr, kv_len, tree_order, tree_order_indptr), B,
-            T.Cast("int64", nnz_pages) * page_size // BK + B,
-            lambda b: _cached_keys(pages, page_values, page_indptr, length_info, k_rope_pos_offset, b, False,
-                                   page_size),
-            kv_len, q_rope_position, T.int32(0), rotary_mode, rope_scale, rope_theta, sm_scale)
-    # fmt: on
-
-    func = batch_tree_attn if keys == "ragged" else tree_attn_paged_kv_cpu
-    return finish(func.with_attr("global_symbol", "batch_tree_attn" if keys == "ragged" else "tree_attn_paged_kv_cpu"))
+    if keys == "ragged":
+        return finish(tvm_kernel("tree", spec, body, name="batch_tree_attn"))
+    return finish(tvm_kernel("tree_paged", spec, body, name="tree_attn_paged_kv_cpu", page_size=page_size))
 
 
 def merge_state(dtype: str, lanes: int) -> tirx.PrimFunc:
-    """TVM's ``merge_state_inplace_cpu``: v [N, H, D] (``dtype``) and s [N, H] float32 (log2
-    units) become the merge of themselves with ``v_other``, ``s_other``: ``s = log2(2^s +
-    2^s_other)``, v weighted by each side's share. Rows in parallel, the head dim vectorized."""
+    """TVM's ``merge_state_inplace_cpu`` (``tvm_params.merge_kernel``): rows in parallel, the head
+    dim vectorized."""
 
-    # fmt: off
-    @T.prim_func
-    def merge_state_inplace_cpu(v_h: T.handle, s_h: T.handle, v_other_h: T.handle, s_other_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        N, H, D = T.int32(), T.int32(), T.int32()
-        v = T.match_buffer(v_h, (N, H, D), dtype)
-        s = T.match_buffer(s_h, (N, H), "float32")
-        v_other = T.match_buffer(v_other_h, (N, H, D), dtype)
-        s_other = T.match_buffer(s_other_h, (N, H), "float32")
-        for row in T.parallel(N * H):
-            n: T.int32 = row // H
-            h: T.int32 = row % H
-            top: T.float32 = T.max(s[n, h], s_other[n, h])
-            mine: T.float32 = T.exp2(s[n, h] - top)
-            theirs: T.float32 = T.exp2(s_other[n, h] - top)
-            for d0 in range(D // lanes):
-                for lane in T.vectorized(lanes):
-                    v[n, h, d0 * lanes + lane] = (v[n, h, d0 * lanes + lane].astype(F32) * (mine / (mine + theirs))
-                                                  + v_other[n, h, d0 * lanes + lane].astype(F32)
-                                                  * (theirs / (mine + theirs))).astype(dtype)
-            for d in range(D // lanes * lanes, D):
-                v[n, h, d] = (v[n, h, d].astype(F32) * (mine / (mine + theirs))
-                              + v_other[n, h, d].astype(F32) * (theirs / (mine + theirs))).astype(dtype)
-            s[n, h] = T.log2(mine + theirs) + top
-    # fmt: on
+    @T.macro
+    def rows(extent, merge_row):
+        for row in T.parallel(extent):
+            merge_row(row)
 
-    return finish(merge_state_inplace_cpu.with_attr("global_symbol", "merge_state_inplace_cpu"))
+    return finish(merge_kernel(dtype, rows, name="merge_state_inplace_cpu", lanes=lanes))
 
 
-__all__ = ["TvmPages", "RaggedKeys", "TreeMask", "decode", "prefill", "tree_attention", "merge_state", "EMPTY_LSE"]
+__all__ = ["decode", "prefill", "tree_attention", "merge_state"]

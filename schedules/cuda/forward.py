@@ -32,6 +32,7 @@ from tvm.script import tirx as T
 from ...op import semantics as sem
 from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tile_range, masked_logit, kernel_params,
                       row_head, row_position, kernel_sizes, tile_is_interior)
+from ..layouts import BlockTable, EMPTY_LSE
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
 from .forward_registers import RegisterTiles
 from .tiles import CudaTiles
@@ -44,10 +45,12 @@ def _lse(row_max, row_sum):
 
 @dataclass(frozen=True)
 class ForwardBuffers:
-    """A forward kernel's buffers. ``table`` and ``num_blocks`` (the cache's block count: block ids
-    are clamped into it) only on the paged path, ``mask`` and ``lse`` only where the kernel has
-    them (None otherwise); ``part_o`` and ``part_stats`` hold the splits' partial results (O, and
-    the row max and sum; one element each without split-KV)."""
+    """A forward kernel's buffers. ``keys(b)`` only on the paged path: where sequence b's tokens
+    live (a ``layouts`` object: ``BlockTable``, TVM's ``TvmPages``); ``mask`` and ``lse`` only
+    where the kernel has them (None otherwise); ``part_o`` and ``part_stats`` hold the splits'
+    partial results (O, and the row max and sum; one element each without split-KV). TVM's cache
+    kernels: ``sm_scale`` (a run-time scale in place of the spec's) and ``lse_log2`` (lse in log2
+    units, ``EMPTY_LSE`` for a row without keys)."""
 
     q: Any
     k: Any
@@ -58,14 +61,16 @@ class ForwardBuffers:
     alibi: Any = None
     mask: Any = None
     lse: Any = None
-    table: Any = None
-    num_blocks: Any = None
+    keys: Any = None
+    sm_scale: Any = None
+    lse_log2: bool = False
 
 
 @dataclass(frozen=True)
 class _Block:
     """What one thread block works on: batch ``b``, KV head ``g``, the task rows from ``r0`` (of
-    ``rows`` = Sq * group), key split ``split``; ``Sq`` queries, the last of ``kv_len`` keys."""
+    ``rows`` = Sq * group), key split ``split``; ``Sq`` queries, the last of ``kv_len`` keys (or,
+    ``after_keys``, the ones after them)."""
 
     b: Any
     g: Any
@@ -75,6 +80,8 @@ class _Block:
     Sq: Any
     kv_len: Any
     group: int
+    q_start: Any = None  # ragged queries (TVM's cache): the sequence's first row of q [total_q, Hq, D]
+    after_keys: bool = False  # the queries follow all the keys (TVM's sliding-window prefill)
 
     def live(self, r):
         """Whether row r of the block is a task row (the last row tile runs past them)."""
@@ -87,7 +94,10 @@ class _Block:
         return row_position(self.r0 + r, self.group)
 
     def task(self, r):
-        """(batch, query head, query position) of row r: its index into q, out and lse."""
+        """Row r's index into q, out and lse (without the head dim): (batch, query head, query
+        position), or for ragged queries (row of q, query head)."""
+        if self.q_start is not None:
+            return self.q_start + self.position(r), self.head(r)
         return self.b, self.head(r), self.position(r)
 
     def positions(self, block_q: int):
@@ -96,7 +106,7 @@ class _Block:
 
     @property
     def delta(self):
-        return self.kv_len - self.Sq  # key index of query position 0
+        return self.kv_len if self.after_keys else self.kv_len - self.Sq  # key index of query position 0
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,12 @@ class ForwardMacros(RegisterTiles):
     """The macros of one forward block, specialised to a spec, tiles and launch: ``launch_grid``
     is the kernel body (the blocks, then the split-KV merge)."""
 
-    def __init__(self, spec: KernelSpec, tiles: CudaTiles, launch: Launch, *, paged: bool):
+    def __init__(self, spec: KernelSpec, tiles: CudaTiles, launch: Launch, *, paged: bool,
+                 queries_after_keys: bool = False):
+        # queries_after_keys: the queries follow all of the keys (TVM's sliding-window prefill over
+        # cached keys), not the last Sq of them
         self.spec, self.tiles, self.launch, self.paged = spec, tiles, launch, paged
+        self.queries_after_keys = queries_after_keys
         self.ops = TileOps(launch, spec.dtype)
         self.BQ, self.BK, self.DP, self.NT = tiles.block_q, tiles.block_k, padded_dim(spec.head_dim), launch.threads
         self._loads()
@@ -143,7 +157,10 @@ class ForwardMacros(RegisterTiles):
                                 delta=blk.delta, block_k=self.BK)
         per = (hi - lo + SPLITS - 1) // SPLITS
         first = lo + blk.split * per
-        return first, T.max(first, T.min(hi, first + per)) - lo - blk.split * per
+        count = T.max(first, T.min(hi, first + per)) - lo - blk.split * per
+        if blk.q_start is not None:  # ragged queries: a block past its sequence's rows walks no keys
+            count = T.Select(blk.r0 < blk.rows, count, T.int64(0))
+        return first, count
 
     def needs_mask(self, blk: _Block, kt):
         """Whether key tile kt masks any element of the block's rows (interior tiles skip it)."""
@@ -157,17 +174,18 @@ class ForwardMacros(RegisterTiles):
         """The logit of row r and key ``key`` from the raw score: softcapped, then biased and masked
         where ``check`` holds (everywhere with a per-element transform)."""
         spec = self.spec
-        capped = sem.softcap(spec.cfg, score * T.float32(spec.scale))
+        capped = sem.softcap(spec.cfg, score * (T.float32(spec.scale) if prm.sm_scale is None else prm.sm_scale))
         logit = masked_logit(spec, capped, prm.alibi, prm.mask, blk.b, blk.head(r), blk.position(r), key, blk.kv_len,
                              blk.delta)
         return logit if spec.elementwise_logits else T.Select(check, logit, capped)
 
-    def kv_at(self, x, pages, blk: _Block, st, r, key, c):
-        """Column c of key ``key`` of x (K or V), row r of the tile in stage st: paged, through the
-        block ids the stage holds."""
+    def kv_at(self, prm: ForwardBuffers, kind: str, pages, blk: _Block, st, r, key, c):
+        """Column c of key ``key`` of K or V (``kind``), row r of the tile in stage st: paged,
+        through the page ids the stage holds and the layout's slots."""
         if self.paged:
-            return x[pages[st * self.BK + r], key % self.spec.block_size, blk.g, c]
-        return x[blk.b, blk.g, key, c]
+            cache = prm.keys(blk.b)
+            return getattr(cache, kind)(pages[st * self.BK + r], cache.slot(key), blk.g, c)
+        return getattr(prm, kind)[blk.b, blk.g, key, c]
 
     def out_row(self, i, tx):  # row and column of element i * threads + tx of a [block_q, DP] tile
         return (i * self.NT + tx) // self.DP
@@ -177,15 +195,12 @@ class ForwardMacros(RegisterTiles):
 
     def _loads(self):
         spec, ops, paged, BK, NT = self.spec, self.ops, self.paged, self.BK, self.NT
-        D, DP, BS = spec.head_dim, self.DP, spec.block_size
+        D, DP = spec.head_dim, self.DP
         copy_queries, copy_keys = ops.copy(self.BQ, D, DP), ops.copy(BK, D, DP, asynchronous=True)
 
         @T.macro
         def load_queries(sc, prm, blk, tx):
             copy_queries(sc.Qs, blk.live, lambda r, c: prm.q[*blk.task(r), c], tx)
-
-        def block_id(prm, blk, key):  # the cache block holding key ``key`` of batch b
-            return T.max(T.min(T.Cast("int64", prm.table[blk.b, key // BS]), prm.num_blocks - 1), T.int64(0))
 
         @T.macro
         def load_pages(pages, prm, blk, kt, st, tx):
@@ -194,7 +209,7 @@ class ForwardMacros(RegisterTiles):
             for i in range(ceil_div(BK, NT)):
                 if i * NT + tx < BK:
                     if kt * BK + i * NT + tx < blk.kv_len:
-                        pages[st * BK + i * NT + tx] = block_id(prm, blk, kt * BK + i * NT + tx)
+                        pages[st * BK + i * NT + tx] = prm.keys(blk.b).page(kt * BK + i * NT + tx)
                     else:
                         pages[st * BK + i * NT + tx] = T.int64(0)
 
@@ -206,9 +221,9 @@ class ForwardMacros(RegisterTiles):
                 load_pages(sc.pages, prm, blk, kt, st, tx)
                 ops.sync()
             copy_keys(Rows.stage(sc.Ks, st, BK), lambda r: kt * BK + r < blk.kv_len,
-                      lambda r, c: self.kv_at(prm.k, sc.pages, blk, st, r, kt * BK + r, c), tx)
+                      lambda r, c: self.kv_at(prm, "k", sc.pages, blk, st, r, kt * BK + r, c), tx)
             copy_keys(Rows.stage(sc.Vs, st, BK), lambda r: kt * BK + r < blk.kv_len,
-                      lambda r, c: self.kv_at(prm.v, sc.pages, blk, st, r, kt * BK + r, c), tx)
+                      lambda r, c: self.kv_at(prm, "v", sc.pages, blk, st, r, kt * BK + r, c), tx)
 
         self.load_queries, self.load_keys = load_queries, load_keys
 
@@ -232,7 +247,11 @@ class ForwardMacros(RegisterTiles):
                     prm.part_stats[*blk.task(row), blk.split, 0] = row_max
                     prm.part_stats[*blk.task(row), blk.split, 1] = row_sum
                 elif spec.return_lse:
-                    prm.lse[*blk.task(row)] = _lse(row_max, row_sum)
+                    if prm.lse_log2:
+                        prm.lse[*blk.task(row)] = T.Select(row_sum == T.float32(0), T.float32(EMPTY_LSE),
+                                                           _lse(row_max, row_sum) * T.float32(sem.LOG2E))
+                    else:
+                        prm.lse[*blk.task(row)] = _lse(row_max, row_sum)
 
         self.emit, self.emit_lse = emit, emit_lse
 
@@ -411,6 +430,23 @@ class ForwardMacros(RegisterTiles):
                     for tx in launch.block():
                         merge(prm, B, Sq, tx, bx)
 
+        @T.macro
+        def launch_ragged(prm, B, row_bound, q_start, q_len, kv_len):
+            # ragged queries (TVM's cache): sequence b's are rows q_start(b) .. + q_len(b) of q
+            # [total_q, Hq, D]; row_bound: at least any q_len (the grid's x extent: a block past its
+            # sequence's rows walks no keys and writes nothing; a condition around the block would
+            # hold its barriers). No split-KV (its merge indexes [B, Hq, Sq] outputs).
+            for bx in launch.grid((row_bound * group + BQ - 1) // BQ, "x"):
+                for by in launch.grid(B, "y"):
+                    for bz in launch.grid(spec.num_kv_heads, "z"):
+                        for tx in launch.block():
+                            with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
+                                attend(prm, _Block(b=T.Cast("int64", by), g=T.Cast("int64", bz),
+                                                 r0=T.Cast("int64", bx) * BQ, rows=q_len(by) * group,
+                                                 split=T.int64(0), Sq=q_len(by), kv_len=kv_len(by), group=group,
+                                                 q_start=q_start(by), after_keys=self.queries_after_keys), tx)
+
+        self.launch_ragged = launch_ragged
         return launch_grid
 
 
@@ -465,7 +501,9 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
             spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, out_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
-        body.launch_grid(ForwardBuffers(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi, table=table,
-                                 num_blocks=num_blocks), B, Sq, lambda b: context_len(lens, b))
+        body.launch_grid(ForwardBuffers(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi,
+                                        keys=lambda b: BlockTable(table, k_cache, v_cache, b, num_blocks,
+                                                                  spec.block_size)),
+                         B, Sq, lambda b: context_len(lens, b))
 
     return finish(drop_params(fuel_paged_attn_cuda, set() if spec.has_alibi else {"alibi"}))

@@ -273,7 +273,7 @@ class RegisterTiles:
                 flagged: T.int32 = sc.flags[kt % 2]
                 if flagged != 0:
                     nonfinite_values(sc.o, sc.s,
-                                     lambda w, j, d: self.kv_at(prm.v, sc.pages, blk, st, w // WM * KS + j,
+                                     lambda w, j, d: self.kv_at(prm, "v", sc.pages, blk, st, w // WM * KS + j,
                                                                 kt * BK + w // WM * KS + j, d),
                                      lambda w, j: kt * BK + w // WM * KS + j < blk.kv_len, wt.warp_of(wi, tx), tx)
 

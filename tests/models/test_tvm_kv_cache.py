@@ -21,6 +21,7 @@ from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 from tvm.runtime import ShapeTuple
 
 import tvm_fuel
+from tvm_fuel.deploy import nvcc
 from tvm_fuel.kv_cache import FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_SLOTS, tvm_kernels
 
 pytestmark = pytest.mark.integration
@@ -354,7 +355,9 @@ def test_keys_rotated_in_the_kernel(slots):
     ((3, 8, 64, "float32", "llvm"), "num_qo_heads \\(8\\) must be a multiple of num_kv_heads \\(3\\)"),
     ((2, 8, 64, "int8", "llvm"), "dtype must be float32, float16 or bfloat16, got 'int8'"),
     ((2, 8, 0, "float32", "llvm"), "head_dim must be a positive int, got 0"),
-    ((2, 8, 64, "float32", "cuda"), "target must be an llvm \\(CPU\\) target for now, got 'cuda'"),
+        ((2, 8, 64, "float32", {"kind": "cuda", "arch": "sm_75"}),
+         "a cuda target needs an arch of sm_80 or newer, got 'sm_75'"),
+        ((2, 8, 64, "float32", "c"), "target must be an llvm \\(CPU\\) or cuda target"),
 ])
 def test_bad_arguments_name_the_argument(args, message):
     with pytest.raises(ValueError, match=f"kv_cache.tvm_kernels: {message}"):
@@ -431,14 +434,33 @@ def test_fuel_paged_kv_cache_in_a_relax_nn_model():
         np.testing.assert_allclose(out[0], _reference(qkv[0, :, :hq], k, v), atol=1e-5, rtol=1e-5)
 
 
+def test_fuel_paged_kv_cache_for_cuda_passes_fuels_cuda_kernels():
+    """On a cuda target the creation call passes fuel's CUDA kernel for every attention slot
+    (under TVM's GPU function names) and none of TVM's."""
+    from tvm import relax
+
+    mod = _nn_model(8, 2, 64, "float16", target=tvm.target.Target({"kind": "cuda", "arch": "sm_90"}),
+                    rope_mode=tvm_kv.RopeMode.NORMAL)
+    passed = {}
+    relax.analysis.post_order_visit(mod["create_paged_kv_cache"], lambda e: passed.setdefault(e.name_hint, e)
+                                    if isinstance(e, relax.GlobalVar) else None)
+    ours = {name for name in passed if name.startswith("fuel_")}
+    assert ours == {f"fuel_tir_attention_{name}" for name in (
+        "prefill_ragged", "prefill", "decode", "prefill_sliding_window", "decode_sliding_window",
+        "prefill_with_tree_mask", "prefill_with_tree_mask_with_paged_kv_cache", "merge_state")}
+    assert all('thread="blockIdx.x"' in mod[passed[name]].script() for name in ours)  # device kernels
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("attn_kind", "mla", "attn_kind must be 'mha'"),
+    ("rope_mode", tvm_kv.RopeMode.INLINE, "rope_mode INLINE \\(RoPE in the kernel\\) is not served by fuel's CUDA"),
     ("v_head_dim", 32, "v_head_dim \\(32\\) must equal qk_head_dim \\(64\\)"),
     ("page_size", 32, "page_size must be 16"),
 ])
 def test_fuel_paged_kv_cache_refuses_what_its_kernels_do_not_serve(option, value, message):
+    cuda = {"target": tvm.target.Target({"kind": "cuda", "arch": "sm_90"})} if option == "rope_mode" else {}
     with pytest.raises(ValueError, match=f"FuelPagedKVCache: {message}"):
-        _nn_model(8, 2, 64, "float32", **{option: value})
+        _nn_model(8, 2, 64, "float32", **{option: value}, **cuda)
 
 
 def _tree_order(parents: list[int]) -> np.ndarray:
@@ -457,6 +479,9 @@ def _tree_order(parents: list[int]) -> np.ndarray:
     return order
 
 
+WINDOW = 24  # the sliding-window kernels' window in the direct slot tests (rows drop keys)
+
+
 @pytest.mark.parametrize("config", [(6, 2, 40, "float32"), (3, 3, 96, "float16"), (7, 1, 256, "float16")],
                          ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
 def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
@@ -465,9 +490,14 @@ def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
     offset and sinks for the sliding-window slots, a window of 24 so rows drop keys), new tokens
     with RoPE in the kernel (rotary_mode 1) and without, token trees; head dims 40, 96 and 256."""
     hq, hkv, d, dtype = config
-    options = dict(num_layers=1, rope_theta=THETA, sliding_window_size=24)
-    ours, theirs = runtime_kernels(hkv, hq, d, dtype, **options), runtime_kernels(hkv, hq, d, dtype, kernels="tvm",
-                                                                                   **options)
+    options = dict(num_layers=1, rope_theta=THETA, sliding_window_size=WINDOW)
+    _compare_slots(config, runtime_kernels(hkv, hq, d, dtype, **options),
+                   runtime_kernels(hkv, hq, d, dtype, kernels="tvm", **options), rotary_modes=(NONE, 1))
+
+
+def _compare_slots(config, ours: dict, theirs: dict, rotary_modes):
+    """Every attention slot of ``ours`` against ``theirs`` (slot -> function) on one batch of inputs."""
+    hq, hkv, d, dtype = config
     rng = np.random.default_rng(1)
     t = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a))  # noqa: E731
     cached, new = [0, 1, 17, 97], [3, 1, 5, 9]
@@ -486,24 +516,25 @@ def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
     k_offset = np.array([4, 0, 7, 30], "int32")
     scale = d ** -0.5
     decode_q = q[q_indptr[:-1]]
-    calls = {  # slot -> (arguments before output and lse, after them)
-        "prefill": ((q, q_indptr, pages, page_indptr, page_values, last, k_offset, q_position), (1,)),
+    calls = {  # slot -> (arguments before output and lse, the choices of those after them: causal)
+        "prefill": ((q, q_indptr, pages, page_indptr, page_values, last, k_offset, q_position), ((0,), (1,))),
         "prefill_sliding_window": ((q, q_indptr, pages, page_indptr, page_values, window, k_offset, q_position),
-                                   (1,)),
-        "prefill_ragged": ((q, q_indptr, k, v, q_indptr, q_position, k_offset), (1,)),
-        "decode": ((decode_q, pages, page_indptr, page_values, last, k_offset, q_position[:4]), ()),
-        "decode_sliding_window": ((decode_q, pages, page_indptr, page_values, window, k_offset, q_position[:4]), ()),
-        "prefill_with_tree_mask": ((q, q_indptr, k, v, q_indptr, q_position, order_indptr, order), ()),
+                                   ((0,), (1,))),
+        "prefill_ragged": ((q, q_indptr, k, v, q_indptr, q_position, k_offset), ((0,), (1,))),
+        "decode": ((decode_q, pages, page_indptr, page_values, last, k_offset, q_position[:4]), ((),)),
+        "decode_sliding_window": ((decode_q, pages, page_indptr, page_values, window, k_offset, q_position[:4]),
+                                  ((),)),
+        "prefill_with_tree_mask": ((q, q_indptr, k, v, q_indptr, q_position, order_indptr, order), ((),)),
     }
-    for slot, (before, after) in calls.items():
-        for rotary_mode in (NONE, 1):
+    for slot, (before, flags) in calls.items():
+        for rotary_mode, after in ((mode, flag) for mode in rotary_modes for flag in flags):
             rows = len(before[0])
             outputs = {}
             for name, kernels in (("fuel", ours), ("tvm", theirs)):
                 out, lse = tvm.runtime.empty((rows, hq, d), dtype), tvm.runtime.empty((rows, hq), "float32")
                 kernels[slot](*map(t, before), out, lse, *after, rotary_mode, 1.0, THETA, scale)
                 outputs[name] = out.numpy().astype("float64"), lse.numpy()
-            where = f"{slot}, rotary_mode {rotary_mode}"
+            where = f"{slot}, rotary_mode {rotary_mode}, {after}"
             np.testing.assert_allclose(*(outputs[name][0] for name in ("fuel", "tvm")), atol=TOLERANCE[dtype],
                                        rtol=TOLERANCE[dtype], err_msg=where)
             fuel_lse, tvm_lse = outputs["fuel"][1], outputs["tvm"][1]
@@ -518,6 +549,87 @@ def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
             *map(t, (q[first:], q_indptr[2:] - first, pages, page_indptr[2:] - page_indptr[2],
                      page_values[page_indptr[2]:], last[2:], k_offset[2:], q_position[first:])),
             out, lse, NONE, 1.0, THETA, scale, t(order_indptr[2:] - first), t(order[first:]))
-        outputs[name] = out.numpy().astype("float64")
-    np.testing.assert_allclose(outputs["fuel"], outputs["tvm"], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
-                               err_msg="prefill_with_tree_mask_paged_kv_cache")
+        outputs[name] = out.numpy().astype("float64"), lse.numpy()
+    for got, want in zip(outputs["fuel"], outputs["tvm"]):
+        np.testing.assert_allclose(got, want, atol=TOLERANCE[dtype] if got.ndim == 3 else 1e-4, rtol=TOLERANCE[dtype],
+                                   err_msg="prefill_with_tree_mask_paged_kv_cache")
+
+
+@pytest.fixture(scope="module", params=["float16", "float32"])
+def emulated_cuda(request):
+    """fuel's CUDA kernels for every attention slot, built as their llvm emulation (one thread per
+    block, serial blocks): (config, slot -> function). float16 runs the register tiles, float32
+    the SIMT path."""
+    config = (8, 2, 64, request.param)
+    hq, hkv, d, dtype = config
+    kernels = tvm_kernels(hkv, hq, d, dtype, tvm_fuel.host_target(), sliding_window_size=WINDOW, emulate_cuda=True)
+    return config, {slot: tvm.compile(tvm.IRModule({"main": func}), tvm_fuel.host_target())[
+        str(func.attrs["global_symbol"])] for slot, func in kernels.items()}
+
+
+def test_cuda_slots_emulated_match_tvms_kernels(emulated_cuda):
+    """The CUDA kernels' thread program (ragged queries, keys through TVM's pages, the run-time
+    scale, causal flag and log2 lse, sliding windows, tree masks) against TVM's CPU kernels."""
+    config, ours = emulated_cuda
+    hq, hkv, d, dtype = config
+    theirs = runtime_kernels(hkv, hq, d, dtype, kernels="tvm", num_layers=1, rope_theta=THETA,
+                             sliding_window_size=WINDOW)
+    _compare_slots(config, ours, theirs, rotary_modes=(NONE,))
+
+
+def test_cuda_slots_emulated_in_the_runtime_cache(emulated_cuda):
+    """The emulated CUDA kernels in every attention slot of TVM's runtime cache, through prefill,
+    decode, forks and a token tree, against the reference."""
+    config, ours = emulated_cuda
+    hq, hkv, d, dtype = config
+    theirs = runtime_kernels(hkv, hq, d, dtype, kernels="tvm", num_layers=LAYERS, rope_theta=THETA)
+    run = Scenario((config, theirs, {slot: Counted(ours[slot]) for slot in TVM_SLOTS}))
+    for seq in range(2):
+        run.add(seq)
+    run.step([(0, 21), (1, 3)])
+    run.step([(0, 1), (1, 1)])
+    run.fork(2, 0, 17)
+    run.step([(2, 5), (1, 1)])
+    run.step([(seq, 1) for seq in range(3)])
+    run.step([(0, 3), (1, 3)], [[-1, 0, 0], [-1, 0, 1]])
+    assert all(run.calls(slot) > 0 for slot in ("decode", "prefill", "prefill_ragged", "merge_state",
+                                                "prefill_with_tree_mask"))
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc is not installed")
+@pytest.mark.parametrize("dtype, arch", [("float16", "sm_90"), ("float32", "sm_80")])
+def test_cuda_slots_compile_with_nvcc(dtype, arch):
+    """Every attention slot for CUDA (one module): device kernels (not host code) that nvcc
+    compiles for the architecture, within its shared memory; float16 multiplies in register tiles
+    (mma.sync)."""
+    from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
+    from tvm_fuel.schedules.cuda.rules import STATIC_SHARED_LIMIT
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    kernels = tvm_kernels(2, 14, 128, dtype, target)
+    assert set(kernels) == set(TVM_SLOTS)
+    symbols = {slot: str(func.attrs["global_symbol"]) for slot, func in kernels.items()}
+    built, usage = nvcc.build_with_shared_memory(
+        tvm.IRModule({symbols[slot]: func for slot, func in kernels.items()}), target)
+    source = nvcc.cuda_source(built)
+    defined = nvcc.kernel_names(source)
+    for slot, symbol in symbols.items():
+        assert any(name.startswith(f"{symbol}_kernel") for name in defined), (slot, defined)
+    assert nvcc.compile_cubin(source, arch)
+    assert usage and all(static <= STATIC_SHARED_LIMIT and static + dynamic <= SHARED_MEMORY_LIMIT[arch]
+                         for static, dynamic in usage.values()), usage
+    if dtype == "float16":
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
+
+
+def test_cuda_slots_refuse_rope_in_the_kernel(emulated_cuda):
+    """rotary_mode 1 is a clear error from the host, not a silently unrotated attention."""
+    config, ours = emulated_cuda
+    hq, hkv, d, dtype = config
+    t = tvm.runtime.tensor
+    q = t(np.zeros((2, hq, d), dtype))
+    with pytest.raises(Exception, match="rotary_mode 1 \\(RoPE in the kernel\\) is not supported"):
+        ours["decode"](q, t(np.zeros((1, 2, hkv, PAGE, d), dtype)), t(np.array([0, 1, 1], "int32")),
+                       t(np.zeros(1, "int32")), t(np.array([3, 0], "int32")), t(np.zeros(2, "int32")),
+                       t(np.zeros(2, "int32")), tvm.runtime.empty((2, hq, d), dtype),
+                       tvm.runtime.empty((2, hq), "float32"), 1, 1.0, THETA, d ** -0.5)
