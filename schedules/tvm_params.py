@@ -18,6 +18,7 @@ Forms (TVM's kernels of the slots, after the handles: the scalars ``causal`` (pr
 
 Contents:
     TvmArgs, tvm_params -- the parameters of a form as buffers
+    prefill_causal_rule -- what a prefill's run-time ``causal`` flag means (sliding window or not)
     tvm_kernel          -- a PrimFunc of a form's signature around a body macro
     merge_kernel        -- merge_state_inplace (the merge of two partial states) around a row loop
 """
@@ -30,6 +31,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..op.config import AttnConfig
 from .layouts import RaggedKeys, TreeMask, tvm_cached_keys, tvm_kv_len, tvm_lengths
 from .workload import KernelSpec
 
@@ -157,6 +159,17 @@ def tvm_params(form: str, spec: KernelSpec, *handles, page_size: int = 16, slidi
 
 
 
+def prefill_causal_rule(sliding_window: bool, sliding_window_size: int) -> tuple[AttnConfig, bool]:
+    """(config, queries after the keys) of a prefill where its run-time ``causal`` is non-zero:
+    bottom-right causal; for the sliding-window prefill over cached keys, TVM's
+    ``_causal_or_sliding_cross_mask``: the queries follow the cached keys and row i sees the last
+    ``sliding_window_size - 1 - i`` of them, the window (W - 1, 0) with delta = kv_len (a size of
+    0: bottom-right causal)."""
+    if sliding_window and sliding_window_size > 0:
+        return AttnConfig(causal=True, window_size=(sliding_window_size - 1, 0)), True
+    return AttnConfig(causal=True), False
+
+
 def tvm_kernel(form: str, spec: KernelSpec, body, *, name: str, page_size: int = 16,
                sliding_window: bool = False) -> tirx.PrimFunc:
     """A PrimFunc with the signature of TVM's kernel of ``form`` (module docstring), global symbol
@@ -267,4 +280,4 @@ def merge_kernel(dtype: str, rows, *, name: str, lanes: int = 1) -> tirx.PrimFun
     return merge_state_inplace.with_attr("global_symbol", name)
 
 
-__all__ = ["TvmArgs", "tvm_params", "tvm_kernel", "merge_kernel", "FORMS"]
+__all__ = ["TvmArgs", "tvm_params", "prefill_causal_rule", "tvm_kernel", "merge_kernel", "FORMS"]

@@ -371,19 +371,11 @@ def _cpu_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int, 
     decode_tiles = tiles_for(target, head_dim=head_dim, rows=spec.group, num_kv_heads=1,
                              element_bytes=tvm.DataType(dtype).bits // 8)
     prefill_tiles = tiles_for(target, head_dim=head_dim, rows=None, num_kv_heads=1)
-    kernels = {f"decode{suffix}": tvm_cache.decode(spec, decode_tiles, page_size=page_size,
-                                                   sliding_window=bool(suffix), rope_scaling=rope_scaling)
-               for suffix in ("", "_sliding_window")}
-    kernels |= {slot: tvm_cache.tree_attention(spec, prefill_tiles, keys=keys, page_size=page_size,
-                                               rope_scaling=rope_scaling)
-                for slot, keys in (("prefill_with_tree_mask", "ragged"),
-                                   ("prefill_with_tree_mask_paged_kv_cache", "paged"))}
-    kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, keys=keys, page_size=page_size,
-                                        sliding_window=slot.endswith("_sliding_window"),
-                                        sliding_window_size=sliding_window_size, rope_scaling=rope_scaling)
-                for slot, keys in (("prefill", "paged"), ("prefill_sliding_window", "paged"),
-                                   ("prefill_ragged", "ragged"))}
-    return kernels | {"merge_state": tvm_cache.merge_state(dtype, vector_lanes(target))}
+    return _slot_kernels(functools.partial(tvm_cache.decode, spec, decode_tiles, rope_scaling=rope_scaling),
+                         functools.partial(tvm_cache.prefill, spec, prefill_tiles, rope_scaling=rope_scaling),
+                         functools.partial(tvm_cache.tree_attention, spec, prefill_tiles, rope_scaling=rope_scaling),
+                         functools.partial(tvm_cache.merge_state, dtype, vector_lanes(target)),
+                         page_size=page_size, sliding_window_size=sliding_window_size)
 
 
 def _cuda_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int, emulated: bool) -> dict:
@@ -407,18 +399,25 @@ def _cuda_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int,
         ("B", None), ("Sq", 1), ("num_blocks", None), ("max_blocks", None))), target)
     prefill_tiles, decode_tiles = (replace(CudaTiles(**knobs), splits=1) for knobs in (prefill_knobs, decode_knobs))
     prefill_launch, decode_launch = dense.launch(prefill_knobs), paged.launch(decode_knobs)
-    kernels = {f"decode{suffix}": tvm_cache.decode(spec, decode_tiles, decode_launch, page_size=page_size,
-                                                   sliding_window=bool(suffix))
-               for suffix in ("", "_sliding_window")}
-    kernels |= {slot: tvm_cache.tree_attention(spec, prefill_tiles, prefill_launch, keys=keys, page_size=page_size)
-                for slot, keys in (("prefill_with_tree_mask", "ragged"),
-                                   ("prefill_with_tree_mask_paged_kv_cache", "paged"))}
-    kernels |= {slot: tvm_cache.prefill(spec, prefill_tiles, prefill_launch, keys=keys, page_size=page_size,
-                                        sliding_window=slot.endswith("_sliding_window"),
-                                        sliding_window_size=sliding_window_size)
-                for slot, keys in (("prefill", "paged"), ("prefill_sliding_window", "paged"),
-                                   ("prefill_ragged", "ragged"))}
-    return kernels | {"merge_state": tvm_cache.merge_state(spec.dtype, decode_launch)}
+    return _slot_kernels(functools.partial(tvm_cache.decode, spec, decode_tiles, decode_launch),
+                         functools.partial(tvm_cache.prefill, spec, prefill_tiles, prefill_launch),
+                         functools.partial(tvm_cache.tree_attention, spec, prefill_tiles, prefill_launch),
+                         functools.partial(tvm_cache.merge_state, spec.dtype, decode_launch),
+                         page_size=page_size, sliding_window_size=sliding_window_size)
+
+
+def _slot_kernels(decode, prefill, tree_attention, merge_state, *, page_size: int, sliding_window_size: int) -> dict:
+    """Slot (``TVM_SLOTS``) -> PrimFunc from one target's four kernel factories (their target's
+    arguments bound): which factory, keys and window each slot takes."""
+    return {"prefill": prefill(keys="paged", page_size=page_size),
+            "decode": decode(page_size=page_size, sliding_window=False),
+            "prefill_sliding_window": prefill(keys="paged", page_size=page_size, sliding_window=True,
+                                              sliding_window_size=sliding_window_size),
+            "decode_sliding_window": decode(page_size=page_size, sliding_window=True),
+            "prefill_ragged": prefill(keys="ragged", page_size=page_size),
+            "prefill_with_tree_mask": tree_attention(keys="ragged", page_size=page_size),
+            "prefill_with_tree_mask_paged_kv_cache": tree_attention(keys="paged", page_size=page_size),
+            "merge_state": merge_state()}
 
 
 def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, *, num_layers: int,

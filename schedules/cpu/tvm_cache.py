@@ -39,7 +39,7 @@ from ...op import semantics as sem
 from ...op.config import AttnConfig
 from ..common import F32, finish, KernelSpec, row_position
 from ..layouts import EMPTY_LSE
-from ..tvm_params import merge_kernel, tvm_kernel
+from ..tvm_params import merge_kernel, prefill_causal_rule, tvm_kernel
 from .forward import ForwardBuffers, ForwardMacros, PagedTile, RowTile, Scratch
 from .tiles import CpuTiles, STREAMING_ROWS
 
@@ -297,9 +297,7 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
 
     ``sliding_window`` (paged keys): TVM's ``batch_prefill_paged_kv_cpu_sliding_window``, the
     new tokens against the cached ones of a sliding-window sequence (length_info [3, B], sinks
-    first). Its causal rule is TVM's ``_causal_or_sliding_cross_mask``: the queries are the
-    tokens after the cached keys, and row i sees the last ``sliding_window_size - 1 - i`` of them
-    (window (W - 1, 0) with delta = kv_len); with ``sliding_window_size`` 0, bottom-right causal.
+    first), its causal rule TVM's cross-window one (``tvm_params.prefill_causal_rule``).
 
     Two parallel phases, as fuel's dense forward: every (sequence, KV head) packs its key tiles
     once (rotated where rotary_mode is 1) into workspaces of O(total keys * D); then every
@@ -310,11 +308,8 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
         raise ValueError("tvm_cache.prefill: sliding_window reads paged keys (keys='paged')")
     _check("prefill", spec, tiles)
     plain = _Task(replace(spec, cfg=AttnConfig()), tiles, rope_scaling or {})
-    if sliding_window and sliding_window_size > 0:
-        causal_task = _Task(replace(spec, cfg=AttnConfig(causal=True, window_size=(sliding_window_size - 1, 0))),
-                            tiles, rope_scaling or {}, queries_after_keys=True)
-    else:
-        causal_task = _Task(replace(spec, cfg=AttnConfig(causal=True)), tiles, rope_scaling or {})
+    causal_cfg, after_keys = prefill_causal_rule(sliding_window, sliding_window_size)
+    causal_task = _Task(replace(spec, cfg=causal_cfg), tiles, rope_scaling or {}, queries_after_keys=after_keys)
     run = _prefill_phases(spec, tiles, plain, causal_task)
 
     @T.macro

@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 
 from ...op.config import AttnConfig
 from ..common import finish, KernelSpec
-from ..tvm_params import merge_kernel, TvmArgs, tvm_kernel
+from ..tvm_params import merge_kernel, prefill_causal_rule, TvmArgs, tvm_kernel
 from .device import F32, Launch
 from .forward import ForwardBuffers, ForwardMacros
 from .tiles import CudaTiles
@@ -103,10 +103,8 @@ def prefill(spec: KernelSpec, tiles: CudaTiles, launch: Launch, *, keys: str, pa
         raise ValueError(f"tvm_cache.prefill: keys must be 'paged' or 'ragged', got {keys!r}")
     if sliding_window and keys != "paged":
         raise ValueError("tvm_cache.prefill: sliding_window reads paged keys (keys='paged')")
-    windowed = sliding_window and sliding_window_size > 0
-    body = _run(*_bodies(spec, tiles, launch, queries_after_keys=windowed,
-                         causal_cfg=AttnConfig(causal=True, window_size=(sliding_window_size - 1, 0)) if windowed
-                         else AttnConfig(causal=True)))
+    causal_cfg, after_keys = prefill_causal_rule(sliding_window, sliding_window_size)
+    body = _run(*_bodies(spec, tiles, launch, causal_cfg=causal_cfg, queries_after_keys=after_keys))
     if keys == "ragged":
         return finish(tvm_kernel("ragged", spec, body, name="batch_prefill_ragged_kv"))
     name = "batch_prefill_paged_kv" + ("_sliding_window" if sliding_window else "")
