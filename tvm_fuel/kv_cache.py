@@ -420,6 +420,52 @@ def _slot_kernels(decode, prefill, tree_attention, merge_state, *, page_size: in
             "merge_state": merge_state()}
 
 
+def tvm_own_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *,
+                    page_size: int = 16, sliding_window_size: int = 1024) -> dict[str, tvm.tirx.PrimFunc]:
+    """TVM 0.27's own kernels for ``TVM_SLOTS``, as ``TIRPagedKVCache`` makes them for ``target``:
+    its CPU kernels on llvm (given TVM's default GPU-fallback schedule where unscheduled, as TVM's
+    tests build them), its GPU kernels on cuda. What fuel's slots are checked and timed against."""
+    from tvm.s_tir import dlight as dl
+
+    from .target import as_target
+
+    target = as_target(target)
+    hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
+    if target.kind.name == "cuda":
+        funcs = dict(
+            prefill=tvm_llm_kv._attention_prefill(hkv, hq, d, dtype, False, {}, target),  # noqa: SLF001
+            decode=tvm_llm_kv._attention_decode(hkv, hq, d, dtype, False, {}, target, page_size),  # noqa: SLF001
+            prefill_sliding_window=tvm_llm_kv._attention_prefill(  # noqa: SLF001
+                hkv, hq, d, dtype, True, {}, target, sliding_window_size=sliding_window_size),
+            decode_sliding_window=tvm_llm_kv._attention_decode(  # noqa: SLF001
+                hkv, hq, d, dtype, True, {}, target, page_size),
+            prefill_ragged=tvm_llm_kv._attention_prefill_ragged(hkv, hq, d, d, dtype, {}, target),  # noqa: SLF001
+            prefill_with_tree_mask=tvm_llm_kv.tree_attn(hkv, hq, d, dtype, {}, target),
+            prefill_with_tree_mask_paged_kv_cache=tvm_llm_kv.tree_attn_with_paged_kv_cache(hkv, hq, d, dtype, {},
+                                                                                            target),
+            merge_state=tvm_llm_kv._merge_state_inplace(hq, d, dtype, target))  # noqa: SLF001
+    else:
+        funcs = dict(
+            prefill=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
+            decode=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, False, {}, page_size),  # noqa: SLF001
+            prefill_sliding_window=tvm_llm_kv._attention_prefill_cpu(  # noqa: SLF001
+                hkv, hq, d, dtype, True, {}, sliding_window_size=sliding_window_size),
+            decode_sliding_window=tvm_llm_kv._attention_decode_cpu(  # noqa: SLF001
+                hkv, hq, d, dtype, True, {}, page_size),
+            prefill_ragged=tvm_llm_kv._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),  # noqa: SLF001
+            prefill_with_tree_mask=tvm_llm_kv.tree_attn_cpu(hkv, hq, d, dtype, {}),
+            prefill_with_tree_mask_paged_kv_cache=tvm_llm_kv.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype,
+                                                                                                {}),
+            merge_state=tvm_llm_kv._merge_state_inplace_cpu(dtype))  # noqa: SLF001
+    scheduled = {}
+    for slot, func in funcs.items():
+        if not func.attrs.get("tirx.is_scheduled", False):
+            with target:
+                func = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({"main": func}))["main"]
+        scheduled[slot] = func
+    return scheduled
+
+
 def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, *, num_layers: int,
                     kernels: str = "fuel", rope_theta: float = 1e4, rope_scale: float = 1.0,
                     page_size: int = 16, sliding_window_size: int = 1024) -> dict[str, tvm.runtime.Function]:
@@ -434,25 +480,16 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     if kernels not in ("fuel", "tvm"):
         raise ValueError(f"kv_cache.runtime_kernels: kernels must be 'fuel' or 'tvm', got {kernels!r}")
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
-    # TVM's CPU kernels for the slots: TIRPagedKVCache builds them from these (TVM's own tests import them too)
+    target = host_target()
+    # the other slots' CPU kernels: TIRPagedKVCache builds them from these (TVM's own tests import them too)
     funcs = dict(
         transpose_append=tvm_llm_kv._kv_cache_transpose_append(hkv, d, dtype),  # noqa: SLF001
         debug_get_kv=tvm_llm_kv._kv_cache_debug_get_kv(num_layers, hkv, d, dtype),  # noqa: SLF001
-        prefill=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
-        decode=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
-        prefill_sliding_window=tvm_llm_kv._attention_prefill_cpu(  # noqa: SLF001
-            hkv, hq, d, dtype, True, {}, sliding_window_size=sliding_window_size),
-        decode_sliding_window=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, True, {}),  # noqa: SLF001
-        prefill_ragged=tvm_llm_kv._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),  # noqa: SLF001
-        prefill_with_tree_mask=tvm_llm_kv.tree_attn_cpu(hkv, hq, d, dtype, {}),
-        prefill_with_tree_mask_paged_kv_cache=tvm_llm_kv.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, {}),
-        merge_state=tvm_llm_kv._merge_state_inplace_cpu(dtype),  # noqa: SLF001
         split_rotary=tvm_llm_kv.llama_rope_with_position_map(rope_theta, rope_scale, d, hq, hkv, dtype, {}),
         copy_single_page=tvm_llm_kv._copy_single_page_cpu(hkv, page_size, d, dtype),  # noqa: SLF001
         compact_kv_copy=tvm_llm_kv._compact_kv_copy_cpu(hkv, d, dtype))  # noqa: SLF001
-    target = host_target()
-    if kernels == "fuel":
-        funcs |= tvm_kernels(hkv, hq, d, dtype, target, page_size=page_size, sliding_window_size=sliding_window_size)
+    slots = tvm_own_kernels if kernels == "tvm" else tvm_kernels
+    funcs |= slots(hkv, hq, d, dtype, target, page_size=page_size, sliding_window_size=sliding_window_size)
     built = {}
     for slot, func in funcs.items():
         mod = tvm.IRModule({"main": func})

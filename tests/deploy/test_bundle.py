@@ -9,6 +9,7 @@ into records that ``tvm_fuel.compile`` applies.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -28,8 +29,10 @@ from tvm_fuel.cli import main
 from tvm_fuel.deploy import bundle as bundle_module
 from tvm_fuel.deploy.bundle import build_bundle, tune_bucket
 from tvm_fuel.deploy.imports import import_results
-from tvm_fuel.deploy.node.environment import CubinStore, source_key
+from tvm_fuel.deploy.node.environment import CubinStore, cubin_name, source_key
+from tvm_fuel.deploy import suites
 from tvm_fuel.deploy.suites import tune_buckets
+from tvm_fuel.kv_cache import TVM_SLOTS
 from tvm_fuel.schedules import rule_for
 from tvm_fuel.tuning.buckets import bucket_module
 from tvm_fuel.tuning.records import TuningRecords
@@ -83,16 +86,24 @@ def test_llvm_bundle_passes_its_check_stage_without_apache_tvm(venv, llvm_bundle
             assert case["status"] == "pass" and case["checks"], case
             assert all(check["ok"] for check in case["checks"])
     assert {c["dtype"] for c in manifest["cases"]} == {"float32", "float16", "bfloat16"}
-    assert all("reference" in c["checks"][0]["what"] for c in report["stages"]["check"]["cases"])
     specs = {c["name"]: c for c in manifest["cases"]}
+    slots = {name for name, c in specs.items() if c["kind"] == "tvm_slots"}
+    for case in report["stages"]["check"]["cases"]:  # ops against the reference, TVM-cache slots against TVM's
+        assert ("vs TVM's kernel" if case["name"] in slots else "reference") in case["checks"][-1]["what"]
     for case in report["stages"]["bench"]["cases"]:  # timed (no PyTorch in this venv), checked against the floor
-        assert set(case["timings"]) == {"tuned", "floor"}
+        assert set(case["timings"]) == ({"tuned", "tvm"} if case["name"] in slots else {"tuned", "floor"})
         for timing in case["timings"].values():  # a finite time, and the rate of the case's own FLOP count
             assert math.isfinite(timing["ms"])
             assert timing["tflops"] == pytest.approx(specs[case["name"]]["flops"] / timing["ms"] / 1e9, rel=1e-12)
-        assert any("vs floor" in check["what"] for check in case["checks"])
-    ops = {c["op"] for c in manifest["cases"]}
+        assert any(("vs TVM's kernel" if case["name"] in slots else "vs floor") in check["what"]
+                   for check in case["checks"])
+    ops = {c["op"] for c in manifest["cases"] if c["kind"] == "op"}
     assert ops == {"flash_attn", "flash_attn_backward", "paged_attn"}
+    # every attention slot of TVM's cache, fuel's kernel beside TVM's, checked and timed (prefill, decode)
+    assert {slot for name in slots for slot in specs[name]["slots"]} == set(TVM_SLOTS)
+    assert {c["stage"] for c in specs.values() if c["kind"] == "tvm_slots"} == {"check", "bench"}
+    assert all({f"{side}_{slot}" for side in ("fuel", "tvm") for slot in specs[name]["slots"]} == set(
+        specs[name]["kernels"]) for name in slots)
     # every case module runs the kernels, not the floor
     assert all(c["kernels"] and "fuel_flash_attn" not in c["kernels"] for c in manifest["cases"])
     assert not list(llvm_bundle.rglob("libtvm_compiler.so"))
@@ -264,7 +275,7 @@ def test_cuda_bundle_holds_a_cubin_per_module(tmp_path, venv):
     out = tmp_path / "cuda"
     manifest = build_bundle(out, target="cuda", arch="sm_90", suite="smoke", python="3.12", log=lambda line: None)
     modules = {c["module"]: c["cubin"] for c in manifest["cases"]}
-    assert len(modules) == 3 and all(key and (out / "cubins" / f"{key}.cubin").exists() for key in modules.values())
+    assert len(modules) == 3 and all(key and (out / "cubins" / cubin_name(key)).exists() for key in modules.values())
     assert not list(out.rglob("libtvm_compiler.so")) and not (out / "runtime" / "tvm" / "3rdparty").exists()
     assert (out / "runtime" / "tvm" / "lib" / "libtvm_runtime_cuda.so").exists()
     assert all("cp312" in wheel for wheel in manifest["runtime"]["wheels"].values())
@@ -282,9 +293,28 @@ def test_cuda_bundle_holds_a_cubin_per_module(tmp_path, venv):
     built.export_library(str(path))
     assert len(source).to_bytes(8, "little") + source.encode() in path.read_bytes()
     store = CubinStore(out / "cubins", "sm_90")
-    (out / "cubins" / f"{source_key(source)}.cubin").write_bytes(b"stored")
+    (out / "cubins" / cubin_name(source_key(source))).write_bytes(gzip.compress(b"stored"))
     assert store.compile(source) == b"stored" and store.hits == 1
     assert store.compile(source + "\n// another source\n")[:4] == b"\x7fELF" and store.misses == 1
+
+
+def test_cuda_suite_holds_tvm_cache_slots_beside_tvms_gpu_kernels():
+    """The GPU bundle checks every attention slot of TVM's cache against TVM's own GPU kernel
+    (GQA 4, 7 and 1; float16 and float32; no RoPE in the kernel, which fuel's CUDA slots refuse)
+    and times one layer's prefill and decode at the issue's sizes, fuel's beside TVM's."""
+    found = [c for c in suites.cases("all", "cuda") if isinstance(c, suites.SlotCase)]
+    checks, timed = [c for c in found if c.stage == "check"], [c for c in found if c.timed]
+    assert len(checks) == 3 and all(set(c.slots) == set(TVM_SLOTS) and c.rotary_modes == (0,) for c in checks)
+    assert {(c.config["num_qo_heads"] // c.config["num_kv_heads"], c.dtype) for c in checks} == {
+        (4, "float16"), (7, "float32"), (1, "float16")}
+    assert sorted(c.slots for c in timed) == [("decode",), ("prefill",)]
+    prefill = next(c for c in timed if c.slots == ("prefill",))
+    assert prefill.config["cached"] == [1536] * 8 and prefill.config["new"] == [512] * 8 and prefill.causal == (1,)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    mod = checks[0].module(target)
+    names = {f"{side}_{slot}" for side in ("fuel", "tvm") for slot in TVM_SLOTS}
+    assert {gv.name_hint for gv in mod.functions} == names
+    assert all(str(mod[name].attrs["global_symbol"]) == name for name in names)
 
 
 @needs_nvcc

@@ -22,6 +22,7 @@ from tvm.runtime import ShapeTuple
 
 import tvm_fuel
 from tvm_fuel.deploy import nvcc
+from tvm_fuel.deploy.node.tvm_slots import check_slots, slot_batch, slot_calls
 from tvm_fuel.kv_cache import FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_SLOTS, tvm_kernels
 
 pytestmark = pytest.mark.integration
@@ -463,22 +464,6 @@ def test_fuel_paged_kv_cache_refuses_what_its_kernels_do_not_serve(option, value
         _nn_model(8, 2, 64, "float32", **{option: value}, **cuda)
 
 
-def _tree_order(parents: list[int]) -> np.ndarray:
-    """[n, 2] int32: each node's depth-first (enter, exit) numbers (TVM's tree_order)."""
-    children = [[node for node, parent in enumerate(parents) if parent == p] for p in range(len(parents))]
-    order, counter = np.zeros((len(parents), 2), "int32"), [0]
-
-    def visit(node):
-        order[node, 0], counter[0] = counter[0], counter[0] + 1
-        for child in children[node]:
-            visit(child)
-        order[node, 1] = counter[0]
-
-    for root in (node for node, parent in enumerate(parents) if parent == -1):
-        visit(root)
-    return order
-
-
 WINDOW = 24  # the sliding-window kernels' window in the direct slot tests (rows drop keys)
 
 
@@ -496,63 +481,16 @@ def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
 
 
 def _compare_slots(config, ours: dict, theirs: dict, rotary_modes):
-    """Every attention slot of ``ours`` against ``theirs`` (slot -> function) on one batch of inputs."""
+    """Every attention slot of ``ours`` against ``theirs`` (slot -> function) on one batch of
+    inputs: the GPU bundle's comparison (``deploy.node.tvm_slots``), run here on CPU kernels."""
     hq, hkv, d, dtype = config
-    rng = np.random.default_rng(1)
-    t = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a))  # noqa: E731
-    cached, new = [0, 1, 17, 97], [3, 1, 5, 9]
-    num_pages = [-(-n // PAGE) for n in cached]
-    page_indptr = np.cumsum([0] + num_pages).astype("int32")
-    pages = rng.standard_normal((page_indptr[-1] + 3, 2, hkv, PAGE, d)).astype(dtype)
-    page_values = rng.permutation(len(pages))[:page_indptr[-1]].astype("int32")
-    last = np.array([n - (p - 1) * PAGE if p else 0 for n, p in zip(cached, num_pages)], "int32")
-    window = np.stack([last, [0, 0, 2, 5], [0, 0, 2, 4]]).astype("int32")  # (last page, offset, sinks)
-    q_indptr = np.cumsum([0] + new).astype("int32")
-    q = rng.standard_normal((q_indptr[-1], hq, d)).astype(dtype)
-    k, v = (rng.standard_normal((q_indptr[-1], hkv, d)).astype(dtype) for _ in range(2))
-    trees = [[-1, 0, 0], [-1], [-1, 0, 1, 0, -1], [-1, 0, 0, 1, 1, 2, 2, 5, 3]]
-    order, order_indptr = np.concatenate([_tree_order(tree) for tree in trees]), q_indptr
-    q_position = rng.integers(0, 50, q_indptr[-1]).astype("int32")
-    k_offset = np.array([4, 0, 7, 30], "int32")
-    scale = d ** -0.5
-    decode_q = q[q_indptr[:-1]]
-    calls = {  # slot -> (arguments before output and lse, the choices of those after them: causal)
-        "prefill": ((q, q_indptr, pages, page_indptr, page_values, last, k_offset, q_position), ((0,), (1,))),
-        "prefill_sliding_window": ((q, q_indptr, pages, page_indptr, page_values, window, k_offset, q_position),
-                                   ((0,), (1,))),
-        "prefill_ragged": ((q, q_indptr, k, v, q_indptr, q_position, k_offset), ((0,), (1,))),
-        "decode": ((decode_q, pages, page_indptr, page_values, last, k_offset, q_position[:4]), ((),)),
-        "decode_sliding_window": ((decode_q, pages, page_indptr, page_values, window, k_offset, q_position[:4]),
-                                  ((),)),
-        "prefill_with_tree_mask": ((q, q_indptr, k, v, q_indptr, q_position, order_indptr, order), ((),)),
-    }
-    for slot, (before, flags) in calls.items():
-        for rotary_mode, after in ((mode, flag) for mode in rotary_modes for flag in flags):
-            rows = len(before[0])
-            outputs = {}
-            for name, kernels in (("fuel", ours), ("tvm", theirs)):
-                out, lse = tvm.runtime.empty((rows, hq, d), dtype), tvm.runtime.empty((rows, hq), "float32")
-                kernels[slot](*map(t, before), out, lse, *after, rotary_mode, 1.0, THETA, scale)
-                outputs[name] = out.numpy().astype("float64"), lse.numpy()
-            where = f"{slot}, rotary_mode {rotary_mode}, {after}"
-            np.testing.assert_allclose(*(outputs[name][0] for name in ("fuel", "tvm")), atol=TOLERANCE[dtype],
-                                       rtol=TOLERANCE[dtype], err_msg=where)
-            fuel_lse, tvm_lse = outputs["fuel"][1], outputs["tvm"][1]
-            empty = fuel_lse == -5e4  # no key seen: TVM's lse is -5e4 or -inf (its sliding prefill)
-            assert np.all(np.isfinite(fuel_lse)) and np.all(tvm_lse[empty] <= -5e4 + 1), where
-            np.testing.assert_allclose(fuel_lse[~empty], tvm_lse[~empty], atol=1e-4, rtol=1e-4, err_msg=where)
-    # tree attention over the pages (its nodes the pages' last keys); TVM's kernel has no inline RoPE
-    outputs, first = {}, q_indptr[2]  # the sequences of 17 and 97 keys, their last 5 and 9 a tree
-    for name, kernels in (("fuel", ours), ("tvm", theirs)):
-        out, lse = tvm.runtime.empty((len(q) - first, hq, d), dtype), tvm.runtime.empty((len(q) - first, hq), "float32")
-        kernels["prefill_with_tree_mask_paged_kv_cache"](
-            *map(t, (q[first:], q_indptr[2:] - first, pages, page_indptr[2:] - page_indptr[2],
-                     page_values[page_indptr[2]:], last[2:], k_offset[2:], q_position[first:])),
-            out, lse, NONE, 1.0, THETA, scale, t(order_indptr[2:] - first), t(order[first:]))
-        outputs[name] = out.numpy().astype("float64"), lse.numpy()
-    for got, want in zip(outputs["fuel"], outputs["tvm"]):
-        np.testing.assert_allclose(got, want, atol=TOLERANCE[dtype] if got.ndim == 3 else 1e-4, rtol=TOLERANCE[dtype],
-                                   err_msg="prefill_with_tree_mask_paged_kv_cache")
+    batch = slot_batch(np.random.default_rng(1), hq, hkv, d, dtype, PAGE, cached=(0, 1, 17, 97), new=(3, 1, 5, 9))
+    calls = slot_calls(batch, TVM_SLOTS, rotary_modes=rotary_modes, theta=THETA)
+    assert {call.slot for call in calls} == set(TVM_SLOTS)
+    checks = check_slots(calls, ours.__getitem__, theirs.__getitem__, tvm.runtime.tensor, dtype)
+    assert any("rows with no key" in check["what"] for check in checks)  # empty rows were among them
+    failed = [check for check in checks if not check["ok"]]
+    assert not failed, failed
 
 
 @pytest.fixture(scope="module", params=["float16", "float32"])

@@ -5,7 +5,7 @@ The bundle folder holds::
     run.py, manifest.json     the entry point and every case (inputs as seeded fills, no data)
     fuel_node/                the node's code (tvm_fuel.deploy.node and tvm_fuel.reference)
     modules/*.so              exported Relax executables (kernels and floor); tune/*.so kernel points
-    cubins/<sha256>.cubin     nvcc's cubin of each CUDA module's source, by the source's hash
+    cubins/<sha256>.cubin.gz  nvcc's cubin of each CUDA module's source (gzip), by the source's hash
     runtime/tvm/              TVM without its compiler library (runtime-only)
     runtime/wheels/*.whl      the apache-tvm-ffi and ml_dtypes wheels for the node's Python
 
@@ -29,6 +29,7 @@ Contents:
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -55,7 +56,7 @@ from ..tuning.measure import input_specs
 from ..tuning.kernels import workloads_of
 from . import suites
 from .runtime import node_runtime
-from .node.environment import NodeError, source_key, written_by_node
+from .node.environment import NodeError, cubin_name, source_key, written_by_node
 from .node.manifest import SCHEMA, bundle_files, read_manifest
 
 ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
@@ -113,11 +114,11 @@ class _Cubins:
         key = source_key(source)
         if key not in self.jobs:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self.jobs[key] = self.pool.submit(self._compile, source, self.folder / f"{key}.cubin")
+            self.jobs[key] = self.pool.submit(self._compile, source, self.folder / cubin_name(key))
         return key
 
     def _compile(self, source: str, path: Path) -> None:
-        path.write_bytes(cuda.compile_cubin(source, self.arch))
+        path.write_bytes(gzip.compress(cuda.compile_cubin(source, self.arch), mtime=0))
 
     def wait(self) -> None:
         for key, job in self.jobs.items():
@@ -145,6 +146,18 @@ def _export(mod: tvm.IRModule, target, kernels: str, path: Path, cubins: _Cubins
         info["kernels"] = used
     built = tvm.compile(legalized, target=target)
     built.export_library(str(path))
+    key = cubins.add(built)
+    if key:
+        info["cubin"] = key
+    return info
+
+
+def _export_kernels(mod: tvm.IRModule, target, path: Path, cubins: _Cubins) -> dict:
+    """A module of scheduled PrimFuncs, built and exported as it is."""
+    built = tvm.compile(mod, target=target)
+    built.export_library(str(path))
+    info = {"module": str(path.relative_to(path.parent.parent)),
+            "kernels": sorted(gv.name_hint for gv in mod.functions)}
     key = cubins.add(built)
     if key:
         info["cubin"] = key
@@ -338,8 +351,12 @@ def _build(out: Path, tvm_target, arch, cases, cubins: _Cubins, tune: bool, tune
     specs = []
     for index, case in enumerate(cases):
         spec = case.spec()
-        mod = suites.case_module(case)
         path = out / "modules" / f"{index:03d}_{_slug(case.name)}"
+        if isinstance(case, suites.SlotCase):  # PrimFuncs already scheduled: no legalization, no floor
+            spec.update(_export_kernels(case.module(tvm_target), tvm_target, path.with_suffix(".so"), cubins))
+            specs.append(spec)
+            continue
+        mod = suites.case_module(case)
         spec.update(_export(mod, tvm_target, "tuned", path.with_suffix(".so"), cubins, case.name))
         if "floor" in case.expect:
             floor = _export(mod, tvm_target, "decomposed", path.with_name(path.name + ".floor.so"), cubins, case.name)

@@ -8,10 +8,15 @@ and additive masks; rows with no visible key; every dtype; the four backward for
 and multi-query over permuted block tables with −1 padding, lengths 0, 1, 17 and long enough for
 split-KV. Tune buckets are the benchmark's shapes.
 
+A ``SlotCase`` is fuel's kernels for the attention slots of TVM's runtime KV cache beside TVM's
+own for the same slots, in one module, run on one batch in TVM's layouts (``node.tvm_slots``):
+compared, and timed side by side in the bench stage.
+
 Contents:
     Case, tensor       -- a case and one input of it
+    SlotCase           -- TVM-cache slot kernels, fuel's and TVM's, on one batch
     cases              -- the cases of a suite for a target kind
-    case_module        -- the Relax module of a case
+    case_module        -- the Relax module of a case (``SlotCase.module``: a slot case's PrimFuncs)
     tune_workloads     -- the static kernel workloads the tune stage measures
     SUITES
 """
@@ -24,6 +29,7 @@ import tvm
 from tvm import relax
 
 from .. import op as fuel_op
+from ..kv_cache import TVM_SLOTS, tvm_kernels, tvm_own_kernels
 from ..bench.cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, cuda_suite, default_suite
 
 SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
@@ -67,6 +73,43 @@ class Case:
                 "outputs": list(self.outputs), "reference_outputs": list(OUTPUTS[reference_op]),
                 "expect": list(self.expect), "torch": self.torch, "timed": self.timed, "scale": self.scale,
                 "flops": self.flops, "bytes_read": self.bytes_read}
+
+
+@dataclass(frozen=True)
+class SlotCase:
+    """Attention slots of TVM's runtime KV cache: fuel's kernel (``fuel_<slot>``) and TVM's own
+    (``tvm_<slot>``) for each, run on the batch ``node.tvm_slots.slot_batch`` draws from ``config``
+    (num_qo_heads, num_kv_heads, head_dim, page_size, cached, new) and ``seed``."""
+
+    stage: str
+    name: str
+    dtype: str
+    config: dict
+    slots: tuple = TVM_SLOTS
+    rotary_modes: tuple = (0,)  # 1 (RoPE in the kernel) on CPUs only: fuel's CUDA slots refuse it
+    causal: tuple = (0, 1)
+    sliding_window_size: int = 24  # small enough that the sliding prefill's rows drop keys
+    timed: bool = False  # the first call (one slot, one flag) timed, fuel's and TVM's side by side
+    flops: float = 0.0
+    bytes_read: float = 0.0
+    seed: int = 0
+
+    def spec(self) -> dict:
+        return {"kind": "tvm_slots", "stage": self.stage, "name": self.name, "dtype": self.dtype,
+                "config": dict(self.config), "slots": list(self.slots), "rotary_modes": list(self.rotary_modes),
+                "causal": list(self.causal), "expect": ["tvm"], "timed": self.timed, "flops": self.flops,
+                "bytes_read": self.bytes_read, "seed": self.seed}
+
+    def module(self, target: tvm.target.Target) -> tvm.IRModule:
+        """fuel's and TVM's kernel of each slot for ``target``, as ``fuel_<slot>`` and ``tvm_<slot>``."""
+        c = self.config
+        shape = (c["num_kv_heads"], c["num_qo_heads"], c["head_dim"], self.dtype, target)
+        options = dict(page_size=c["page_size"], sliding_window_size=self.sliding_window_size)
+        funcs = {}
+        for side, kernels in (("fuel", tvm_kernels(*shape, **options)), ("tvm", tvm_own_kernels(*shape, **options))):
+            funcs |= {f"{side}_{slot}": kernels[slot].with_attr("global_symbol", f"{side}_{slot}")
+                      for slot in self.slots}
+        return tvm.IRModule(funcs)
 
 
 def case_module(case: Case) -> tvm.IRModule:
@@ -158,6 +201,47 @@ _PAGED = [
 ]
 
 
+# TVM-cache slots (Hq, Hkv, D, dtype): GQA groups 4, 7 and 1, head dims 64 and 128, float16 and
+# float32 (TVM's kernels serve no bfloat16), each module ~1.3 MB of cubin and ~1 MB of library
+_SLOTS = [(8, 2, 64, "float16"), (7, 1, 128, "float32"), (4, 4, 128, "float16")]
+
+
+def _slot_config(hq: int, hkv: int, d: int, cached, new) -> dict:
+    return dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16, cached=list(cached), new=list(new))
+
+
+def slot_check_cases(gpu: bool, *, small: bool = False) -> list[SlotCase]:
+    """Every attention slot, fuel's against TVM's, on sequences of 0, 1, 17 and 97 cached keys;
+    RoPE in the kernel (rotary mode 1) on CPUs, where fuel's kernels serve it."""
+    found = []
+    for index, (hq, hkv, d, dtype) in enumerate([(8, 2, 64, "float32")] if small else _SLOTS):
+        found.append(SlotCase("check", f"check/tvm_cache/{dtype}/Hq{hq}-Hkv{hkv}-D{d}/ctx0_1_17_97", dtype,
+                              _slot_config(hq, hkv, d, (0, 1, 17, 97), (3, 1, 5, 9)),
+                              rotary_modes=(0,) if gpu else (0, 1), seed=600 + index))
+    return found
+
+
+def slot_bench_cases(gpu: bool, *, small: bool = False) -> list[SlotCase]:
+    """One layer's prefill (the new tokens against the cached keys, causal) and decode step in
+    TVM's cache, fuel's kernel and TVM's timed side by side: on a GPU the issue's sizes (8
+    sequences, Hq 32, Hkv 8, D 128, float16: 512 new tokens over 1536 cached; a decode at 2048);
+    on a CPU a prefill small enough for TVM's CPU kernel."""
+    if small:
+        hq, hkv, d, dtype, batch, prefill, decode = 4, 2, 64, "float32", 2, (100, 16), 100
+    elif gpu:
+        hq, hkv, d, dtype, batch, prefill, decode = 32, 8, 128, "float16", 8, (1536, 512), 2048
+    else:
+        hq, hkv, d, dtype, batch, prefill, decode = 32, 8, 128, "float32", 8, (256, 64), 2048
+    (cached, new), size = prefill, 2 if dtype == "float16" else 4
+    label = f"{dtype}/B{batch}-Hq{hq}-Hkv{hkv}-D{d}"
+    return [SlotCase("bench", f"bench/tvm_cache/prefill/{label}/new{new}-ctx{cached}", dtype,
+                     _slot_config(hq, hkv, d, [cached] * batch, [new] * batch), slots=("prefill",), causal=(1,),
+                     timed=True, flops=4.0 * hq * d * batch * new * cached, seed=700),
+            SlotCase("bench", f"bench/tvm_cache/decode/{label}/ctx{decode}", dtype,
+                     _slot_config(hq, hkv, d, [decode] * batch, [1] * batch), slots=("decode",), timed=True,
+                     flops=4.0 * hq * d * batch * decode, bytes_read=2.0 * hkv * d * batch * decode * size, seed=701)]
+
+
 def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
     found: list[Case] = []
     forward, backward, paged = (_FORWARD[:3], _BACKWARD[:1], _PAGED[:2]) if small else (_FORWARD, _BACKWARD, _PAGED)
@@ -240,7 +324,7 @@ def small_bench_shapes() -> tuple[list[FlashCase], list[PagedCase]]:
             [PagedCase(2, 4, 2, 64, 16, 100, 128)])
 
 
-def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case]:
+def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case | SlotCase]:
     """Every case of ``suite`` (smoke, check, bench, tune, all) for a cuda or llvm target; ``small``:
     the reduced matrix and bench shapes (in every dtype the target serves)."""
     if suite not in SUITES:
@@ -253,9 +337,11 @@ def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case]:
         found += check_cases(dtypes, small=small)
         if not small:
             found += large_cases("bfloat16" if gpu else "float32")
+        found += slot_check_cases(gpu, small=small)
     if "bench" in stages:
         flash, paged = small_bench_shapes() if small else cuda_suite() if gpu else default_suite()
         found += bench_cases(flash, paged, floor_everywhere=gpu or small)
+        found += slot_bench_cases(gpu, small=small)
     return found
 
 
@@ -268,4 +354,4 @@ def tune_buckets() -> list[tuple[str, dict]]:
                                           dtype=c.dtype)) for c in paged if c.context == c.capacity]
 
 
-__all__ = ["Case", "tensor", "cases", "case_module", "tune_buckets", "SUITES"]
+__all__ = ["Case", "SlotCase", "tensor", "cases", "case_module", "tune_buckets", "SUITES"]

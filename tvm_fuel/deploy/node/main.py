@@ -48,7 +48,7 @@ def _summary(result: dict) -> str:
         parts.append(f"{tuned['ms']:.3f} ms {tuned['tflops']:.1f} TFLOP/s")
         if "gbps" in tuned:
             parts.append(f"{tuned['gbps']:.0f} GB/s")
-        for peer in ("floor", "torch"):
+        for peer in ("floor", "torch", "tvm"):
             if peer in timings:
                 parts.append(f"{peer}/tuned {timings[peer]['ms'] / tuned['ms']:.2f}x")
     if "seconds" in result and isinstance(result["seconds"], float):

@@ -11,6 +11,8 @@ Case kinds (written by ``tvm_fuel.deploy.bundle``):
                the floor's executable and/or PyTorch; timed when ``time`` is set (bench)
     kernel  -- one knob point of a kernel (a PrimFunc of a tuning module), timed
     verify  -- several knob points of one bucket timed side by side, in turns, over rounds
+    tvm_slots -- fuel's and TVM's kernels for the attention slots of TVM's runtime KV cache on one
+               batch (``tvm_slots``): compared; timed side by side in the bench stage
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import peers
+from . import peers, tvm_slots
 from .arrays import make_arrays
 from .compare import DEVICE_SCALE, LSE_TOLERANCE, TOLERANCE, compare
 from .environment import PROTOCOL_FD, CubinStore, NodeError, load_cuda, load_tvm
@@ -216,7 +218,7 @@ def run_verify(node: Node, case: dict) -> dict:
     return {"status": "pass", "seconds": rounds}
 
 
-RUNNERS = {"op": run_op, "kernel": run_kernel, "verify": run_verify}
+RUNNERS = {"op": run_op, "kernel": run_kernel, "verify": run_verify, "tvm_slots": tvm_slots.run_slots}
 
 
 def main(argv: list[str]) -> int:
