@@ -423,20 +423,20 @@ def _slot_kernels(decode, prefill, tree_attention, merge_state, *, page_size: in
 def tvm_own_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *,
                     page_size: int = 16, sliding_window_size: int = 1024) -> dict[str, tvm.tirx.PrimFunc]:
     """TVM 0.27's own kernels for ``TVM_SLOTS``, as ``TIRPagedKVCache`` makes them for ``target``:
-    its CPU kernels on llvm (given TVM's default GPU-fallback schedule where unscheduled, as TVM's
-    tests build them), its GPU kernels on cuda. What fuel's slots are checked and timed against."""
-    from tvm.s_tir import dlight as dl
-
+    its CPU kernels on llvm (``_scheduled``), its GPU kernels on cuda; pages of 16. What fuel's
+    slots are checked and timed against."""
     from .target import as_target
 
     target = as_target(target)
+    if page_size != 16:  # TVM's tree kernels read pages of 16 whatever they are given
+        raise ValueError(f"kv_cache.tvm_own_kernels: TVM's kernels are built for pages of 16, got {page_size}")
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
     if target.kind.name == "cuda":
         funcs = dict(
-            prefill=tvm_llm_kv._attention_prefill(hkv, hq, d, dtype, False, {}, target),  # noqa: SLF001
+            prefill=tvm_llm_kv._attention_prefill(hkv, hq, d, dtype, False, {}, target, page_size),  # noqa: SLF001
             decode=tvm_llm_kv._attention_decode(hkv, hq, d, dtype, False, {}, target, page_size),  # noqa: SLF001
             prefill_sliding_window=tvm_llm_kv._attention_prefill(  # noqa: SLF001
-                hkv, hq, d, dtype, True, {}, target, sliding_window_size=sliding_window_size),
+                hkv, hq, d, dtype, True, {}, target, page_size, sliding_window_size=sliding_window_size),
             decode_sliding_window=tvm_llm_kv._attention_decode(  # noqa: SLF001
                 hkv, hq, d, dtype, True, {}, target, page_size),
             prefill_ragged=tvm_llm_kv._attention_prefill_ragged(hkv, hq, d, d, dtype, {}, target),  # noqa: SLF001
@@ -446,10 +446,10 @@ def tvm_own_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
             merge_state=tvm_llm_kv._merge_state_inplace(hq, d, dtype, target))  # noqa: SLF001
     else:
         funcs = dict(
-            prefill=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, False, {}),  # noqa: SLF001
+            prefill=tvm_llm_kv._attention_prefill_cpu(hkv, hq, d, dtype, False, {}, page_size),  # noqa: SLF001
             decode=tvm_llm_kv._attention_decode_cpu(hkv, hq, d, dtype, False, {}, page_size),  # noqa: SLF001
             prefill_sliding_window=tvm_llm_kv._attention_prefill_cpu(  # noqa: SLF001
-                hkv, hq, d, dtype, True, {}, sliding_window_size=sliding_window_size),
+                hkv, hq, d, dtype, True, {}, page_size, sliding_window_size=sliding_window_size),
             decode_sliding_window=tvm_llm_kv._attention_decode_cpu(  # noqa: SLF001
                 hkv, hq, d, dtype, True, {}, page_size),
             prefill_ragged=tvm_llm_kv._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {}),  # noqa: SLF001
@@ -457,13 +457,18 @@ def tvm_own_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
             prefill_with_tree_mask_paged_kv_cache=tvm_llm_kv.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype,
                                                                                                 {}),
             merge_state=tvm_llm_kv._merge_state_inplace_cpu(dtype))  # noqa: SLF001
-    scheduled = {}
-    for slot, func in funcs.items():
-        if not func.attrs.get("tirx.is_scheduled", False):
-            with target:
-                func = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({"main": func}))["main"]
-        scheduled[slot] = func
-    return scheduled
+    return {slot: _scheduled(func, target) for slot, func in funcs.items()}
+
+
+def _scheduled(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
+    """``func`` as TVM's tests build its KV-cache kernels: as it is when scheduled, else under
+    dlight's fallback schedule (TVM's CPU kernels are plain loops)."""
+    from tvm.s_tir import dlight as dl
+
+    if func.attrs.get("tirx.is_scheduled", False):
+        return func
+    with target:
+        return dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({"main": func}))["main"]
 
 
 def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, *, num_layers: int,
@@ -473,8 +478,6 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     kernels (as ``TIRPagedKVCache`` builds them for llvm, scheduled as TVM's tests do), with fuel's
     in ``TVM_SLOTS`` unless ``kernels`` is "tvm". For driving the runtime cache without a Relax
     model (``runtime_cache``: benchmarks, tests); a model uses ``FuelPagedKVCache``."""
-    from tvm.s_tir import dlight as dl
-
     from .target import host_target
 
     if kernels not in ("fuel", "tvm"):
@@ -492,12 +495,8 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     funcs |= slots(hkv, hq, d, dtype, target, page_size=page_size, sliding_window_size=sliding_window_size)
     built = {}
     for slot, func in funcs.items():
-        mod = tvm.IRModule({"main": func})
-        if not func.attrs.get("tirx.is_scheduled", False):
-            with target:
-                mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
         symbol = str(func.attrs["global_symbol"]) if "global_symbol" in func.attrs else "main"
-        built[slot] = tvm.compile(mod, target=target)[symbol]
+        built[slot] = tvm.compile(tvm.IRModule({"main": _scheduled(func, target)}), target=target)[symbol]
     return built
 
 

@@ -25,12 +25,12 @@ import tvm
 
 import tvm_fuel
 from tvm_fuel.deploy import nvcc as cuda
+from tvm_fuel.deploy import suites
 from tvm_fuel.cli import main
 from tvm_fuel.deploy import bundle as bundle_module
 from tvm_fuel.deploy.bundle import build_bundle, tune_bucket
 from tvm_fuel.deploy.imports import import_results
 from tvm_fuel.deploy.node.environment import CubinStore, cubin_name, source_key
-from tvm_fuel.deploy import suites
 from tvm_fuel.deploy.suites import tune_buckets
 from tvm_fuel.kv_cache import TVM_SLOTS
 from tvm_fuel.schedules import rule_for
@@ -309,7 +309,7 @@ def test_cuda_suite_holds_tvm_cache_slots_beside_tvms_gpu_kernels():
         (4, "float16"), (7, "float32"), (1, "float16")}
     assert sorted(c.slots for c in timed) == [("decode",), ("prefill",)]
     prefill = next(c for c in timed if c.slots == ("prefill",))
-    assert prefill.config["cached"] == [1536] * 8 and prefill.config["new"] == [512] * 8 and prefill.causal == (1,)
+    assert prefill.config["cached"] == [1536] * 8 and prefill.config["new"] == [512] * 8 and prefill.causal == (0,)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     mod = checks[0].module(target)
     names = {f"{side}_{slot}" for side in ("fuel", "tvm") for slot in TVM_SLOTS}

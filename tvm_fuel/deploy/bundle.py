@@ -4,7 +4,8 @@ The bundle folder holds::
 
     run.py, manifest.json     the entry point and every case (inputs as seeded fills, no data)
     fuel_node/                the node's code (tvm_fuel.deploy.node and tvm_fuel.reference)
-    modules/*.so              exported Relax executables (kernels and floor); tune/*.so kernel points
+    modules/*.so              exported Relax executables (kernels and floor), libraries of TVM-cache
+                              slot kernels (fuel's and TVM's); tune/*.so kernel points
     cubins/<sha256>.cubin.gz  nvcc's cubin of each CUDA module's source (gzip), by the source's hash
     runtime/tvm/              TVM without its compiler library (runtime-only)
     runtime/wheels/*.whl      the apache-tvm-ffi and ml_dtypes wheels for the node's Python

@@ -30,7 +30,8 @@ from tvm import relax
 
 from .. import op as fuel_op
 from ..kv_cache import TVM_SLOTS, tvm_kernels, tvm_own_kernels
-from ..bench.cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, cuda_suite, default_suite
+from ..bench.cases import (FLOOR_MAX_SCORES, FlashCase, PagedCase, attention_flops, cuda_suite,
+                           default_suite, kv_bytes)
 
 SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
           "all": ("smoke", "check", "bench", "tune")}
@@ -222,7 +223,8 @@ def slot_check_cases(gpu: bool, *, small: bool = False) -> list[SlotCase]:
 
 
 def slot_bench_cases(gpu: bool, *, small: bool = False) -> list[SlotCase]:
-    """One layer's prefill (the new tokens against the cached keys, causal) and decode step in
+    """One layer's prefill (the new tokens against the cached keys: causal 0, as the runtime calls
+    the paged slot when the new tokens' own keys go to the ragged one) and decode step in
     TVM's cache, fuel's kernel and TVM's timed side by side: on a GPU the issue's sizes (8
     sequences, Hq 32, Hkv 8, D 128, float16: 512 new tokens over 1536 cached; a decode at 2048);
     on a CPU a prefill small enough for TVM's CPU kernel."""
@@ -235,11 +237,13 @@ def slot_bench_cases(gpu: bool, *, small: bool = False) -> list[SlotCase]:
     (cached, new), size = prefill, 2 if dtype == "float16" else 4
     label = f"{dtype}/B{batch}-Hq{hq}-Hkv{hkv}-D{d}"
     return [SlotCase("bench", f"bench/tvm_cache/prefill/{label}/new{new}-ctx{cached}", dtype,
-                     _slot_config(hq, hkv, d, [cached] * batch, [new] * batch), slots=("prefill",), causal=(1,),
-                     timed=True, flops=4.0 * hq * d * batch * new * cached, seed=700),
+                     _slot_config(hq, hkv, d, [cached] * batch, [new] * batch), slots=("prefill",), causal=(0,),
+                     timed=True, flops=attention_flops(batch, hq, new, cached, d, causal=False, backward=False),
+                     seed=700),
             SlotCase("bench", f"bench/tvm_cache/decode/{label}/ctx{decode}", dtype,
                      _slot_config(hq, hkv, d, [decode] * batch, [1] * batch), slots=("decode",), timed=True,
-                     flops=4.0 * hq * d * batch * decode, bytes_read=2.0 * hkv * d * batch * decode * size, seed=701)]
+                     flops=attention_flops(batch, hq, 1, decode, d, causal=False, backward=False),
+                     bytes_read=kv_bytes(batch, decode, hkv, d, size), seed=701)]
 
 
 def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:

@@ -4,5 +4,6 @@ It imports nothing of tvm_fuel and nothing of TVM's compiler: Python, numpy, the
 runtime-only TVM and, when present, PyTorch. Modules: ``main`` (the stages, ``run.py``),
 ``worker`` (one process running cases), ``manifest`` (its schema, checked before anything runs),
 ``environment`` (the runtime, CUDA, the cubin store),
-``arrays`` (seeded inputs), ``compare`` (tolerances), ``peers`` (PyTorch's side).
+``arrays`` (seeded inputs), ``compare`` (tolerances), ``peers`` (PyTorch's side), ``tvm_slots``
+(TVM's runtime KV-cache slots, fuel's kernels against TVM's).
 """

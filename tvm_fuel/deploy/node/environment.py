@@ -188,7 +188,8 @@ def load_cuda(tvm) -> None:
 
 
 def source_key(source: str) -> str:
-    """The name a CUDA source's cubin is stored under (bundle and node agree on it)."""
+    """The key of a CUDA source (its SHA-256), which names its cubin (``cubin_name``): bundle and
+    node agree on it."""
     return hashlib.sha256(source.encode()).hexdigest()
 
 
