@@ -124,6 +124,14 @@ def as_int(op: str, name: str, value: Any) -> int:
         raise TypeError(f"{op}: {name} must be an int, got {value!r}") from None
 
 
+def positive_int(op: str, name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (``as_int``'s rules); ValueError naming ``op`` and ``name`` below 1."""
+    value = as_int(op, name, value)
+    if value < 1:
+        raise ValueError(f"{op}: {name} must be a positive int, got {value}")
+    return value
+
+
 def as_bool(op: str, name: str, value: Any) -> bool:
     """``value`` as a Python bool: only bools and numpy bools qualify (``causal=2`` is a mistake)."""
     if not isinstance(value, (bool, np.bool_)):
