@@ -136,7 +136,7 @@ def _floor_names() -> set[str]:
 
 def _export(mod: tvm.IRModule, target, kernels: str, path: Path, cubins: _Cubins, what: str) -> dict:
     legalized = legalize(mod, target, kernels=kernels)
-    info = {"module": str(path.relative_to(path.parent.parent))}
+    info = {}
     if kernels == "tuned":
         funcs = {gv.name_hint: f for gv, f in legalized.functions.items() if isinstance(f, tirx.PrimFunc)}
         used = {name: str(f.attrs["fuel.knobs"]) for name, f in funcs.items()
@@ -145,20 +145,19 @@ def _export(mod: tvm.IRModule, target, kernels: str, path: Path, cubins: _Cubins
         if not used or floors:
             raise RuntimeError(f"tvm_fuel bundle: {what} falls back to the floor ({floors or 'no kernel'}) on {target}")
         info["kernels"] = used
-    built = tvm.compile(legalized, target=target)
-    built.export_library(str(path))
-    key = cubins.add(built)
-    if key:
-        info["cubin"] = key
-    return info
+    return {**_write(legalized, target, path, cubins), **info}
 
 
 def _export_kernels(mod: tvm.IRModule, target, path: Path, cubins: _Cubins) -> dict:
     """A module of scheduled PrimFuncs, built and exported as it is."""
+    return {**_write(mod, target, path, cubins), "kernels": sorted(gv.name_hint for gv in mod.functions)}
+
+
+def _write(mod: tvm.IRModule, target, path: Path, cubins: _Cubins) -> dict:
+    """``mod`` built and exported to ``path`` (its cubin compiling meanwhile): module and cubin keys."""
     built = tvm.compile(mod, target=target)
     built.export_library(str(path))
-    info = {"module": str(path.relative_to(path.parent.parent)),
-            "kernels": sorted(gv.name_hint for gv in mod.functions)}
+    info = {"module": str(path.relative_to(path.parent.parent))}
     key = cubins.add(built)
     if key:
         info["cubin"] = key

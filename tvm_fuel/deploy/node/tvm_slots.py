@@ -79,7 +79,7 @@ def slot_batch(rng: np.random.Generator, num_qo_heads: int, num_kv_heads: int, h
                page_size: int, cached, new) -> dict:
     """The batch's arrays (module docstring); window offsets and sinks grow with the sequence
     (none below 8 keys; a window offset past the sinks from 65 keys)."""
-    hq, hkv, d, name, dtype = num_qo_heads, num_kv_heads, head_dim, dtype, numpy_dtype(dtype)
+    hq, hkv, d, dtype = num_qo_heads, num_kv_heads, head_dim, numpy_dtype(dtype)
     cached, new = [int(n) for n in cached], [int(n) for n in new]
     num_pages = [-(-n // page_size) for n in cached]
     page_indptr = np.cumsum([0] + num_pages).astype("int32")
@@ -97,9 +97,9 @@ def slot_batch(rng: np.random.Generator, num_qo_heads: int, num_kv_heads: int, h
     merge = [rng.standard_normal((total, hq, d), dtype="float32").astype(dtype) for _ in range(2)]
     merge += [rng.standard_normal((total, hq)).astype("float32") * 4 for _ in range(2)]
     merge[2][::3], merge[3][1::5] = EMPTY_LSE, EMPTY_LSE
-    return dict(dtype=name, merge=merge, cached=cached, new=new, q=q,
+    return dict(merge=merge, cached=cached, new=new, q=q,
                 q_indptr=q_indptr, k=k, v=v, pages=pages, page_indptr=page_indptr, page_values=page_values, last=last,
-                window=np.stack([last, offsets, sinks]).astype("int32"), trees=trees,
+                window=np.stack([last, offsets, sinks]).astype("int32"),
                 tree_order=np.concatenate([tree_order(t) for t in trees] or [np.zeros((0, 2), "int32")]),
                 q_position=rng.integers(0, 50, total).astype("int32"),
                 k_offset=rng.integers(0, 32, len(cached)).astype("int32"))
