@@ -132,13 +132,17 @@ class _CudaRule(KernelRule):
         return points
 
     def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
-        """The first candidate tile shape whose shared memory and registers fit the target (the
-        last that fits the shared memory where none keeps to the register budget)."""
+        """The first candidate tile shape whose shared memory and registers fit the target; where
+        none keeps to the register budget (large head dims: at 256 the O fragment alone is 128
+        floats a thread), the first of those needing the fewest accumulators, so the block keeps
+        its warps (the smallest tile would run one warp)."""
         spec, limit = workload.spec, self._shared_limit(target)
         fitting = [tiles for tiles in candidates if self.check_knobs(workload, asdict(tiles)) is None
                    and shared_memory_fits(*self.smem(spec.dtype, spec.head_dim, tiles), limit)]
-        lean = [tiles for tiles in fitting if self.accumulators(workload, tiles) <= self.register_limit()]
-        return (lean or fitting[-1:] or [None])[0]
+        if not fitting:
+            return None
+        budget = max(self.register_limit(), min(self.accumulators(workload, tiles) for tiles in fitting))
+        return next(tiles for tiles in fitting if self.accumulators(workload, tiles) <= budget)
 
     def _candidates(self, workload: Workload) -> list[CudaTiles]:
         half = workload.spec.dtype in HALF_TYPES

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from helpers import (PinnedKnobs, assert_close, assert_pinned, build, buffers_growing_with, flatten,
+from helpers import (PinnedKnobs, applied_knobs, assert_close, assert_pinned, build, buffers_growing_with, flatten,
                      legalize_checked, legalize_cuda_emulated, randn)
 from tvm import relax, tirx
 
@@ -279,6 +279,33 @@ def test_rules_decline_old_architectures_and_unfit_tiles():
                 dict(q=((1, 2, 64, 1024), "float32"), k=((1, 2, 64, 1024), "float32"),
                      v=((1, 2, 64, 1024), "float32")))
     assert not _kernel_funcs(tvm_fuel.transform.legalize(big, _target("sm_80"), kernels="tuned"))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim", [80, 256])
+def test_large_head_dims_are_kernels_that_keep_their_warps(head_dim):
+    """sm_90, float16: the forward, backward and paged decode at head dims 80 and 256 are kernels
+    (not the floor), compile and fit; at 256 no tile keeps to the forward's register budget (the O
+    fragment alone is 128 floats a thread), and the rule takes the tile needing the fewest
+    accumulators with four warps, not the one-warp 16 x 16 tile, and ptxas keeps it in registers."""
+    target = _target("sm_90")
+    for mod in (_flash("float16", d=head_dim, causal=True), _backward("float16", d=head_dim),
+                _paged("float16", d=head_dim)):
+        legalized = tvm_fuel.transform.legalize(mod, target, kernels="tuned")
+        kernels = _kernel_funcs(legalized)
+        leftover = [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
+                    and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+        assert kernels and not leftover, f"floor used for {leftover}"
+        built, usage = cuda.build_with_shared_memory(legalized, target)
+        assert usage and all(static + dynamic <= SHARED_MEMORY_LIMIT["sm_90"] for static, dynamic in usage.values())
+        report = cuda.ptxas_report(cuda.cuda_source(built), "sm_90")
+        for name, func in kernels.items():
+            if "backward" in name:
+                continue  # at 256 its dK and dV strips outgrow the registers (README: what is left)
+            assert applied_knobs(func)["threads"] == 128, (name, applied_knobs(func))
+            spilled = {k: r for k, r in report.items()
+                       if k.startswith(name) and (r["spill_stores"] or r["stack_frame"])}
+            assert not spilled, spilled
 
 
 def test_split_kv_for_long_decode_contexts():
