@@ -42,7 +42,7 @@ from .. import op
 from ..build import compile as fuel_compile
 from ..target import host_target
 from ..deploy.node.peers import paged_gather_sdpa
-from .cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite
+from .cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite, head_dim_suite
 from ..schedules.cpu.tiles import vector_lanes
 from ..threads import physical_cores, thread_count
 
@@ -357,7 +357,7 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
                     "threads": {"tvm": tvm.runtime.num_threads(), "torch": torch.get_num_threads() if torch else None},
                     "platform": platform.platform(), "tvm": tvm.__version__,
                     "torch": torch.__version__ if torch is not None else None, "target": str(target)},
-        "cases": [], "sweep": [],
+        "cases": [], "head_dims": [], "sweep": [],
     }
     report["machine"].update(machine_peaks(target))
     peaks = report["machine"]
@@ -375,6 +375,8 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
     report["paged_occupancy_speedup"] = full["results"]["tuned"]["ms"] / quarter["results"]["tuned"]["ms"]
     # bfloat16 reads half the bytes of float32 at the same shape: 0.5 when time follows bytes
     report["paged_bf16_time_ratio"] = half_width["results"]["tuned"]["ms"] / full["results"]["tuned"]["ms"]
+    for case in head_dim_suite():
+        report["head_dims"].append(_summarize(case, _flash_timings(case, target, with_floor=False), peaks))
     if sweep:
         for s in (256, 512, 1024, 2048):
             for causal in (False, True):
@@ -417,7 +419,7 @@ def _print(report: dict) -> None:
 
     print(f"\n{'case':<48} {'tuned':>20} {'hand-picked':>20} {'torch':>20} {'floor':>20} {'tuned/torch':>11} "
           f"{'floor/tuned':>11} {'hand/tuned':>10} {'of peak':>8}")
-    for c in report["cases"]:
+    for c in report["cases"] + report.get("head_dims", []):
         unit = "gbps" if c["kind"] == "paged" else "gflops"
         r = c["results"]
         frac = c.get("read_fraction", c.get("fma_fraction"))

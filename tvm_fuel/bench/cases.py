@@ -7,6 +7,7 @@ Contents:
     attention_flops, kv_bytes -- the work of a case
     FlashCase, PagedCase      -- one benchmark shape (with a dtype)
     default_suite             -- the CPU benchmark's shapes
+    head_dim_suite            -- forward rows at the head dims models use beyond 64 and 128
     cuda_suite                -- the CUDA benchmark's shapes (bf16, H200-sized)
     FLOOR_MAX_SCORES
 """
@@ -82,6 +83,12 @@ def default_suite() -> tuple[list[FlashCase], list[PagedCase]]:
     paged = [PagedCase(8, 32, 8, 128, 16, 4096, 4096), PagedCase(8, 32, 8, 128, 16, 1024, 4096),
              PagedCase(8, 32, 8, 128, 16, 4096, 4096, dtype="bfloat16")]
     return flash, paged
+
+
+def head_dim_suite() -> list[FlashCase]:
+    """Forward at S 2048 over head dims 80, 96, 112, 160, 192 and 256 (Phi, Mixtral-era models,
+    Gemma): not tuning buckets, so their rows run the rules' hand-picked knobs."""
+    return [FlashCase(1, 8, 2048, d, causal) for d in (80, 96, 112, 160, 192, 256) for causal in (False, True)]
 
 
 def cuda_suite() -> tuple[list[FlashCase], list[PagedCase]]:
