@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 from math import gcd
 from dataclasses import asdict, replace
 
 import tvm
 from tvm import relax, tirx
 
+from ...diagnostics import FloorWarning
 from ...op import SPECS
 from ..base import KernelRule, Knobs, dense_workload, paged_workload
 from ..workload import Workload
@@ -189,7 +191,14 @@ class _CudaRule(KernelRule):
         return {name: tuple(sorted(set(values) | {default[name]})) for name, values in space.items()}
 
     def _serves(self, workload: Workload | None, target: tvm.target.Target) -> Workload | None:
-        if workload is None or self._fitting(workload, target, self._candidates(workload)) is None:
+        if workload is None:
+            return None
+        if self._fitting(workload, target, self._candidates(workload)) is None:
+            smallest = min(sum(self.smem(workload.spec.dtype, workload.spec.head_dim, tiles))
+                           for tiles in self._candidates(workload))
+            warnings.warn(f"tvm_fuel: {workload.describe()} on {self._arch(target)}: no tile shape "
+                          f"fits a block's {self._shared_limit(target)} bytes of shared memory (the smallest needs "
+                          f"{smallest}); the floor serves this call", FloorWarning, stacklevel=2)
             return None
         return workload
 
