@@ -12,6 +12,11 @@ Contents:
     flash_attn, flash_attn_backward, paged_attn, gather_pages, softmax_backward, visible_keys,
     layer_norm_backward, rms_norm_backward
     flash_attn_jvp, flash_attn_double_backward -- forward mode and the backward's VJP (issue 16)
+    flash_attn_varlen, flash_attn_varlen_backward -- packed variable-length batches (cu_seqlens)
+
+Sinks (``sinks [Hq]``, gpt-oss's learned logits): one more column in each row's softmax holding
+``sinks[h]`` as it is (not scaled, capped or masked), that weighs no value. A row keeping no key
+then gives 0 and ``lse = sinks[h]``; its gradient is ``-sum_i exp(sinks[h] - lse_i) * rowsum(do_i * out_i)``.
 """
 
 from __future__ import annotations
@@ -65,8 +70,13 @@ def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, s
     return capped, np.where(keep, logits, -np.inf)
 
 
-def _softmax(logits):
-    """(P, lse) with P = 0 and lse = -inf on rows that keep no key; a NaN logit makes its row NaN."""
+def _softmax(logits, sinks=None):
+    """(P, lse) with P = 0 and lse = -inf on rows that keep no key; a NaN logit makes its row NaN.
+    With ``sinks`` ([Hq]) each row's softmax has one more column, sinks[h], dropped from P."""
+    if sinks is not None:
+        sink = np.broadcast_to(_f64(sinks)[None, :, None, None], logits.shape[:-1] + (1,))
+        p, lse = _softmax(np.concatenate([logits, sink], axis=-1))
+        return p[..., :-1], lse
     with np.errstate(invalid="ignore"):
         # NaN when the row holds one; -inf for a row of no keys at all (Sk = 0), like a masked row
         row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -97,23 +107,25 @@ def _transposed(w):
 
 
 def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
-               window_size=(-1, -1), softcap=0.0, return_lse=False):
-    """out [B, Hq, Sq, D] (and lse [B, Hq, Sq]) in float64; see ``tvm_fuel.op.flash_attn``."""
+               window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+    """out [B, Hq, Sq, D] (and lse [B, Hq, Sq]) in float64; see ``tvm_fuel.op.flash_attn``;
+    ``sinks`` [Hq]: see the module's docstring."""
     _, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
-    p, lse = _softmax(logits)
+    p, lse = _softmax(logits, sinks)
     out = _weighted_sum(p, np.repeat(_f64(v), q.shape[1] // v.shape[1], axis=1))
     return (out, lse) if return_lse else out
 
 
 def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
-                        window_size=(-1, -1), softcap=0.0):
-    """(dq, dk, dv) in float64 for the loss ``sum(out * do)``; masks and ALiBi are constants."""
+                        window_size=(-1, -1), softcap=0.0, sinks=None):
+    """(dq, dk, dv) in float64 for the loss ``sum(out * do)``; masks and ALiBi are constants. With
+    ``sinks``, (dq, dk, dv, dsinks), dsinks [Hq]."""
     B, Hq, Sq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
-    p, _ = _softmax(logits)
+    p, lse = _softmax(logits, sinks)
     kr, vr, do = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1), _f64(do)
     with np.errstate(invalid="ignore"):
         dv = _weighted_sum(_transposed(p), do)
@@ -129,7 +141,12 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, *, softm
     def per_kv_head(x):  # sum the query heads of each GQA group
         return x.reshape(B, Hkv, group, *x.shape[2:]).sum(axis=2)
 
-    return dq, per_kv_head(dk), per_kv_head(dv)
+    if sinks is None:
+        return dq, per_kv_head(dk), per_kv_head(dv)
+    # the sink column's dP is 0 (it weighs no value): its dS is -P_sink * rowsum(P * dP)
+    p_sink = np.exp(_f64(sinks)[None, :, None] - lse)
+    dsinks = -(p_sink * p_dp.sum(axis=-1)).sum(axis=(0, 2))
+    return dq, per_kv_head(dk), per_kv_head(dv), dsinks
 
 
 def _zeros_or(x, like):
@@ -220,7 +237,7 @@ def gather_pages(cache, block_table_row, kv_len: int) -> np.ndarray:
 
 
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0):
+               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
     """out [B, Hq, Sq, D] float64: each sequence's queries are the last Sq of its context."""
     B, Hq, Sq, D = q.shape
     out = np.zeros((B, Hq, Sq, D))
@@ -231,8 +248,50 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         k = gather_pages(k_cache, block_table[b], kv_len)[None]
         v = gather_pages(v_cache, block_table[b], kv_len)[None]
         out[b] = flash_attn(q[b:b + 1], k, v, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, softcap=softcap)[0]
+                            window_size=window_size, softcap=softcap, sinks=sinks)[0]
     return out
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(slice of q rows, slice of k rows) of each sequence of a packed batch."""
+    cq, ck = (np.asarray(c).astype(np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def _as_batch(x):
+    """[S, H, D] rows of one sequence -> [1, H, S, D]."""
+    return np.swapaxes(np.asarray(x), 0, 1)[None]
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *, softmax_scale=None, causal=False,
+                      window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+    """FlashAttention's packed layout: q [total_q, Hq, D], k, v [total_k, Hkv, D], sequence b at
+    rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; every option (causal bottom-right) per sequence.
+    out [total_q, Hq, D] and lse [Hq, total_q], float64."""
+    out = np.zeros(np.shape(q))
+    lse = np.full((np.shape(q)[1], np.shape(q)[0]), -np.inf)
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, l_ = flash_attn(_as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), alibi_slopes,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                           sinks=sinks, return_lse=True)
+        out[rows_q], lse[:, rows_q] = np.swapaxes(o[0], 0, 1), l_[0]
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *, softmax_scale=None,
+                               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
+    """(dq, dk, dv) of ``flash_attn_varlen`` in its packed layout (and dsinks [Hq] with sinks)."""
+    dq, dk, dv = np.zeros(np.shape(q)), np.zeros(np.shape(k)), np.zeros(np.shape(v))
+    dsinks = None if sinks is None else np.zeros(np.shape(sinks))
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        grads = flash_attn_backward(_as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]),
+                                    _as_batch(do[rows_q]), alibi_slopes, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=window_size, softcap=softcap, sinks=sinks)
+        for packed, grad, rows in zip((dq, dk, dv), grads, (rows_q, rows_k, rows_k)):
+            packed[rows] = np.swapaxes(grad[0], 0, 1)
+        if sinks is not None:
+            dsinks += grads[3]
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 def softmax_backward(probs, dprobs, *, axis: int = -1):
