@@ -255,6 +255,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
 def _sequences(cu_seqlens_q, cu_seqlens_k):
     """(slice of q rows, slice of k rows) of each sequence of a packed batch."""
     cq, ck = (np.asarray(c).astype(np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    assert cq.shape == ck.shape and cq.ndim == 1, "cu_seqlens_q and cu_seqlens_k must both be [B + 1]"
     return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
 
 

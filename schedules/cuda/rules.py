@@ -136,8 +136,9 @@ class _CudaRule(KernelRule):
     def _fitting(self, workload: Workload, target: tvm.target.Target, candidates) -> CudaTiles | None:
         """The first candidate tile shape whose shared memory and registers fit the target; where
         none keeps to the register budget (large head dims: at 256 the O fragment alone is 128
-        floats a thread), the first of those needing the fewest accumulators, so the block keeps
-        its warps (the smallest tile would run one warp)."""
+        floats a thread), the first of those needing the fewest accumulators (the forward at 256:
+        32 x 32 on four warps, where the last candidate would run one warp; the backward's fewest
+        is its 16 x 16 tile, now two stages deep)."""
         spec, limit = workload.spec, self._shared_limit(target)
         fitting = [tiles for tiles in candidates if self.check_knobs(workload, asdict(tiles)) is None
                    and shared_memory_fits(*self.smem(spec.dtype, spec.head_dim, tiles), limit)]
@@ -195,7 +196,7 @@ class _CudaRule(KernelRule):
             return None
         if self._fitting(workload, target, self._candidates(workload)) is None:
             smallest = min(sum(self.smem(workload.spec.dtype, workload.spec.head_dim, tiles))
-                           for tiles in self._candidates(workload))
+                           for tiles in self._candidates(workload) if self.check_knobs(workload, asdict(tiles)) is None)
             warnings.warn(f"tvm_fuel: {workload.describe()} on {self._arch(target)}: no tile shape "
                           f"fits a block's {self._shared_limit(target)} bytes of shared memory (the smallest needs "
                           f"{smallest}); the floor serves this call", FloorWarning, stacklevel=2)

@@ -46,6 +46,20 @@ def _gpt_oss_attention(q, k, v, sinks, keep):
     return torch.einsum("bhij,bhjd->bhid", probs, v)
 
 
+def test_sinks_are_not_capped_scaled_or_masked():
+    """The sink column holds sinks[h] as given, whatever softcap, softmax_scale and the window do
+    to the scores (gpt-oss has no softcap: the rule is written out here by hand)."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 2, 5, 8)), rng.standard_normal((1, 2, 9, 8)), rng.standard_normal((1, 2, 9, 8))
+    sinks = np.array([3.0, -40.0])
+    options = dict(softcap=0.5, softmax_scale=0.7, window_size=(2, 0))
+    _, logits = ref.flash_attn(q, k, v, return_lse=True, **options)  # the lse without the sink
+    out, lse = ref.flash_attn(q, k, v, sinks=sinks, return_lse=True, **options)
+    np.testing.assert_allclose(lse, np.logaddexp(logits, sinks[None, :, None]), rtol=1e-12)
+    weight = np.exp(logits - lse)  # the keys' share of each row; the sink takes the rest
+    np.testing.assert_allclose(out, ref.flash_attn(q, k, v, **options) * weight[..., None], rtol=1e-12)
+
+
 @pytest.mark.parametrize("sq,sk,group,options", [(17, 33, 3, dict(causal=True)), (33, 17, 1, dict(causal=True)),
                                                  (1, 97, 7, dict()), (17, 40, 2, dict(window_size=(8, 0)))])
 def test_sinks_match_gpt_oss(sq, sk, group, options):
@@ -71,21 +85,26 @@ def test_sinks_match_gpt_oss(sq, sk, group, options):
 
 def _sdpa_sequence(q, k, v, slopes, options):
     """One sequence [1, H, S, D] through PyTorch: SDPA with an additive mask (window, causal,
-    ALiBi); softcap by hand, as SDPA has none. Rows that keep no key are 0."""
+    ALiBi); softcap by hand, as SDPA has none. Rows that keep no key are 0. Also the rows' lse
+    [H, S] (by hand; -inf for rows that keep no key)."""
     sq, sk = q.shape[2], k.shape[2]
     keep = _keep(sq, sk, options.get("window_size", (-1, -1)), options.get("causal", False))
     distance = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs()
     bias = (-slopes[None, :, None, None] * distance).masked_fill(~keep, float("-inf"))
     bias = bias.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no NaN (nor NaN gradient) from empty rows
     group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.einsum("bhid,bhjd->bhij", q, kr) / math.sqrt(q.shape[-1])
     if options.get("softcap", 0) > 0:
         cap = options["softcap"]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        s = cap * torch.tanh(torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1]) / cap)
-        out = torch.einsum("bhij,bhjd->bhid", torch.softmax(s + bias, dim=-1), v)
+        s = cap * torch.tanh(s / cap)
+        out = torch.einsum("bhij,bhjd->bhid", torch.softmax(s + bias, dim=-1), vr)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=group > 1)
-    return torch.where(keep.any(-1)[None, None, :, None], out, torch.zeros_like(out))
+    rows = keep.any(-1)
+    lse = torch.where(rows[None, None], torch.logsumexp((s + bias).masked_fill(~keep, float("-inf")), dim=-1),
+                      float("-inf"))
+    return torch.where(rows[None, None, :, None], out, torch.zeros_like(out)), lse[0].detach().numpy()
 
 
 SEQLENS = [(17, 97), (0, 5), (1, 1), (97, 17), (513, 513), (5, 0)]  # (Sq, Sk) of each packed sequence
@@ -110,9 +129,10 @@ def test_varlen_matches_sdpa_per_sequence(group, options):
         rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         tq, tk, tv = (torch.tensor(np.swapaxes(x[rows], 0, 1)[None], requires_grad=True)
                       for x, rows in ((q, rows_q), (k, rows_k), (v, rows_k)))
-        want = _sdpa_sequence(tq, tk, tv, torch.tensor(slopes), options)
+        want, want_lse = _sdpa_sequence(tq, tk, tv, torch.tensor(slopes), options)
         np.testing.assert_allclose(out[rows_q], np.swapaxes(want.detach().numpy()[0], 0, 1), atol=1e-10, rtol=1e-8,
                                    err_msg=f"sequence {b}")
+        np.testing.assert_allclose(lse[:, rows_q], want_lse, atol=1e-10, rtol=1e-10, err_msg=f"lse of sequence {b}")
         if want.numel():
             want.backward(torch.tensor(np.swapaxes(do[rows_q], 0, 1)[None]))
         for name, got, t, rows in zip(("dq", "dk", "dv"), grads, (tq, tk, tv), (rows_q, rows_k, rows_k)):

@@ -304,10 +304,27 @@ def test_large_head_dims_are_kernels_that_keep_their_warps(head_dim):
         for name, func in kernels.items():
             if "backward" in name:
                 continue  # at 256 its dK and dV strips outgrow the registers (README: what is left)
-            assert applied_knobs(func)["threads"] == 128, (name, applied_knobs(func))
+            knobs = applied_knobs(func)
+            assert knobs["threads"] == 128, (name, knobs)
+            if head_dim == 256 and name == "fuel_flash_attn_kernel":  # the fewest accumulators: 136 a thread
+                assert (knobs["block_q"], knobs["block_k"]) == (32, 32), knobs
             spilled = {k: r for k, r in report.items()
                        if k.startswith(name) and (r["spill_stores"] or r["stack_frame"])}
             assert not spilled, spilled
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_head_dim_up_to_256_is_a_kernel(arch):
+    """The rules' tile choice alone (no nvcc): forward, backward and paged decode at head dims 1 to
+    256 get a kernel on both architectures in both code paths (register tiles, SIMT)."""
+    for dtype in ("float16", "float32"):
+        for d in (1, 112, 192, 256):  # the smallest, a padded one, the two past 128 that FA serves
+            for mod in (_flash(dtype, d=d, causal=True), _backward(dtype, d=d), _paged(dtype, d=d)):
+                legalized = tvm_fuel.transform.legalize(mod, _target(arch), kernels="tuned")
+                kernels = _kernel_funcs(legalized)
+                leftover = [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
+                            and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+                assert kernels and not leftover, (arch, dtype, d, leftover)
 
 
 def test_split_kv_for_long_decode_contexts():

@@ -346,7 +346,8 @@ def _chart(report: dict, path: Path) -> None:
 
 def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False, long_context: bool = True,
               sweep: bool = True) -> dict:
-    """Run the suite; write ``bench.json`` and ``bench.png`` into ``out_dir``; return the report."""
+    """Run the default suite and the head-dim rows; write ``bench.json`` and ``bench.png`` into
+    ``out_dir``; return the report."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = host_target()

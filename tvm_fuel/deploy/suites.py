@@ -3,7 +3,7 @@
 A ``Case`` is one Relax module (one fuel call over named inputs) plus how the node makes its
 inputs (seeded fills, ``node.arrays``) and what its outputs must match: the float64 reference
 (small shapes), the floor's module and PyTorch (large shapes). The check matrix follows the CPU
-suite: GQA groups 1, 3 and 7; head dims 40, 64 and 128; causal, windows, softcap, ALiBi, bool
+suite: GQA groups 1, 3 and 7; head dims 40, 64, 80, 96, 128 and 256; causal, windows, softcap, ALiBi, bool
 and additive masks; rows with no visible key; every dtype; the four backward forms; paged decode
 and multi-query over permuted block tables with −1 padding, lengths 0, 1, 17 and long enough for
 split-KV. Tune buckets are the benchmark's shapes.
@@ -175,7 +175,8 @@ def smoke_cases(dtype: str) -> list[Case]:
     ]
 
 
-# (B, Hq, Hkv, Sq, Sk, D, options, extras): GQA 1/3/7, head dims 40/64/128, masks, empty rows
+# (B, Hq, Hkv, Sq, Sk, D, options, extras): GQA 1/3/7, head dims 40/64/80/96/128/256, masks, empty rows
+# (every bundle, CPU ones too; the seeds count up through the lists, so a row added shifts the later ones)
 _FORWARD = [
     (2, 2, 2, 97, 97, 64, dict(causal=True), {}),
     (1, 6, 2, 17, 300, 128, dict(window_size=(16, 0)), {}),
@@ -185,12 +186,16 @@ _FORWARD = [
     (1, 6, 2, 33, 65, 64, dict(causal=True), dict(alibi=True)),
     (2, 4, 4, 40, 70, 64, dict(window_size=(8, 4)), dict(mask="bool")),
     (1, 6, 2, 33, 47, 64, dict(), dict(mask="additive")),
+    (1, 6, 2, 65, 130, 256, dict(causal=True), {}),  # head dims beyond 128 (Gemma) and between (80)
+    (1, 4, 4, 33, 97, 80, dict(softcap=5.0), {}),
 ]
 _BACKWARD = [
     (1, 6, 2, 97, 130, 64, dict(causal=True, softcap=5.0), {}),
     (2, 2, 2, 17, 17, 128, dict(window_size=(8, 0)), {}),
     (1, 7, 1, 33, 33, 40, dict(causal=True), dict(alibi=True)),
     (1, 3, 3, 40, 56, 64, dict(), dict(mask="bool")),
+    (1, 4, 2, 33, 65, 256, dict(causal=True), {}),
+    (1, 3, 1, 40, 40, 96, dict(), {}),
 ]
 # (Sq, Hq, Hkv, D, block size, context lengths): decode, multi-query, split-KV, empty sequences
 _PAGED = [
@@ -199,6 +204,7 @@ _PAGED = [
     (1, 7, 1, 64, 32, (5, 64, 700, 1)),
     (4, 6, 2, 64, 16, (4, 97, 64, 1000)),
     (5, 12, 4, 128, 16, (5, 17, 250, 40)),
+    (1, 8, 2, 256, 16, (1, 97, 600, 33)),
 ]
 
 
