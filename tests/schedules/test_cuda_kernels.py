@@ -78,6 +78,12 @@ CASES = {
 }
 
 
+def _floors_left(legalized: tvm.IRModule, kernels) -> list[str]:
+    """The floor PrimFuncs a legalized module still holds (the paged host check is not one)."""
+    return [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
+            and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+
+
 def _kernel_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
     return {gv.name_hint: f for gv, f in mod.functions.items()
             if isinstance(f, tirx.PrimFunc) and f.attrs is not None and "fuel.workload" in f.attrs}
@@ -93,8 +99,7 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     target = _target(arch)
     legalized = tvm_fuel.transform.legalize(CASES[case](dtype), target, kernels="tuned")
     kernels = _kernel_funcs(legalized)
-    leftover = [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
-                and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+    leftover = _floors_left(legalized, kernels)
     assert kernels and not leftover, f"floor used for {leftover}"
     for name, func in kernels.items():
         assert buffers_growing_with(func, "sq", "sk") == [], f"{name} holds an [Sq, Sk] buffer"
@@ -295,8 +300,7 @@ def test_large_head_dims_are_kernels_that_keep_their_warps(head_dim):
                 _paged("float16", d=head_dim)):
         legalized = tvm_fuel.transform.legalize(mod, target, kernels="tuned")
         kernels = _kernel_funcs(legalized)
-        leftover = [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
-                    and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+        leftover = _floors_left(legalized, kernels)
         assert kernels and not leftover, f"floor used for {leftover}"
         built, usage = cuda.build_with_shared_memory(legalized, target)
         assert usage and all(static + dynamic <= SHARED_MEMORY_LIMIT["sm_90"] for static, dynamic in usage.values())
@@ -322,8 +326,7 @@ def test_every_head_dim_up_to_256_is_a_kernel(arch):
             for mod in (_flash(dtype, d=d, causal=True), _backward(dtype, d=d), _paged(dtype, d=d)):
                 legalized = tvm_fuel.transform.legalize(mod, _target(arch), kernels="tuned")
                 kernels = _kernel_funcs(legalized)
-                leftover = [gv.name_hint for gv in legalized.functions if gv.name_hint.startswith("fuel_")
-                            and gv.name_hint not in kernels and not gv.name_hint.startswith("fuel_paged_attn_check")]
+                leftover = _floors_left(legalized, kernels)
                 assert kernels and not leftover, (arch, dtype, d, leftover)
 
 
