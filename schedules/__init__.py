@@ -15,6 +15,7 @@ Contents:
     common    -- pieces every target's kernels share (tile ranges, masking, GQA row packing)
     cpu       -- llvm kernels (forward, backward, paged, JVP, double backward, norm backward) and their rules
     cuda      -- sm_80/sm_90 kernels (forward, backward, paged) and their rules
+    script    -- TVMScript's macro expansion without reading every outer frame (installed on import)
     KnobSource, KnobMatch -- where tuned knobs come from, and what a lookup finds
     rules_for, rule_for, tuned_legalize_map
 """
@@ -33,7 +34,10 @@ from ..diagnostics import TuningLogWarning
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
 from .cuda.rules import RULES as CUDA_RULES
+from .script import fast_macro_lookup
 from .workload import Workload
+
+fast_macro_lookup()  # before any kernel is built: each T.macro call otherwise costs ~0.35 s
 
 
 def rules_for(target: tvm.target.Target, rules: Sequence[KernelRule] | None = None) -> list[KernelRule]:

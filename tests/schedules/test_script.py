@@ -1,0 +1,77 @@
+"""The TVMScript macro lookup the kernels are parsed with (``tvm_fuel.schedules.script``)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import tvm
+from tvm.script import tirx as T
+from tvm.script.parser.core.parser import ScriptMacro
+
+from tvm_fuel.schedules import script
+
+pytestmark = pytest.mark.unit
+
+
+@T.macro
+def _scaled(buf, i, factor):
+    buf[i] = buf[i] * T.float32(factor)
+
+
+@T.macro
+def _scaled_twice(buf, i):
+    _scaled(buf, i, 2.0)  # a macro calling a macro: the lookup runs from inside the parser's expansion
+    _scaled(buf, i, 3.0)
+
+
+def _parse():
+    @T.prim_func(private=True)
+    def func(a: T.Buffer((8,), "float32")):
+        for i in range(8):
+            _scaled_twice(a, i)
+
+    return func
+
+
+def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
+    """Nested macros give the same PrimFunc through TVM's own lookup and the frame walk, and the
+    walk never builds frame info (what made each macro call cost ~0.35 s with PyTorch imported)."""
+    assert script.fast_macro_lookup()
+    assert ScriptMacro._find_parser_def is script._find_parser_def  # noqa: SLF001
+    lookups, frame_reads = [], []
+
+    def spied_lookup(self):
+        lookups.append(True)
+        return script._find_parser_def(self)  # noqa: SLF001
+
+    real = inspect.getouterframes
+    monkeypatch.setattr(ScriptMacro, "_find_parser_def", spied_lookup)
+    monkeypatch.setattr(inspect, "getouterframes", lambda *a, **k: frame_reads.append(len(lookups)) or real(*a, **k))
+    walked = _parse()
+    assert len(lookups) == 3  # _scaled_twice once, _scaled twice
+    assert set(frame_reads) <= {0}, "a macro lookup read the outer frames"  # T.prim_func itself reads them
+    reads_outside_lookups = len(frame_reads)
+
+    # TVM's own lookup, for one parse, reads the outer frames at each macro call and finds the same parser
+    from tvm.script.parser.core import parser as core
+
+    frame_reads.clear()
+    monkeypatch.setattr(core.ScriptMacro, "_find_parser_def", _tvms_lookup)
+    by_tvm = _parse()
+    assert len(frame_reads) == reads_outside_lookups + 3  # and one per macro call
+    tvm.ir.assert_structural_equal(walked, by_tvm)
+
+
+def _tvms_lookup(self):
+    """TVM 0.27's lookup, as it reads: the first outer frame whose globals hold the parser."""
+    for info in inspect.getouterframes(inspect.currentframe()):
+        parser = info.frame.f_globals.get(ScriptMacro.parser_object_name)
+        if parser is not None:
+            return parser
+    raise RuntimeError("no parser")
+
+
+def test_no_parser_outside_a_prim_func_is_an_error():
+    with pytest.raises(RuntimeError, match="not available"):
+        script._find_parser_def(None)  # noqa: SLF001
