@@ -25,7 +25,8 @@ from tvm_fuel.deploy import nvcc
 from tvm_fuel.deploy.node.tvm_slots import check_slots, slot_batch, slot_calls
 from tvm_fuel.kv_cache import FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_SLOTS, tvm_kernels
 
-pytestmark = pytest.mark.integration
+# its module-scoped fixtures build each config's slots (~35 s): one worker runs the module, so each is built once
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_tvm_kv_cache")]
 
 LAYERS, PAGE, THETA = 2, 16, 1e4
 NONE, INLINE = int(tvm_kv.RopeMode.NONE), int(tvm_kv.RopeMode.INLINE)

@@ -4,6 +4,8 @@ read; NaN and Inf follow the NaN rule (README, "Non-finite inputs")."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from helpers import HOST, NP_DTYPE, Runner, build, randn
@@ -152,6 +154,14 @@ _HIDDEN = {
 }
 
 
+@functools.cache
+def _hidden_runners(kernels: str, case: str, dtype: str):
+    """The forward and backward runners of a ``_HIDDEN`` case (built once for every poison value)."""
+    options, sq, sk, mask_dtype, _ = _HIDDEN[case]
+    return (_forward_runner(kernels, sq, sk, options, mask_dtype, dtype),
+            _backward_runner(kernels, sq, sk, options, mask_dtype, dtype))
+
+
 def _mask(mask_dtype, sq, sk, hidden):
     if mask_dtype is None:
         return []
@@ -175,8 +185,7 @@ def test_keys_no_row_sees_never_matter(kernels, case, dtype, poison):
     options, sq, sk, mask_dtype, hidden = _HIDDEN[case]
     q, k, v, do = _dense(np.random.default_rng(5), sq, sk, dtype)
     mask = _mask(mask_dtype, sq, sk, hidden)
-    forward = _forward_runner(kernels, sq, sk, options, mask_dtype, dtype)
-    backward = _backward_runner(kernels, sq, sk, options, mask_dtype, dtype)
+    forward, backward = _hidden_runners(kernels, case, dtype)
     k_dirty, v_dirty = k.copy(), v.copy()
     k_dirty[:, :, hidden, ::3] = poison
     v_dirty[:, :, hidden, 1::2] = poison

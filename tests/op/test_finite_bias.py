@@ -174,9 +174,8 @@ CPU_KERNELS = {"fuel_flash_attn_kernel", "fuel_flash_attn_backward_kernel", "fue
 
 
 @functools.cache
-def _run(dtype: str, kernels: str, zero_padding_do: bool) -> list[np.ndarray]:
-    """The outputs of the path ``kernels``: forward (out, lse), backward (dq, dk, dv) and, on the CPU
-    paths, the JVP (out, out_dot, lse) and double backward (q, k, v, do grads)."""
+def _vm(dtype: str, kernels: str) -> relax.VirtualMachine:
+    """The module of ``_module`` built through the path ``kernels`` (once: both output gradients run on it)."""
     higher_order = kernels in ("tuned", "decomposed")
     mod = _module(dtype, higher_order)
     host = tvm_fuel.host_target()
@@ -194,12 +193,20 @@ def _run(dtype: str, kernels: str, zero_padding_do: bool) -> list[np.ndarray]:
         legalized = legalize_checked(mod, host, kernels)  # asserts no op with a kernel fell back to the floor
         if kernels == "tuned":
             assert CPU_KERNELS <= {gv.name_hint for gv in legalized.functions}
-    vm = relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
+    return relax.VirtualMachine(tvm.compile(legalized, target=host), tvm.cpu())
+
+
+@functools.cache
+def _run(dtype: str, kernels: str, zero_padding_do: bool) -> list[np.ndarray]:
+    """The outputs of the path ``kernels``: forward (out, lse), backward (dq, dk, dv) and, on the CPU
+    paths, the JVP (out, out_dot, lse) and double backward (q, k, v, do grads)."""
+    higher_order = kernels in ("tuned", "decomposed")
     a = dict(_inputs(dtype))
     if zero_padding_do:
         a["do"] = _padding_do(dtype)
     names = ("q", "k", "v", "do", "mask") + (("q_dot", "k_dot", "v_dot") if higher_order else ())
-    return [_f64(x) for x in flatten(vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a[n])) for n in names]))]
+    result = _vm(dtype, kernels)["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a[n])) for n in names])
+    return [_f64(x) for x in flatten(result)]
 
 
 PATHS = ("tuned", "decomposed", EXPANDED, CUDA_EMULATED)
