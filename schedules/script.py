@@ -9,11 +9,14 @@ the replacement walks ``f_back`` and returns the same parser (the innermost fram
 
 Contents:
     fast_macro_lookup -- install the frame walk (idempotent; leaves an unfamiliar TVM untouched)
+    tvms_lookup       -- TVM's own lookup as it was (None until replaced)
 """
 
 from __future__ import annotations
 
 import inspect
+
+tvms_lookup = None
 
 
 def _find_parser_def(self):
@@ -30,11 +33,17 @@ def _find_parser_def(self):
 
 
 def fast_macro_lookup() -> bool:
-    """Replace ``ScriptMacro._find_parser_def`` with the frame walk; False where TVM has no such
-    method (another TVM version: its own lookup stays)."""
+    """Replace ``ScriptMacro._find_parser_def`` with the frame walk; False where TVM's lookup is not
+    the one this replaces (no such method, or one that does not read the outer frames: it stays)."""
+    global tvms_lookup
     from tvm.script.parser.core.parser import ScriptMacro
 
-    if not (hasattr(ScriptMacro, "_find_parser_def") and hasattr(ScriptMacro, "parser_object_name")):
+    current = ScriptMacro.__dict__.get("_find_parser_def")
+    if current is _find_parser_def:
+        return True
+    code = getattr(current, "__code__", None)
+    if code is None or "getouterframes" not in code.co_names or not hasattr(ScriptMacro, "parser_object_name"):
         return False
+    tvms_lookup = current
     ScriptMacro._find_parser_def = _find_parser_def  # noqa: SLF001  (TVM's own lookup, replaced: see above)
     return True

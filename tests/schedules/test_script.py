@@ -57,19 +57,10 @@ def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
     from tvm.script.parser.core import parser as core
 
     frame_reads.clear()
-    monkeypatch.setattr(core.ScriptMacro, "_find_parser_def", _tvms_lookup)
+    monkeypatch.setattr(core.ScriptMacro, "_find_parser_def", script.tvms_lookup)
     by_tvm = _parse()
     assert len(frame_reads) == reads_outside_lookups + 3  # and one per macro call
     tvm.ir.assert_structural_equal(walked, by_tvm)
-
-
-def _tvms_lookup(self):
-    """TVM 0.27's lookup, as it reads: the first outer frame whose globals hold the parser."""
-    for info in inspect.getouterframes(inspect.currentframe()):
-        parser = info.frame.f_globals.get(ScriptMacro.parser_object_name)
-        if parser is not None:
-            return parser
-    raise RuntimeError("no parser")
 
 
 def test_no_parser_outside_a_prim_func_is_an_error():
