@@ -19,7 +19,6 @@ on the floor for one case of each kind of fused attention (FLOOR_CASES).
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
