@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import tvm
 from tvm import relax
 
-from ..diagnostics import TuningLogWarning
+from ..diagnostics import FloorWarning, TuningLogWarning
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
 from .cuda.rules import RULES as CUDA_RULES
@@ -83,6 +83,11 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
         candidates = [rule for rule in rules if rule.op == name]
 
         def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+            if name in _SINK_RESCALED and SPECS[name].split_args(call)["sinks"] is not None:
+                return _with_sinks(bb, name, call, legalize_with)
+            if name == "paged_attn" and SPECS[name].split_args(call)["sinks"] is not None and candidates:
+                warnings.warn("tvm_fuel: fuel.paged_attn with sinks has no kernel yet (the paged kernels return "
+                              "no lse to rescale); the floor serves this call", FloorWarning, stacklevel=2)
             for rule in candidates:
                 workload = rule.workload(call, target)
                 if workload is None:
@@ -114,6 +119,27 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
     return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}
 
 
+_SINK_RESCALED = ("flash_attn", "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
+                  "flash_attn_backward_v")
+
+
+def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_with) -> relax.Expr:
+    """A dense call with sinks through the sink-free kernels (``tvm_fuel.op.sinks``): the forward
+    kernel's out and lse rescaled; the backward kernels given the sinks' out and lse."""
+    from ..op import SPECS, rescale_by_sinks
+
+    spec = SPECS[name]
+    if name == "flash_attn":
+        plain = bb.normalize(spec.replace(call, {"sinks": None}, return_lse=True))
+        both = bb.emit(legalize_with(name)(bb, plain))
+        sinks = spec.split_args(call)["sinks"]
+        out, lse = rescale_by_sinks(bb, bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1)),
+                                    sinks)
+        return relax.Tuple([out, lse]) if bool(call.attrs["return_lse"]) else out
+    args = _with_forward_state(bb, name, call, legalize_with)  # the forward with the same sinks
+    return legalize_with(name)(bb, bb.normalize(spec.replace(call, {**args, "sinks": None})))
+
+
 def _with_forward_state(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_with) -> dict:
     """The backward call's arguments, with out and lse from a forward pass where it lacks them."""
     from .. import op
@@ -123,7 +149,7 @@ def _with_forward_state(bb: relax.BlockBuilder, name: str, call: relax.Call, leg
     if args["out"] is not None and args["lse"] is not None:
         return args
     forward = bb.normalize(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"], args["attn_mask"],
-                                         return_lse=True, **op.options_of(call)))
+                                         sinks=args.get("sinks"), return_lse=True, **op.options_of(call)))
     state = bb.emit(legalize_with("flash_attn")(bb, forward))
     if args["out"] is None:
         args["out"] = bb.emit(relax.TupleGetItem(state, 0))

@@ -95,6 +95,8 @@ def dense_spec(op: str, call: relax.Call, *, return_lse: bool = False) -> Kernel
     q, k = static_dims(args["q"]), static_dims(args["k"])
     if q is None or k is None or None in (q[1], q[3], k[1]):
         return None  # heads and head dim must be static
+    if args.get("sinks") is not None:
+        return None  # no kernel takes sinks: tuned_legalize_map rescales the sink-free kernels' results
     mask, mask_dtype, broadcast = args["attn_mask"], None, ()
     if mask is not None:
         dims = static_dims(mask)
@@ -113,6 +115,8 @@ def paged_workload(call: relax.Call) -> Workload | None:
     q, cache, table = static_dims(args["q"]), static_dims(args["k_cache"]), static_dims(args["block_table"])
     if q is None or cache is None or table is None or None in (q[1], q[3], cache[1], cache[2]):
         return None
+    if args["sinks"] is not None:
+        return None  # the paged kernels return no lse for tuned_legalize_map to rescale
     spec = KernelSpec(
         dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=cache[2], head_dim=q[3],
         cfg=AttnConfig.from_attrs(SPECS["paged_attn"].label, call.attrs),

@@ -2,7 +2,8 @@
 
 ``flash_attn``'s gradient emits ``flash_attn_backward`` with the forward's ``out`` and, when the
 forward returns it, ``lse``: the backward kernels then neither recompute the forward nor its
-softmax statistics. Run ``tvm_fuel.transform.ShareForwardState()`` before ``Gradient`` so a
+softmax statistics. With ``sinks`` the gradient also returns theirs (``op.sinks_grad``), which
+needs the forward's lse. Run ``tvm_fuel.transform.ShareForwardState()`` before ``Gradient`` so a
 ``flash_attn`` without ``return_lse`` returns it too (its users see the same output). ALiBi
 slopes and masks get no gradient. The backward ops' gradient is ``flash_attn_double_backward``
 (the VJP of the backward, fused), so ``Gradient`` of an adjoint, or ``tvm_fuel.transform.gradient``
@@ -45,10 +46,17 @@ def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad
                              "out, not lse")
     else:
         out, lse, dout = orig_var, None, output_grad
+    sinks = args["sinks"]
+    if sinks is not None and lse is None:  # the sinks' gradient needs the forward's lse
+        raise ValueError("fuel.flash_attn: the gradient of a call with sinks needs its lse: run "
+                         "tvm_fuel.transform.ShareForwardState() before Gradient (tvm_fuel.transform.gradient does)")
     grads = ctx.emit(op.flash_attn_backward(args["q"], args["k"], args["v"], dout, args["alibi_slopes"],
-                                            args["attn_mask"], out=out, lse=lse, **op.options_of(orig_call)))
+                                            args["attn_mask"], out=out, lse=lse, sinks=sinks,
+                                            **op.options_of(orig_call)))
     result = [relax.TupleGetItem(grads, i) for i in range(3)]
     result += [no_grad(args[name]) for name in ("alibi_slopes", "attn_mask") if args[name] is not None]
+    if sinks is not None:
+        result.append(ctx.emit(op.sinks_grad(out, lse, dout, sinks)))
     return result
 
 
@@ -67,6 +75,9 @@ def _backward_gradient(name: str):
     def gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
                  ctx: relax.BlockBuilder) -> list[relax.Expr]:
         args = SPECS[name].split_args(orig_call)
+        if args["sinks"] is not None:
+            raise ValueError(f"fuel.{name}: no second derivative with sinks (flash_attn_double_backward takes "
+                             "none); differentiate flash_attn with sinks once")
         adjoints = tuple_adjoints(ctx, output_grad, len(grads)) if len(grads) > 1 else [output_grad]
         bars = {f"{grad}_bar": _cotangent(ctx, adjoint) for grad, adjoint in zip(grads, adjoints)}
         result = ctx.emit(op.flash_attn_double_backward(

@@ -10,6 +10,7 @@ Modules, from the bottom up:
     attention    -- the attention constructors (flash_attn, its backward, JVP and double backward,
                     paged_attn, softmax_backward)
     norm         -- the norms' backward constructors (layer_norm_backward, rms_norm_backward)
+    sinks        -- attention sinks in Relax ops: a sink-free (out, lse) rescaled, and the sinks' gradient
     dims         -- which dims of the arguments must agree
     infer        -- type inference (FInferType)
     decompose    -- the TE compute of every op (the materialized, always-correct floor)
@@ -24,8 +25,10 @@ from .attention import (flash_attn, flash_attn_backward, flash_attn_backward_k, 
 from .config import AttnConfig
 from .norm import layer_norm_backward, rms_norm_backward
 from .registry import register
+from .sinks import rescale_by_sinks, sinks_grad
 from .spec import SPECS, OpSpec, options_of
 
 __all__ = ["flash_attn", "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
            "flash_attn_backward_v", "paged_attn", "softmax_backward", "flash_attn_jvp", "flash_attn_double_backward",
-           "layer_norm_backward", "rms_norm_backward", "OpSpec", "SPECS", "options_of", "AttnConfig", "register"]
+           "layer_norm_backward", "rms_norm_backward", "sinks_grad", "rescale_by_sinks", "OpSpec", "SPECS",
+           "options_of", "AttnConfig", "register"]

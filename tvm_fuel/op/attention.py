@@ -23,7 +23,7 @@ from .spec import SPECS, attn_attrs
 
 
 def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
-               window_size=(-1, -1), softcap=0.0, return_lse=False) -> relax.Call:
+               window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False) -> relax.Call:
     """Fused scaled-dot-product attention (FlashAttention-2 semantics).
 
     Parameters
@@ -44,14 +44,20 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None
         (left, right) sliding window around the bottom-right diagonal; -1 is unbounded.
     softcap : float
         When > 0, logits become ``softcap * tanh(logit / softcap)`` before bias and masking.
+    sinks : relax.Expr, optional
+        shape: [Hq], dtype: float32. Attention sinks (gpt-oss; FlashAttention 3's and vLLM's
+        ``s_aux``): each row's softmax gets one more logit, ``sinks[h]`` as it is (not scaled,
+        capped or masked), that weighs no value, so ``out = sum_j p_j v_j`` with
+        ``p_j = exp(s_j) / (exp(sinks[h]) + sum_j' exp(s_j'))``.
     return_lse : bool
-        Also return the natural-log log-sum-exp of each row.
+        Also return the natural-log log-sum-exp of each row (the sink's term included).
 
     Returns
     -------
     out : relax.Call
         shape: [B, Hq, Sq, D], dtype: as q. A row with no visible key is 0. With ``return_lse``
-        the tuple ``(out, lse)``, lse shape: [B, Hq, Sq], dtype: float32, ``-inf`` for such rows.
+        the tuple ``(out, lse)``, lse shape: [B, Hq, Sq], dtype: float32, ``-inf`` for such rows
+        (``sinks[h]`` with sinks).
 
     Examples
     --------
@@ -64,8 +70,8 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None
     attrs = attn_attrs("flash_attn", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         softcap=softcap)
     attrs["return_lse"] = as_bool("fuel.flash_attn", "return_lse", return_lse)
-    return SPECS["flash_attn"].make_call(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask),
-                                         attrs)
+    return SPECS["flash_attn"].make_call(
+        dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, sinks=sinks), attrs)
 
 
 def _backward_op(name: str, doc: str):
@@ -73,11 +79,11 @@ def _backward_op(name: str, doc: str):
     spec = SPECS[name]
 
     def constructor(q, k, v, do, alibi_slopes=None, attn_mask=None, *, out=None, lse=None, softmax_scale=None,
-                    causal=False, window_size=(-1, -1), softcap=0.0) -> relax.Call:
+                    causal=False, window_size=(-1, -1), softcap=0.0, sinks=None) -> relax.Call:
         attrs = attn_attrs(name, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                             softcap=softcap)
-        return spec.make_call(
-            dict(q=q, k=k, v=v, do=do, alibi_slopes=alibi_slopes, attn_mask=attn_mask, out=out, lse=lse), attrs)
+        return spec.make_call(dict(q=q, k=k, v=v, do=do, alibi_slopes=alibi_slopes, attn_mask=attn_mask, out=out,
+                                   lse=lse, sinks=sinks), attrs)
 
     constructor.__name__ = constructor.__qualname__ = name
     constructor.__doc__ = doc
@@ -89,21 +95,22 @@ flash_attn_backward = _backward_op(
 
     Parameters
     ----------
-    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap :
+    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, sinks :
         As for ``flash_attn``.
     do : relax.Expr
         shape: [B, Hq, Sq, D], dtype: as q. The gradient of the loss w.r.t. ``out``.
     out : relax.Expr, optional
         shape: [B, Hq, Sq, D], dtype: as q. The forward's output; with it ``D = rowsum(do * out)``.
     lse : relax.Expr, optional
-        shape: [B, Hq, Sq], dtype: float32. The forward's log-sum-exp; without it the softmax
-        state is recomputed.
+        shape: [B, Hq, Sq], dtype: float32. The forward's log-sum-exp (with sinks, the forward's
+        with the same sinks); without it the softmax state is recomputed.
 
     Returns
     -------
     grads : relax.Call
         The tuple ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``. For GQA, dk and dv sum
-        over the query heads of each group. Masks and ALiBi get no gradient.
+        over the query heads of each group. Masks and ALiBi get no gradient; the sinks' gradient
+        is ``tvm_fuel.op.sinks_grad`` (``flash_attn``'s registered gradient returns it).
 
     Examples
     --------
@@ -123,7 +130,7 @@ flash_attn_backward_v = _backward_op(
 
 
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0) -> relax.Call:
+               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None) -> relax.Call:
     """Attention of new queries over a paged KV cache (decode: Sq = 1; multi-query: Sq > 1).
 
     The Sq queries of sequence b are the last Sq tokens of its context of ``context_lens[b]``
@@ -142,7 +149,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         sequence's live blocks are never read and may hold anything (-1 padding, say).
     context_lens : relax.Expr
         shape: [B], dtype: int32 (uint32, int64 accepted). 0 <= context_lens[b] <= max_blocks * block_size.
-    alibi_slopes, softmax_scale, causal, window_size, softcap :
+    alibi_slopes, softmax_scale, causal, window_size, softcap, sinks :
         As for ``flash_attn``.
 
     Returns
@@ -164,7 +171,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
                         softcap=softcap)
     return SPECS["paged_attn"].make_call(
         dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, context_lens=context_lens,
-             alibi_slopes=alibi_slopes), attrs)
+             alibi_slopes=alibi_slopes, sinks=sinks), attrs)
 
 
 def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:

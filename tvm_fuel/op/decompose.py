@@ -93,27 +93,34 @@ def _nonempty(reduced: te.Tensor, extent, empty_value, name: str) -> te.Tensor:
         sem.as_int64(extent) > 0, reduced(*idx), tirx.const(empty_value, F32)), name=name)
 
 
-def _softmax_stats(logits):
-    """(shift, row_sum, lse) of each row of ``logits``; fully masked rows get lse = -inf."""
+def _softmax_stats(logits, sinks=None):
+    """(unnormalized P, row_sum, lse) of each row of ``logits``; fully masked rows get lse = -inf.
+
+    With ``sinks`` [Hq] each row has one more column, ``sinks[h]``, in its max and its sum (not in P)."""
     B, Hq, Sq, Sk = logits.shape
     j = te.reduce_axis((0, Sk), name="j")
     row_max = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.max(logits[b, h, i, j], axis=j),
                                    name="row_max_acc"), Sk, float("-inf"), "row_max")
+    if sinks is not None:
+        row_max = te.compute((B, Hq, Sq), lambda b, h, i: tirx.max(row_max[b, h, i], sinks[h]), name="row_max_sink")
     shift = te.compute((B, Hq, Sq), lambda b, h, i: sem.safe_row_max(row_max[b, h, i]), name="shift")
     p = te.compute((B, Hq, Sq, Sk), lambda b, h, i, jj: te.exp(logits[b, h, i, jj] - shift[b, h, i]),
                    name="p_unnorm")
     j2 = te.reduce_axis((0, Sk), name="j2")
     row_sum = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j2], axis=j2), name="row_sum_acc"),
                         Sk, 0.0, "row_sum")
+    if sinks is not None:
+        row_sum = te.compute((B, Hq, Sq), lambda b, h, i: row_sum[b, h, i] + te.exp(sinks[h] - shift[b, h, i]),
+                             name="row_sum_sink")
     lse = te.compute((B, Hq, Sq), lambda b, h, i: sem.log_sum_exp(shift[b, h, i], row_sum[b, h, i]),
                      name="lse")
     return p, row_sum, lse
 
 
-def _attend(q, k, v, cfg, layout, alibi_slopes, attn_mask, return_lse):
+def _attend(q, k, v, cfg, layout, alibi_slopes, attn_mask, sinks, return_lse):
     B, Hq, Sq, D = q.shape
     _, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
-    p, row_sum, lse = _softmax_stats(logits)
+    p, row_sum, lse = _softmax_stats(logits, sinks)
     j = te.reduce_axis((0, k.shape[2]), name="j_pv")
     acc = _nonempty(te.compute(
         (B, Hq, Sq, D),
@@ -126,12 +133,14 @@ def _attend(q, k, v, cfg, layout, alibi_slopes, attn_mask, return_lse):
     return [out, lse] if return_lse else out
 
 
-def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, cfg: AttnConfig, return_lse: bool = False):
+def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, sinks=None, *, cfg: AttnConfig,
+               return_lse: bool = False):
     """Dense attention. q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D] -> out [B, Hq, Sq, D] (+ lse [B, Hq, Sq])."""
-    return _attend(q, k, v, cfg, _dense_layout(q, k), alibi_slopes, attn_mask, return_lse)
+    return _attend(q, k, v, cfg, _dense_layout(q, k), alibi_slopes, attn_mask, sinks, return_lse)
 
 
-def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=None, *, normalized=False):
+def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=None, *, normalized=False,
+                         sinks=None):
     """(group, scale, capped scores, lse, P) of dense attention: P from the given lse (the
     forward's) or from one recomputed, as the backward kernels take it; ``normalized``: P from the
     recomputed row statistics, as an online softmax (the JVP kernel's) has it.
@@ -148,22 +157,24 @@ def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=Non
             sem.normalize(p_unnorm[b, h, i, j], row_sum[b, h, i])), name="p")
         return layout.group, _scale(cfg, q.shape[3]), capped, lse, p
     if lse is None:
-        _, _, lse = _softmax_stats(logits)
+        _, _, lse = _softmax_stats(logits, sinks)
     return layout.group, _scale(cfg, q.shape[3]), capped, lse, _probabilities(logits, lse)
 
 
-def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None, lse=None, *,
+def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None, lse=None, sinks=None, *,
                         cfg: AttnConfig, grads: Sequence[str] = ("dq", "dk", "dv")):
     """Gradients of ``flash_attn`` w.r.t. the requested subset of (q, k, v), in that order.
 
     ``out`` and ``lse`` (from the forward) are used when given; otherwise the softmax state is
-    recomputed. Masks and ALiBi are constants: they get no gradient.
+    recomputed (with ``sinks``' column). Masks and ALiBi are constants: they get no gradient.
     """
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    group, scale, capped, lse, p = _dense_probabilities(q, k, cfg, alibi_slopes, attn_mask, lse)
+    group, scale, capped, lse, p = _dense_probabilities(q, k, cfg, alibi_slopes, attn_mask, lse, sinks=sinks)
     dp = _row_times_values(do, v, group, "dp")
-    row_dot = _do_dot_out(do, out, p, dp)
+    sink_p = None if sinks is None else te.compute(
+        lse.shape, lambda b, h, i: sem.probability(sinks[h], lse[b, h, i]), name="sink_p")
+    row_dot = _do_dot_out(do, out, p, dp, sink_p)
     ds = te.compute(
         (B, Hq, Sq, Sk),
         lambda b, h, i, j: sem.weighted(p[b, h, i, j], (dp[b, h, i, j] - row_dot[b, h, i])
@@ -212,10 +223,11 @@ def _row_times_values(rows, kv, group, name):
         name=name)
 
 
-def _do_dot_out(do, out, p, dp):
+def _do_dot_out(do, out, p, dp, sink_p=None):
     """D = rowsum(dO * O) [B, Hq, Sq]: from ``out`` when given (FlashAttention-2), else
     rowsum(P * dP) / rowsum(P), the forward's O without forming it. The kernels take O from the
-    forward: where P from the lse does not sum to 1 (``_dense_probabilities``) so must this."""
+    forward: where P from the lse does not sum to 1 (``_dense_probabilities``) so must this.
+    ``sink_p`` [B, Hq, Sq]: the sink column's share of each row, which the row's mass counts."""
     B, Hq, Sq, D = do.shape
     if out is not None:
         e = te.reduce_axis((0, D), name="d_row")
@@ -227,6 +239,8 @@ def _do_dot_out(do, out, p, dp):
                                                                     axis=jr),
                                name="do_dot_o_acc"), Sk, 0.0, "do_dot_o_sum")
     mass = _row_mass(p)
+    if sink_p is not None:
+        mass = te.compute((B, Hq, Sq), lambda b, h, i: mass[b, h, i] + sink_p[b, h, i], name="p_mass_sink")
     return te.compute((B, Hq, Sq), lambda b, h, i: sem.normalize(acc[b, h, i], mass[b, h, i]), name="do_dot_o")
 
 
@@ -466,7 +480,8 @@ def gather_pages(cache, safe_table, context_lens, live_len):
         name="gathered")
 
 
-def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, cfg: AttnConfig, live_len):
+def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, sinks=None, *, cfg: AttnConfig,
+               live_len):
     """Attention of q [B, Hq, Sq, D] over the paged cache; the Sq queries are each sequence's last.
 
     ``live_len`` is ``paged_live_len``'s value (a variable of the caller): keys, scores and the
@@ -481,7 +496,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         group=q.shape[1] // k_cache.shape[2],
         kv_len=lambda b: sem.as_int64(context_lens[b]),
         delta=lambda b: sem.as_int64(context_lens[b]) - sq)
-    return _attend(q, k, v, cfg, layout, alibi_slopes, None, False)
+    return _attend(q, k, v, cfg, layout, alibi_slopes, None, sinks, False)
 
 
 def softmax_backward(probs, dprobs, *, axis: int = -1):

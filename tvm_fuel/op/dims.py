@@ -2,7 +2,7 @@
 can and the run-time check (``tvm_fuel.op.legalize``) enforces where it cannot.
 
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; do, out [B, Hq, Sq, D]; lse [B, Hq, Sq];
-alibi_slopes [Hq]; paged caches [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
+alibi_slopes, sinks [Hq]; paged caches [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
 context_lens [B]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the
 tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar like k.
 
@@ -43,7 +43,8 @@ _DENSE = (
     DimRule("v", 3, "q", 3, "head dim D"),
     DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
 )
-_BACKWARD = _DENSE + _same("do", "q", _QUERY) + _same("out", "q", _QUERY) + _same("lse", "q", _QUERY[:3])
+_SINKS = (DimRule("sinks", 0, "q", 1, "head count Hq"),)
+_BACKWARD = _DENSE + _SINKS + _same("do", "q", _QUERY) + _same("out", "q", _QUERY) + _same("lse", "q", _QUERY[:3])
 _KEY = ((0, "batch B"), (1, "head count Hkv"), (2, "key length Sk"), (3, "head dim D"))
 _JVP = _DENSE + _same("q_dot", "q", _QUERY) + _same("k_dot", "k", _KEY) + _same("v_dot", "k", _KEY)
 _DOUBLE_BACKWARD = (_BACKWARD + _same("dq_bar", "q", _QUERY) + _same("dk_bar", "k", _KEY)
@@ -55,14 +56,14 @@ _PAGED = (
     DimRule("block_table", 0, "q", 0, "batch B"),
     DimRule("context_lens", 0, "q", 0, "batch B"),
     DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
-)
+) + _SINKS
 
 _NORM = (DimRule("dy", 0, "x", 0, "row count N"), DimRule("dy", 1, "x", 1, "feature count C"),
          DimRule("rstd", 0, "x", 0, "row count N"))
 _LAYER_NORM = _NORM + (DimRule("gamma", 0, "x", 1, "feature count C"), DimRule("mean", 0, "x", 0, "row count N"))
 _RMS_NORM = _NORM + (DimRule("weight", 0, "x", 1, "feature count C"),)
 
-_RULES = {"flash_attn": _DENSE, "flash_attn_backward": _BACKWARD, "flash_attn_backward_q": _BACKWARD,
+_RULES = {"flash_attn": _DENSE + _SINKS, "flash_attn_backward": _BACKWARD, "flash_attn_backward_q": _BACKWARD,
           "flash_attn_backward_k": _BACKWARD, "flash_attn_backward_v": _BACKWARD, "paged_attn": _PAGED,
           "flash_attn_jvp": _JVP, "flash_attn_double_backward": _DOUBLE_BACKWARD,
           "layer_norm_backward": _LAYER_NORM, "rms_norm_backward": _RMS_NORM}

@@ -104,6 +104,14 @@ class _Checker:
         if ty is not None and hq is not None:
             self.expect_shape("alibi_slopes", ty, [hq], "[Hq]")
 
+    def sinks(self, hq):
+        """The optional ``sinks`` [Hq] float32 of the ops that take it."""
+        if "sinks" not in self.args:
+            return
+        ty = self.tensor("sinks", layout=("Hq",), dtypes=("float32",))
+        if ty is not None and hq is not None:
+            self.expect_shape("sinks", ty, [hq], "[Hq]")
+
     def mask(self, full: Sequence | None):
         ty = self.tensor("attn_mask", layout=None, dtypes=("bool",) + FLOAT_DTYPES)
         if ty is None:
@@ -146,6 +154,7 @@ def _dense_qkv(c: _Checker):
         c.expect_dim("head dim D", "v", vd[3], "q", qd[3])
     c.config()
     c.alibi(qd[1] if qd is not None else None)
+    c.sinks(qd[1] if qd is not None else None)
     c.mask(None if qd is None or kd is None else [qd[0], qd[1], qd[2], kd[2]])
     return q, k, v
 
@@ -249,6 +258,7 @@ def _infer_paged_attn(call, ctx):
         c.expect_shape("context_lens", lens, qd[:1], "[B]")
     c.config()
     c.alibi(qd[1] if qd is not None else None)
+    c.sinks(qd[1] if qd is not None else None)
     return _tensor(qd, q.dtype, 4)
 
 

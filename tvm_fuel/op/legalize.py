@@ -94,7 +94,7 @@ def _flash_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     a = checked_dims(bb, "flash_attn", SPECS["flash_attn"].split_args(call))
     fn = functools.partial(decompose.flash_attn, cfg=_config("flash_attn", call),
                            return_lse=bool(call.attrs["return_lse"]))
-    return bb.call_te(fn, a["q"], a["k"], a["v"], a["alibi_slopes"], a["attn_mask"],
+    return bb.call_te(fn, a["q"], a["k"], a["v"], a["alibi_slopes"], a["attn_mask"], a["sinks"],
                       primfunc_name_hint="fuel_flash_attn")
 
 
@@ -105,7 +105,7 @@ def _backward(name: str):
         a = checked_dims(bb, name, SPECS[name].split_args(call))
         fn = functools.partial(decompose.flash_attn_backward, cfg=_config(name, call), grads=grads)
         return bb.call_te(fn, a["q"], a["k"], a["v"], a["do"], a["alibi_slopes"], a["attn_mask"], a["out"],
-                          a["lse"], primfunc_name_hint=f"fuel_{name}")
+                          a["lse"], a["sinks"], primfunc_name_hint=f"fuel_{name}")
 
     return legalize
 
@@ -168,7 +168,7 @@ def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
     # live_len through call_te (not the partial): call_te passes the variables it is given to the PrimFunc
     return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
-                      live_len=_live_len(bb, a, lens), primfunc_name_hint="fuel_paged_attn")
+                      a["sinks"], live_len=_live_len(bb, a, lens), primfunc_name_hint="fuel_paged_attn")
 
 
 def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,

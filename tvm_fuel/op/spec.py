@@ -73,18 +73,27 @@ class OpSpec:
                 raise TypeError(f"{self.label}: argument {name!r} must be a Relax expression, got {type(arg).__name__}")
         return relax.Call(Op.get(self.op_name), call_args, attrs=all_attrs)
 
+    def replace(self, call: relax.Call, args: Mapping[str, Any] | None = None, **attrs) -> relax.Call:
+        """``call`` rebuilt with some arguments (None drops an optional one) or attributes changed;
+        every other argument and attribute kept, whatever the op's arguments are."""
+        kept = {**self.split_args(call), **(args or {})}
+        old = {key: call.attrs[key] for key in call.attrs.keys() if not key.startswith("has_")}
+        return self.make_call(kept, {**old, **attrs})
 
-_BWD_ARGS = dict(required=("q", "k", "v", "do"), optional=("alibi_slopes", "attn_mask", "out", "lse"))
+
+# ``sinks`` comes last: the kernels never take it (``schedules`` rescales their out and lse), so
+# the order of the arguments they do take is unchanged
+_BWD_ARGS = dict(required=("q", "k", "v", "do"), optional=("alibi_slopes", "attn_mask", "out", "lse", "sinks"))
 
 SPECS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
-        OpSpec("flash_attn", ("q", "k", "v"), ("alibi_slopes", "attn_mask")),
+        OpSpec("flash_attn", ("q", "k", "v"), ("alibi_slopes", "attn_mask", "sinks")),
         OpSpec("flash_attn_backward", **_BWD_ARGS),
         OpSpec("flash_attn_backward_q", **_BWD_ARGS),
         OpSpec("flash_attn_backward_k", **_BWD_ARGS),
         OpSpec("flash_attn_backward_v", **_BWD_ARGS),
-        OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"), ("alibi_slopes",)),
+        OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"), ("alibi_slopes", "sinks")),
         OpSpec("softmax_backward", ("probs", "dprobs"), attention=False),
         # kernels take the present arguments in exactly this order, then the outputs
         OpSpec("flash_attn_jvp", ("q", "k", "v"), ("q_dot", "k_dot", "v_dot", "alibi_slopes", "attn_mask")),

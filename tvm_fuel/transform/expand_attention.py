@@ -33,8 +33,9 @@ Only ops with a registered ``FPrimalGradient`` sit on differentiable paths (``ma
 ``isfinite``, ``take``'s indices and the comparisons only build conditions).
 
 Left as the fused op (which still runs): ``flash_attn_jvp`` and ``flash_attn_double_backward``
-(already the fused derivatives), and calls with an empty dim (B, Sq, Sk, num_blocks or
-max_blocks = 0; the primitives' reductions have no empty case). Refused with a ``ValueError``
+(already the fused derivatives), calls with ``sinks`` (their first derivative is registered), and
+calls with an empty dim (B, Sq, Sk, num_blocks or max_blocks = 0; the primitives' reductions have
+no empty case). Refused with a ``ValueError``
 naming the op and argument: an input of unknown shape, and a symbolic head dim without
 ``softmax_scale``. ``paged_attn`` clamps live block ids where the CPU floor raises on them (no
 input reads out of bounds on either path). With symbolic lengths the ALiBi distance is computed
@@ -331,6 +332,8 @@ class _Expand(PyExprMutator):
         cfg = AttnConfig.create(spec.label, **options_of(call)) if spec.attention else None
         expand = _EXPANSIONS.get(spec.name)
         if expand is None:  # flash_attn_jvp, flash_attn_double_backward: already the fused derivatives
+            return call
+        if spec.split_args(call).get("sinks") is not None:  # kept fused: its gradient is registered (first order)
             return call
         expanded = expand(_Expander(self.builder_, self.skip_zero_weights), call, spec, cfg)
         return call if expanded is None else expanded

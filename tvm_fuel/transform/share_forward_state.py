@@ -7,8 +7,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .. import op
-from ..op import SPECS, options_of
+from ..op import SPECS
 from .common import rewrite_functions
 
 
@@ -19,9 +18,7 @@ class _ReturnLse(PyExprMutator):
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == SPECS["flash_attn"].op_name
                 and not bool(call.attrs["return_lse"])):
             return call
-        args = SPECS["flash_attn"].split_args(call)
-        both = self.builder_.emit(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"],
-                                                args["attn_mask"], return_lse=True, **options_of(call)))
+        both = self.builder_.emit(SPECS["flash_attn"].replace(call, return_lse=True))
         return relax.TupleGetItem(both, 0)
 
 
