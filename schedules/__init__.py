@@ -127,8 +127,14 @@ def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_wi
     """A dense call with sinks through the sink-free kernels (``tvm_fuel.op.sinks``): the forward
     kernel's out and lse rescaled; the backward kernels given the sinks' out and lse."""
     from ..op import SPECS, rescale_by_sinks
+    from ..op.legalize import checked_dims
 
     spec = SPECS[name]
+    # the run-time dims check (sinks' length too) before the sinks leave the call
+    args = checked_dims(bb, name, spec.split_args(call))
+    # sinks [Hq] as q's heads: the rescale's broadcasts need the shape (a symbolic length would leave them unknown)
+    args["sinks"] = bb.match_cast(args["sinks"], relax.TensorType([args["q"].ty.shape[1]], "float32"))
+    call = bb.normalize(spec.replace(call, args))
     if name == "flash_attn":
         plain = bb.normalize(spec.replace(call, {"sinks": None}, return_lse=True))
         both = bb.emit(legalize_with(name)(bb, plain))

@@ -192,3 +192,19 @@ def test_printed_call_parses_back():
     parsed = tvm.script.from_source(mod.script())
     tvm.ir.assert_structural_equal(parsed, mod)
     assert "has_sinks=True" in mod.script()
+
+
+@pytest.mark.parametrize("path", ["decomposed", "tuned"])
+def test_sinks_of_symbolic_length_checked_at_run_time(path):
+    """A sinks [n] whose n type inference cannot prove wrong is checked before any kernel reads it."""
+    n = tvm.tirx.Var("n", "int64")
+    q, k, sinks = _var("q", (1, 6, 4, 8)), _var("k", (1, 2, 4, 8)), _var("sinks", (n,))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, sinks]):
+        bb.emit_func_output(bb.emit(op.flash_attn(q, k, k, sinks=sinks)))
+    vm = relax.VirtualMachine(tvm_fuel.compile(bb.get(), HOST, kernels=path), tvm.cpu())
+    rng = np.random.default_rng(0)
+    args = [randn(rng, (1, 6, 4, 8)), randn(rng, (1, 2, 4, 8))]
+    vm["main"](*map(tvm.runtime.tensor, args + [randn(rng, (6,))]))  # the right length runs
+    with pytest.raises(Exception, match="head count Hq of 'sinks'"):
+        vm["main"](*map(tvm.runtime.tensor, args + [randn(rng, (5,))]))

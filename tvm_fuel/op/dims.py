@@ -44,7 +44,7 @@ _DENSE = (
     DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
 )
 _SINKS = (DimRule("sinks", 0, "q", 1, "head count Hq"),)
-_BACKWARD = _DENSE + _SINKS + _same("do", "q", _QUERY) + _same("out", "q", _QUERY) + _same("lse", "q", _QUERY[:3])
+_BACKWARD = _DENSE + _same("do", "q", _QUERY) + _same("out", "q", _QUERY) + _same("lse", "q", _QUERY[:3])
 _KEY = ((0, "batch B"), (1, "head count Hkv"), (2, "key length Sk"), (3, "head dim D"))
 _JVP = _DENSE + _same("q_dot", "q", _QUERY) + _same("k_dot", "k", _KEY) + _same("v_dot", "k", _KEY)
 _DOUBLE_BACKWARD = (_BACKWARD + _same("dq_bar", "q", _QUERY) + _same("dk_bar", "k", _KEY)
@@ -63,8 +63,9 @@ _NORM = (DimRule("dy", 0, "x", 0, "row count N"), DimRule("dy", 1, "x", 1, "feat
 _LAYER_NORM = _NORM + (DimRule("gamma", 0, "x", 1, "feature count C"), DimRule("mean", 0, "x", 0, "row count N"))
 _RMS_NORM = _NORM + (DimRule("weight", 0, "x", 1, "feature count C"),)
 
-_RULES = {"flash_attn": _DENSE + _SINKS, "flash_attn_backward": _BACKWARD, "flash_attn_backward_q": _BACKWARD,
-          "flash_attn_backward_k": _BACKWARD, "flash_attn_backward_v": _BACKWARD, "paged_attn": _PAGED,
+_RULES = {"flash_attn": _DENSE + _SINKS, "flash_attn_backward": _BACKWARD + _SINKS,
+          "flash_attn_backward_q": _BACKWARD + _SINKS, "flash_attn_backward_k": _BACKWARD + _SINKS,
+          "flash_attn_backward_v": _BACKWARD + _SINKS, "paged_attn": _PAGED,
           "flash_attn_jvp": _JVP, "flash_attn_double_backward": _DOUBLE_BACKWARD,
           "layer_norm_backward": _LAYER_NORM, "rms_norm_backward": _RMS_NORM}
 
