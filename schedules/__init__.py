@@ -83,9 +83,10 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
         candidates = [rule for rule in rules if rule.op == name]
 
         def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-            if name in _SINK_RESCALED and SPECS[name].split_args(call)["sinks"] is not None:
+            has_sinks = SPECS[name].split_args(call).get("sinks") is not None
+            if has_sinks and name in _SINK_RESCALED:
                 return _with_sinks(bb, name, call, legalize_with)
-            if name == "paged_attn" and SPECS[name].split_args(call)["sinks"] is not None and candidates:
+            if has_sinks and name == "paged_attn" and candidates:
                 warnings.warn("tvm_fuel: fuel.paged_attn with sinks has no kernel yet (the paged kernels return "
                               "no lse to rescale); the floor serves this call", FloorWarning, stacklevel=2)
             for rule in candidates:
@@ -119,6 +120,7 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
     return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}
 
 
+# the dense ops (forward and backward): their kernels' results are rescaled; paged_attn's have no lse
 _SINK_RESCALED = ("flash_attn", "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
                   "flash_attn_backward_v")
 
@@ -138,9 +140,8 @@ def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_wi
     if name == "flash_attn":
         plain = bb.normalize(spec.replace(call, {"sinks": None}, return_lse=True))
         both = bb.emit(legalize_with(name)(bb, plain))
-        sinks = spec.split_args(call)["sinks"]
         out, lse = rescale_by_sinks(bb, bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1)),
-                                    sinks)
+                                    args["sinks"])
         return relax.Tuple([out, lse]) if bool(call.attrs["return_lse"]) else out
     args = _with_forward_state(bb, name, call, legalize_with)  # the forward with the same sinks
     return legalize_with(name)(bb, bb.normalize(spec.replace(call, {**args, "sinks": None})))
