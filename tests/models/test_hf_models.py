@@ -6,12 +6,13 @@ Small configs with random weights (nothing is downloaded): Llama (GQA), Mistral 
 shorter than the sequence), Qwen2, Qwen3 (q/k norms), Phi3 and GPT-2, each with
 ``attn_implementation`` "sdpa" and "eager"; Gemma2 (eager: softcap, sliding and full layers
 alternating); Bloom (eager, ALiBi); Falcon-RW (sdpa and eager: ALiBi computed in bfloat16 and
-added twice; also with 16 heads, whose slopes bfloat16 rounds) and Falcon-7B (multi-query,
-rotary). Batch 1 from ids alone, and batch 2 whose second row is left-padded. Every attention
-layer must be one ``flash_attn`` with the model's own options (causal; Mistral's window; Gemma2's
-softcap; ALiBi slopes) and no materialized [.., Sq, Sk] mask: at most B * Sk elements (the
-padding), or B * H * Sk for an ALiBi whose positions come from the padding or whose bfloat16
-values are no exact slopes (a float bias over the keys, the padding folded in as -inf). The
+added twice; also with 16 heads, whose slopes bfloat16 rounds); Falcon-7B (multi-query, rotary);
+gpt-oss (eager: sinks, sliding and full layers alternating). Batch 1 from ids alone, and batch 2
+whose second row is left-padded. Every attention layer must be one ``flash_attn`` with the
+model's own options (causal; Mistral's window; Gemma2's softcap; ALiBi slopes; gpt-oss's sinks)
+and no materialized [.., Sq, Sk] mask: at most B * Sk elements (the padding), or B * H * Sk for
+an ALiBi whose positions come from the padding or whose bfloat16 values are no exact slopes (a
+float bias over the keys, the padding folded in as -inf). The
 logits must match PyTorch's on every row, padded ones included, on the kernels for every case and
 on the floor for one case of each kind of fused attention (FLOOR_CASES).
 """
@@ -40,7 +41,7 @@ WINDOW, SOFTCAP = 16, 50.0  # Mistral's and Gemma2's sliding window (shorter tha
 T = transformers
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-CAUSAL = dict(causal=True, window_size=(-1, -1), softcap=0.0, alibi=False)
+CAUSAL = dict(causal=True, window_size=(-1, -1), softcap=0.0, alibi=False, sinks=False)
 SLIDING = dict(CAUSAL, window_size=(WINDOW - 1, -1))
 FALCON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
               new_decoder_architecture=False)
@@ -89,6 +90,12 @@ MODELS = {
     "falcon_mqa": Model(lambda impl: T.FalconForCausalLM(T.FalconConfig(**FALCON, multi_query=True,
                                                                          attn_implementation=impl)),
                         ("sdpa", "eager"), lambda layer: CAUSAL),
+    # sinks: a column of per-head logits concatenated to the scores, the row max subtracted, dropped after the
+    # softmax; sliding and full layers alternating. transformers' default MoE (histc, grouped_mm) does not import.
+    "gpt_oss": Model(lambda impl: _with_sinks(T.GptOssForCausalLM(T.GptOssConfig(
+        **dict(COMMON, intermediate_size=64), head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=WINDOW, attn_implementation=impl, experts_implementation="batched_mm"))),
+        ("eager",), lambda layer: dict(SLIDING if layer % 2 == 0 else CAUSAL, sinks=True)),
     "gpt2": Model(lambda impl: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=LAYERS, n_head=4,
                                                              n_positions=128, attn_implementation=impl)),
                   ("sdpa", "eager"), lambda layer: CAUSAL),
@@ -101,8 +108,17 @@ KERNELS = {"decomposed": "fuel_flash_attn", "tuned": "fuel_flash_attn_kernel"}  
 # of each kind of fused attention (mask from padding, window, softcap + window, ALiBi slopes, ALiBi as a bias,
 # multi-query), the kernels on every case.
 FLOOR_CASES = {("llama", "sdpa", "padded"), ("mistral", "eager", "ids"), ("gemma2", "eager", "padded"),
-               ("bloom", "eager", "ids"), ("falcon_16_heads", "eager", "ids"), ("falcon_mqa", "sdpa", "padded")}
+               ("bloom", "eager", "ids"), ("falcon_16_heads", "eager", "ids"), ("falcon_mqa", "sdpa", "padded"),
+               ("gpt_oss", "eager", "padded")}
 assert FLOOR_CASES <= set(CASES)
+
+
+def _with_sinks(model):
+    """``model`` with its attention sinks drawn from N(0, 1): its own init (std 0.02) leaves them near 0."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
 
 
 def _case_id(case) -> str:
@@ -151,12 +167,14 @@ def _calls(mod: tvm.IRModule, name: str) -> list[relax.Call]:
 def test_every_layer_is_one_flash_attn_with_the_models_options(exported):
     calls = _calls(exported["mod"], "relax.fuel.flash_attn")
     assert len(calls) == LAYERS
-    assert not _calls(exported["mod"], "relax.nn.softmax")
+    # no softmax over scores is left (gpt-oss's router keeps its softmax over [tokens, experts])
+    assert not [call for call in _calls(exported["mod"], "relax.nn.softmax") if call.ty.ndim > 2]
     for layer, call in enumerate(calls):  # in program order: layer by layer
         expected = MODELS[exported["name"]].options(layer)
         assert bool(call.attrs["causal"]) == expected["causal"]
         assert tuple(int(w) for w in call.attrs["window_size"]) == expected["window_size"]
         assert float(call.attrs["softcap"]) == expected["softcap"]
+        assert bool(call.attrs["has_sinks"]) == expected["sinks"]
         alibi_bias = expected["alibi"] and exported["inputs"] in MODELS[exported["name"]].alibi_as_bias
         assert bool(call.attrs["has_alibi_slopes"]) == (expected["alibi"] and not alibi_bias)
         has_mask = bool(call.attrs["has_attn_mask"])

@@ -44,12 +44,18 @@ def _run(mod: tvm.IRModule, arrays) -> np.ndarray:
     return flatten(vm["main"](*map(tvm.runtime.tensor, arrays)))[0]
 
 
-def _flash_attn_options(mod: tvm.IRModule) -> tuple:
-    """(causal, window_size, has attn_mask) of the one flash_attn ``main`` calls."""
+def _flash_attn_call(mod: tvm.IRModule) -> relax.Call:
+    """The one flash_attn ``main`` calls."""
     calls = []
     relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call) and isinstance(
         e.op, tvm.ir.Op) and e.op.name == "relax.fuel.flash_attn" else None)
     (call,) = calls
+    return call
+
+
+def _flash_attn_options(mod: tvm.IRModule) -> tuple:
+    """(causal, window_size, has attn_mask) of the one flash_attn ``main`` calls."""
+    call = _flash_attn_call(mod)
     return bool(call.attrs["causal"]), tuple(int(x) for x in call.attrs["window_size"]), bool(
         call.attrs["has_attn_mask"])
 
@@ -160,6 +166,7 @@ _PLAIN = (False, (-1, -1), False)
 _CAUSAL = (True, (-1, -1), False)
 _MASKED = (False, (-1, -1), True)
 _QUARTER = dict(softmax_scale=0.25)
+_KEYS_KEPT = np.arange(9)  # compared with each batch row's count of kept keys
 _SLOPES = np.float32(0.5) ** np.arange(1, 5, dtype=np.float32)  # ALiBi's slopes for 4 heads
 CASES = {
     "sdpa": Case((2, 4, 4, 13, 9, 16), (), lambda: {}, _PLAIN),
@@ -211,7 +218,15 @@ CASES = {
     # batched matmuls over [B * H] written out, the bias first and per (batch, head)
     "merged_bias_first": Case((2, 4, 4, 13, 9, 16), (_randn(8, 13, 9),),
                               lambda b: dict(_QUARTER, attn_mask=b.reshape(2, 4, 13, 9)), _MASKED),
+    # gpt-oss's sinks: a column of one logit per head concatenated to the scores, the row max subtracted (or
+    # not), dropped after the softmax; a batch row that keeps no key under the finfo.min fill is all sink: 0
+    "sinks_by_hand": Case((2, 4, 2, 13, 13, 16), (_randn(4),), lambda s: dict(_QUARTER, causal=True, sinks=s),
+                          _CAUSAL),
+    "sinks_unshifted_padded": Case((2, 4, 4, 13, 9, 16), (_randn(4), lambda rng: _KEYS_KEPT < np.array([6, 0])[
+        :, None, None, None]), lambda s, m: dict(_QUARTER, sinks=s, attn_mask=m), _MASKED),
     # left untouched
+    "sinks_per_query": Case((2, 4, 4, 13, 13, 16), (_randn(13),)),  # a column that is no one logit per head
+    "sinks_first_column_dropped": Case((2, 4, 4, 13, 13, 16), (_randn(4),)),  # a score column dropped, the sink kept
     "softmax_over_queries": Case((2, 4, 4, 13, 9, 16)),
     "mask_after_softmax": Case((2, 4, 4, 13, 9, 16), (_keep(13, 9),)),  # a where() that is not SDPA's guard
     "finite_fill": Case((2, 4, 4, 13, 9, 16), (_keep(13, 9),)),  # an empty row would be uniform, not 0
@@ -244,6 +259,12 @@ def forward(name: str, torch) -> Callable:
 
     def finfo_causal(n):
         return torch.where(torch.ones(n, n, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min)
+
+    def with_sinks(logits, column, v, shift=True, keep=slice(None, -1)):  # transformers' gpt-oss eager attention
+        combined = torch.cat([logits, column.expand(logits.shape[0], logits.shape[1], logits.shape[2], 1)], dim=-1)
+        if shift:
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+        return torch.softmax(combined, dim=-1)[..., keep] @ v
 
     return {
         "sdpa": lambda q, k, v: sdpa(q, k, v),
@@ -280,6 +301,13 @@ def forward(name: str, torch) -> Callable:
         "merged_bias_first": lambda q, k, v, b: torch.bmm(torch.softmax(
             b + torch.bmm(q.reshape(8, 13, 16), k.reshape(8, 9, 16).transpose(1, 2)) * 0.25, dim=-1),
             v.reshape(8, 9, 16)).reshape(2, 4, 13, 16),
+        "sinks_by_hand": lambda q, k, v, s: with_sinks(scores(q, repeated2(k)) + finfo_causal(13),
+                                                       s.reshape(1, -1, 1, 1), repeated2(v)),
+        "sinks_unshifted_padded": lambda q, k, v, s, m: with_sinks(
+            scores(q, k) + torch.where(m, 0.0, torch.finfo(torch.float32).min), s.reshape(1, -1, 1, 1), v, shift=False),
+        "sinks_per_query": lambda q, k, v, s: with_sinks(scores(q, k), s.reshape(1, 1, -1, 1), v),
+        "sinks_first_column_dropped": lambda q, k, v, s: with_sinks(scores(q, k), s.reshape(1, -1, 1, 1), v,
+                                                                    keep=slice(1, None)),
         "softmax_over_queries": lambda q, k, v: torch.softmax(scores(q, k), dim=-2) @ v,
         "mask_after_softmax": lambda q, k, v, m: (lambda p: torch.where(~m, torch.zeros_like(p), p))(
             torch.softmax(scores(q, k), dim=-1)) @ v,
@@ -337,6 +365,7 @@ def test_exported_programs_are_fused(name):
     # nothing of the unfused graph is left (a mask built from ones_like(scores) no longer needs them)
     assert "relax.fuel.flash_attn" in _ops(fused) and not {"relax.nn.softmax", "relax.matmul"} & _ops(fused)
     assert _flash_attn_options(fused) == CASES[name].options
+    assert bool(_flash_attn_call(fused).attrs["has_sinks"]) == ("sinks" in CASES[name].reference(*arrays[3:]))
     want = _expected(name, arrays)
     np.testing.assert_allclose(_run(fused, arrays), want, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(_run(mod, arrays), want, atol=2e-5, rtol=2e-5)

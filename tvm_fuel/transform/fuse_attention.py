@@ -14,7 +14,7 @@ import operator
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
+from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple, rewrite_call, wildcard
 
 from .. import op
 from ..op.config import FLOAT_DTYPES, finite_nonzero_float32
@@ -22,6 +22,7 @@ from ..op.nn_attention import band_options, flash_options, static_dims
 from .common import int_dim, op_name
 from .view_chains import any_of, Chain, KV, scalar
 from .mask_program import ConstantEvaluator, broadcast_dims, constraint_tensor, read_keep_mask
+from .sink_column import drops_last, is_row_max, sinks_of_column
 
 
 def _calls(*names: str) -> DFPattern:
@@ -107,7 +108,13 @@ class _UnfusedAttention:
         zeros = any_of(*(is_op(name)(wildcard(), self.zero) for name in ("relax.full", "relax.full_like")),
                      *(is_op(name)(wildcard()) for name in ("relax.zeros", "relax.zeros_like")))
         self.guard = is_op("relax.where")(empty_rows, zeros, self.softmax)
-        self.probs, self.v = Chain(self.guard | self.softmax, scaled=False), KV(scaled=False)
+        # gpt-oss's sinks: softmax(concat([logits, sink column], -1) - its row max) without the last column
+        self.sink_column, self.shift = wildcard(), wildcard()
+        self.with_sinks = is_op("relax.concat")(is_tuple([self.logits, self.sink_column]))
+        self.sink_softmax = is_op("relax.nn.softmax")(is_op("relax.subtract")(self.with_sinks, self.shift)
+                                                      | self.with_sinks)
+        self.sliced = is_op("relax.strided_slice")(self.sink_softmax, varg_default_wildcard=True)
+        self.probs, self.v = Chain(self.guard | self.softmax | self.sliced, scaled=False), KV(scaled=False)
         self.pv = is_op("relax.matmul")(self.probs.pattern, self.v.pattern)
         self.pattern = is_op("relax.reshape")(self.pv, wildcard())
         self.fused = 0
@@ -162,6 +169,11 @@ class _UnfusedAttention:
                 and all(_merged(static_dims(t), kt_lead, tail) for t, tail in ((transpose, (d, sk)),
                                                                                (transpose.args[0], (sk, d))))):
             return None
+        sinks = None
+        if self.sliced in m:
+            sinks = self._sinks(m, (b, h, sq, sk))
+            if sinks is None:
+                return None
         scale = math.prod(peeled[self.scores][1] + q_scale + peeled[self.k_t][1] + k_scale, start=1.0)
         softcap = scalar(m[self.cap]) if self.capped in m else 0.0
         if softcap is None or not (softcap == 0.0 or (math.isfinite(softcap) and softcap > 0)):
@@ -196,10 +208,24 @@ class _UnfusedAttention:
             elif bias is not None:  # a compact keep mask and the bias: one float mask, -inf where not kept
                 mask = (relax.op.where(mask, bias, relax.const(_NEG_INF, dtype)) if mask_dtype == "bool"
                         else relax.op.add(relax.op.astype(mask, dtype), bias))
-        if huge_fill and may_empty:
-            return _uniform_where_empty(op.flash_attn(q, k, v, slopes, mask, return_lse=True, **options), v, group,
-                                        sq)
-        return op.flash_attn(q, k, v, slopes, mask, **options)
+        if huge_fill and may_empty:  # with sinks, such a row's lse is the sink's: 0 unless that is -inf, as in torch
+            return _uniform_where_empty(op.flash_attn(q, k, v, slopes, mask, sinks=sinks, return_lse=True,
+                                                      **options), v, group, sq)
+        return op.flash_attn(q, k, v, slopes, mask, sinks=sinks, **options)
+
+    def _sinks(self, m, dims: tuple[int, int, int, int]) -> relax.Expr | None:
+        """The sinks [H] of the sink column concatenated to the logits (``[..., Sq, Sk + 1]`` over
+        the last axis, shifted by its own row max or not, the softmax's last column dropped); None
+        where any of that is otherwise."""
+        b, h, sq, sk = dims
+        concat = m[self.with_sinks]
+        rank = len(static_dims(concat))
+        if (int(concat.attrs.axis) % rank != rank - 1 or not _merged(static_dims(concat), (b, h), (sq, sk + 1))
+                or not drops_last(m[self.sliced]) or not _last_axis(concat, m[self.sink_softmax].attrs.axis)):
+            return None
+        if self.shift in m and not is_row_max(m[self.shift], concat, self._bound):
+            return None
+        return sinks_of_column(m[self.sink_column], (b, h, sq), self._bound)
 
     def _key_bias(self, terms: list, dims: tuple[int, int, int], dtype: str, causal: bool) -> tuple | None:
         """(alibi_slopes, bias) for ``terms``, biases over the keys alone ([B * H, 1, Sk] as Bloom
@@ -253,7 +279,7 @@ class _UnfusedAttention:
     def _softmax_checked(self, m) -> bool:
         """Whether the softmax is over the last axis, and the guard (if any) is PyTorch's "no logit
         of the row is finite", which zeroes only the rows fuel outputs as 0."""
-        if not _last_axis(m[self.logits], m[self.softmax].attrs.axis):
+        if self.softmax in m and not _last_axis(m[self.logits], m[self.softmax].attrs.axis):
             return False
         if self.guard not in m:
             return True
@@ -483,6 +509,10 @@ class FuseAttention:
       ``-slope * |i + Sk - Sq - j|`` up to a row's constant); otherwise (positions read from the
       padding, bfloat16-rounded slopes) one float ``attn_mask`` of [B, H, 1, Sk] at most, the
       compact keep mask folded in as -inf;
+    * gpt-oss's sinks as transformers writes them: ``concat([logits, sink column], -1)``, its row
+      max subtracted or not, the softmax's last column dropped -> ``sinks`` [H], where the column
+      is one logit per head broadcast over batch and queries (``sink_column``); a row without a
+      kept key is then the sink's alone (0), or uniform where the sink is -inf (as in torch);
     * a mask over merged [B * H, Sq, Sk] scores is reshaped to [B, H, Sq, Sk]; ``ones_like(scores)``
       and the like in a mask become constants of the shape, so the unfused scores are dropped.
 
