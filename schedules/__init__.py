@@ -17,7 +17,7 @@ Contents:
     cuda      -- sm_80/sm_90 kernels (forward, backward, paged) and their rules
     script    -- TVMScript's macro expansion without reading every outer frame (installed on import)
     KnobSource, KnobMatch -- where tuned knobs come from, and what a lookup finds
-    rules_for, rule_for, tuned_legalize_map
+    rules_for, rule_for, kernel_call, tuned_legalize_map
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import tvm
 from tvm import relax
 
-from ..diagnostics import FloorWarning, TuningLogWarning
+from ..diagnostics import TuningLogWarning
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
 from .cuda.rules import RULES as CUDA_RULES
@@ -86,9 +86,6 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
             has_sinks = SPECS[name].split_args(call).get("sinks") is not None
             if has_sinks and name in _SINK_RESCALED:
                 return _with_sinks(bb, name, call, legalize_with)
-            if has_sinks and name == "paged_attn" and candidates:
-                warnings.warn("tvm_fuel: fuel.paged_attn with sinks has no kernel yet (the paged kernels return "
-                              "no lse to rescale); the floor serves this call", FloorWarning, stacklevel=2)
             for rule in candidates:
                 workload = rule.workload(call, target)
                 if workload is None:
@@ -120,9 +117,21 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
     return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}
 
 
-# the dense ops (forward and backward): their kernels' results are rescaled; paged_attn's have no lse
+# the dense ops (forward and backward): their kernels' results are rescaled; the paged kernels take the sinks
 _SINK_RESCALED = ("flash_attn", "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
                   "flash_attn_backward_v")
+
+
+def kernel_call(name: str, call: relax.Call) -> relax.Call:
+    """The call whose kernel serves ``call`` (of op ``name``): a dense call with sinks runs the
+    sink-free kernels (the forward's with lse, which the rescale needs); any other call is itself.
+    What tuning measures for it."""
+    from ..op import SPECS
+
+    spec = SPECS[name]
+    if name not in _SINK_RESCALED or spec.split_args(call).get("sinks") is None:
+        return call
+    return spec.replace(call, {"sinks": None}, **({"return_lse": True} if name == "flash_attn" else {}))
 
 
 def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_with) -> relax.Expr:
@@ -138,7 +147,7 @@ def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_wi
     args["sinks"] = bb.match_cast(args["sinks"], relax.TensorType([args["q"].ty.shape[1]], "float32"))
     call = bb.normalize(spec.replace(call, args))
     if name == "flash_attn":
-        plain = bb.normalize(spec.replace(call, {"sinks": None}, return_lse=True))
+        plain = bb.normalize(kernel_call(name, call))
         both = bb.emit(legalize_with(name)(bb, plain))
         out, lse = rescale_by_sinks(bb, bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1)),
                                     args["sinks"])

@@ -171,7 +171,7 @@ def kernel_params(spec: KernelSpec, sizes: dict, *handles) -> tuple:
     has_mask = len(spec.mask_broadcast) > 0
     query_like = ((B, Hq, Sq, D), dtype)
     layouts = {name: query_like for name in _QUERY_LIKE}
-    layouts.update(lse=((B, Hq, Sq), F32), alibi=((Hq,), F32))
+    layouts.update(lse=((B, Hq, Sq), F32), alibi=((Hq,), F32), sinks=((Hq,), F32))
     if "Sk" in sizes:
         kv = ((B, Hkv, sizes["Sk"], D), dtype)
         layouts.update({name: kv for name in _KEY_LIKE})

@@ -45,6 +45,7 @@ class KernelSpec:
     mask_broadcast: tuple[bool, ...] = ()  # per mask dim (right-aligned to B, Hq, Sq, Sk): size 1
     return_lse: bool = False
     block_size: int = 0  # paged only
+    has_sinks: bool = False  # paged only (sinks folded into each row's sum; no lse output)
     table_dtype: str = "int32"
     lens_dtype: str = "int32"
 
@@ -96,7 +97,10 @@ class Workload:
     @property
     def key(self) -> str:
         """Canonical JSON of the workload (what a tuning record is matched on)."""
-        body = {"v": KEY_VERSION, "op": self.op, "spec": asdict(self.spec), "dims": [list(d) for d in self.dims],
+        spec = asdict(self.spec)
+        if not spec.get("has_sinks", True):
+            del spec["has_sinks"]  # the keys of the records written before sinks existed stay as they were
+        body = {"v": KEY_VERSION, "op": self.op, "spec": spec, "dims": [list(d) for d in self.dims],
                 "grads": list(self.grads)}
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
@@ -161,6 +165,8 @@ class Workload:
             parts.append("alibi")
         if spec.mask_dtype:
             parts.append(f"mask:{spec.mask_dtype}")
+        if spec.has_sinks:
+            parts.append("sinks")
         return " ".join([*parts, self.dims_label()])
 
 

@@ -24,7 +24,7 @@ Contents:
     BlockTable     -- where a paged task's tokens live in vLLM's layout (page, slot, K and V reads)
     PagedTile      -- the macros of one key tile of a paged task, streamed in place or packed
     dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
-    paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
+    paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks], out)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .tiles import STREAMING_ROWS, CpuTiles
 @dataclass(frozen=True)
 class ForwardBuffers(Buffers):
     """The parameter buffers a forward task's macros read and write; None where the kernel has
-    none (no ALiBi, no mask, no lse; only the paged kernel has the caches and the block table)."""
+    none (no ALiBi, no mask, no lse; only the paged kernel has the caches, the block table and sinks)."""
 
     q: tirx.Buffer
     out: tirx.Buffer
@@ -58,6 +58,7 @@ class ForwardBuffers(Buffers):
     k_cache: tirx.Buffer | None = None
     v_cache: tirx.Buffer | None = None
     table: tirx.Buffer | None = None
+    sinks: tirx.Buffer | None = None
 
 
 @dataclass(frozen=True)
@@ -197,13 +198,20 @@ class ForwardMacros:
             micro.nan_safe_gemm(scratch.O, scratch.S, Vt, BQ, DP, width, tiles.dim_vecs, values_finite,
                                 accumulate=True, row_scale=scratch.alpha)
 
+        def row_sum(m, l, params, tile, r):
+            # with sinks, the row's sink logit joins the sum (O and l are relative to max m, log2 units)
+            if spec.has_sinks:
+                return sem.with_sink(l[r], m[r], params.sinks[tile.row_head(r)], log2=True)
+            return l[r]
+
         @T.macro
         def store(O, m, l, params, tile):
             for r in range(BQ):
                 if tile.r0 + r < tile.head_rows:
+                    total: T.float32 = row_sum(m, l, params, tile, r)
                     for d in range(D):
                         params.out[tile.b, tile.row_head(r), tile.row_position(r), d] = sem.normalize(
-                            O[r, d], l[r]).astype(dtype)
+                            O[r, d], total).astype(dtype)
                     if spec.return_lse:
                         params.lse[tile.b, tile.row_head(r), tile.row_position(r)] = sem.log_sum_exp(
                             sem.safe_row_max(m[r]) * T.float32(sem.LN2), l[r])
@@ -463,11 +471,11 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     # fmt: off
     @T.prim_func
     def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
-                            lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
-        q, k_cache, v_cache, table, lens, alibi, out = kernel_params(
-            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, out_h)
+                            lens_h: T.handle, alibi_h: T.handle, sinks_h: T.handle, out_h: T.handle):
+        q, k_cache, v_cache, table, lens, alibi, sinks, out = kernel_params(
+            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, out_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
-                                      table=table))
+                                      table=table, sinks=sinks))
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         for task in T.parallel(B * (Hkv // HT) * n_row_tiles):

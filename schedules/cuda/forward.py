@@ -18,7 +18,7 @@ Sq * Sk.
 
 Contents:
     dense_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
-    paged_forward -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], out)
+    paged_forward -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks], out)
 """
 
 from __future__ import annotations
@@ -43,11 +43,16 @@ def _lse(row_max, row_sum):
     return sem.log_sum_exp(sem.safe_row_max(row_max), row_sum)
 
 
+def with_sink(prm, head, row_max, row_sum):
+    """A finished row's sum with its head's sink (paged kernels with sinks), else the sum."""
+    return row_sum if prm.sinks is None else sem.with_sink(row_sum, row_max, prm.sinks[head])
+
+
 @dataclass(frozen=True)
 class ForwardBuffers:
     """A forward kernel's buffers. ``keys(b)`` only on the paged path: where sequence b's tokens
-    live (a ``layouts`` object: ``BlockTable``, TVM's ``TvmPages``); ``mask`` and ``lse`` only
-    where the kernel has them (None otherwise); ``part_o`` and ``part_stats`` hold the splits'
+    live (a ``layouts`` object: ``BlockTable``, TVM's ``TvmPages``); ``mask``, ``lse`` and
+    ``sinks`` (paged) only where the kernel has them (None otherwise); ``part_o`` and ``part_stats`` hold the splits'
     partial results (O, and the row max and sum; one element each without split-KV). TVM's cache
     kernels: ``sm_scale`` (a run-time scale in place of the spec's) and ``lse_log2`` (lse in log2
     units, ``EMPTY_LSE`` for a row without keys)."""
@@ -62,6 +67,7 @@ class ForwardBuffers:
     mask: Any = None
     lse: Any = None
     keys: Any = None
+    sinks: Any = None
     sm_scale: Any = None
     lse_log2: bool = False
 
@@ -231,11 +237,13 @@ class ForwardMacros(RegisterTiles):
         spec, D, SPLITS = self.spec, self.spec.head_dim, self.tiles.splits
 
         @T.macro
-        def emit(prm, blk, row, col, acc, row_sum):
-            # element (row, col) of the block's output: normalized (a split's partial O is float32)
+        def emit(prm, blk, row, col, acc, row_max, row_sum):
+            # element (row, col) of the block's output: normalized (a split's partial O is float32;
+            # the merge adds the sink there)
             if tirx.all(blk.live(row), col < D):
                 if SPLITS == 1:
-                    prm.out[*blk.task(row), col] = T.Cast(spec.dtype, sem.normalize(acc, row_sum))
+                    prm.out[*blk.task(row), col] = T.Cast(spec.dtype, sem.normalize(
+                        acc, with_sink(prm, blk.head(row), row_max, row_sum)))
                 else:
                     prm.part_o[*blk.task(row), blk.split, col] = sem.normalize(acc, row_sum)
 
@@ -370,7 +378,8 @@ class ForwardMacros(RegisterTiles):
             ops.sync()
             for i in range(ceil_div(BQ * DP, NT)):
                 if i * NT + tx < BQ * DP:
-                    emit(prm, blk, out_row(i, tx), out_col(i, tx), O[i], row_sum[out_row(i, tx)])
+                    emit(prm, blk, out_row(i, tx), out_col(i, tx), O[i], row_max[out_row(i, tx)],
+                         row_sum[out_row(i, tx)])
             for i in range(ceil_div(BQ, NT)):
                 if i * NT + tx < BQ:
                     emit_lse(prm, blk, i * NT + tx, row_max[i * NT + tx], row_sum[i * NT + tx])
@@ -406,7 +415,8 @@ class ForwardMacros(RegisterTiles):
                         prm.part_stats[*task_of(e, Sq), s, 0] - sem.safe_row_max(top[0])))
                     weight[0] = weight[0] + w
                     acc[0] = acc[0] + w * prm.part_o[*task_of(e, Sq), s, e % D]
-                prm.out[*task_of(e, Sq), e % D] = T.Cast(spec.dtype, sem.normalize(acc[0], weight[0]))
+                prm.out[*task_of(e, Sq), e % D] = T.Cast(spec.dtype, sem.normalize(
+                    acc[0], with_sink(prm, task_of(e, Sq)[1], top[0], weight[0])))
                 if spec.return_lse:
                     if e % D == 0:
                         prm.lse[*task_of(e, Sq)] = _lse(top[0], weight[0])
@@ -496,14 +506,16 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
 
     @T.prim_func
     def fuel_paged_attn_cuda(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
-                             lens_h: T.handle, alibi_h: T.handle, out_h: T.handle):
-        q, k_cache, v_cache, table, lens, alibi, out = kernel_params(
-            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, out_h)
+                             lens_h: T.handle, alibi_h: T.handle, sinks_h: T.handle, out_h: T.handle):
+        q, k_cache, v_cache, table, lens, alibi, sinks, out = kernel_params(
+            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, out_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
         body.launch_grid(ForwardBuffers(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi,
+                                        sinks=sinks if spec.has_sinks else None,
                                         keys=lambda b: BlockTable(table, k_cache, v_cache, b, num_blocks,
                                                                   spec.block_size)),
                          B, Sq, lambda b: context_len(lens, b))
 
-    return finish(drop_params(fuel_paged_attn_cuda, set() if spec.has_alibi else {"alibi"}))
+    unused = {name for name, used in (("alibi", spec.has_alibi), ("sinks", spec.has_sinks)) if not used}
+    return finish(drop_params(fuel_paged_attn_cuda, unused))

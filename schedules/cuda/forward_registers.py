@@ -53,7 +53,8 @@ class RegisterTiles:
                     for dt in own(DT):
                         for i in own(4):
                             emit(prm, blk, frow(w, li, tx, mt, i), fcol(li, tx, dt, i),
-                                 sc.o[slot(w, li, tx), o_at(mt, dt, i)], sc.l[slot(w, li, tx), mt * 2 + i // 2])
+                                 sc.o[slot(w, li, tx), o_at(mt, dt, i)], sc.m[slot(w, li, tx), mt * 2 + i // 2],
+                                 sc.l[slot(w, li, tx), mt * 2 + i // 2])
                     if wt.lane_of(li, tx) % 4 == 0:
                         for i in own(2):
                             emit_lse(prm, blk, frow(w, li, tx, mt, 2 * i), sc.m[slot(w, li, tx), mt * 2 + i],
@@ -148,7 +149,7 @@ class RegisterTiles:
                             merged_m[wn, out_row(i, tx)] - sem.safe_row_max(top[0]))
                         acc[0] = acc[0] + merged_o[wn, out_row(i, tx), out_col(i, tx)] * T.exp(
                             merged_m[wn, out_row(i, tx)] - sem.safe_row_max(top[0]))
-                    emit(prm, blk, out_row(i, tx), out_col(i, tx), acc[0], weight[0])
+                    emit(prm, blk, out_row(i, tx), out_col(i, tx), acc[0], top[0], weight[0])
                     if out_col(i, tx) == 0:
                         emit_lse(prm, blk, out_row(i, tx), top[0], weight[0])
 

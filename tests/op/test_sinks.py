@@ -5,19 +5,17 @@ errors a call with sinks gets."""
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
 import tvm
-from helpers import (BLOCK, CUDA_EMULATED, HOST, WINDOWS, Runner, assert_close, build, dense_inputs, paged_inputs,
-                     randn, run)
+from helpers import (HOST, WINDOWS, PinnedKnobs, Runner, assert_close, assert_pinned, build,
+                     dense_inputs, legalize_cuda_emulated, paged_inputs, randn, run)
 from tvm import relax
 
 import tvm_fuel
 from tvm_fuel import op
 from tvm_fuel import reference as ref
-from tvm_fuel.diagnostics import FloorWarning
 
 pytestmark = pytest.mark.numerics
 
@@ -133,30 +131,42 @@ def test_sinks_gradient_against_finite_differences():
         np.testing.assert_allclose(dsinks[h], (plus - minus) / (2 * eps), rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("sq", [1, 3])
-def test_paged(sq, kernels):
-    """paged_attn with sinks: the floor on every path (the paged kernels return no lse; said by a FloorWarning)."""
+PAGED = [(1, "float32", dict(causal=True)),  # decode: the CPU kernel streams K and V rows in place
+         (3, "float32", dict(window_size=(20, 0))),  # 9 rows per KV head: packed key tiles
+         (1, "bfloat16", dict(causal=True, softcap=4.0)),  # the CUDA register-tile path
+         (8, "float16", dict(causal=True))]
+
+
+@pytest.mark.parametrize("sq,dtype,options", PAGED)
+def test_paged(sq, dtype, options, kernels):
+    """paged_attn with sinks on every path (the kernels add each head's sink to its rows' sums),
+    contexts 0, 1, 17 and 70, against the reference's explicit sink column."""
     rng = np.random.default_rng(sq)
-    inputs = paged_inputs(rng, [0, 1, 17, 70], Sq=sq)
+    inputs = paged_inputs(rng, [0, 1, 17, 70], Sq=sq, dtype=dtype)
     inputs["sinks"] = _sinks(rng, 6)
-    mod = build(lambda sinks, **a: op.paged_attn(**a, sinks=sinks, causal=True),
-                {n: (a.shape, str(a.dtype)) for n, a in inputs.items()})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        target = tvm_fuel.target.as_target(HOST)
-        if kernels == CUDA_EMULATED:
-            from helpers import legalize_cuda_emulated
-            legalized = legalize_cuda_emulated(mod, target)
-        else:
-            legalized = tvm_fuel.transform.legalize(mod, target, kernels=kernels)
-    assert "fuel_paged_attn" in [gv.name_hint for gv in legalized.functions]  # the floor served it
-    assert any(issubclass(w.category, FloorWarning) for w in caught) == (kernels != "decomposed")
+    inputs["alibi_slopes"] = (rng.random(6) * 0.2).astype(np.float32)
+    (out,) = run(lambda **a: op.paged_attn(**a, **options), inputs, kernels=kernels)  # asserts: no floor
+    want = ref.paged_attn(*(inputs[n] for n in ("q", "k_cache", "v_cache", "block_table", "context_lens",
+                                                 "alibi_slopes")), sinks=inputs["sinks"], **options)
+    assert_close(out, want, dtype, what="out")
+    assert (out[0] == 0).all()  # context 0: the sinks' alone
+
+
+def test_paged_split_kv_merge_adds_the_sink_once():
+    """The emulated CUDA paged kernel with its keys split in four: each split's partial rows are
+    sink-free and the merge adds the sink once, to the merged sum."""
+    rng = np.random.default_rng(5)
+    inputs = paged_inputs(rng, [0, 9, 70, 96], Sq=1)
+    inputs["sinks"] = _sinks(rng, 6)
+    mod = build(lambda **a: op.paged_attn(**a, causal=True), {n: (a.shape, str(a.dtype)) for n, a in inputs.items()})
+    target = tvm_fuel.target.as_target(HOST)
+    legalized = legalize_cuda_emulated(mod, target, PinnedKnobs(block_q=16, block_k=16, threads=32, splits=4))
+    assert_pinned(legalized["fuel_paged_attn_kernel"], splits=4)
     vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(a) for a in inputs.values()]).numpy()
     want = ref.paged_attn(*(inputs[n] for n in ("q", "k_cache", "v_cache", "block_table", "context_lens")),
                           sinks=inputs["sinks"], causal=True)
     assert_close(out, want, "float32", what="out")
-    assert BLOCK == inputs["k_cache"].shape[1]
 
 
 def _var(name, shape, dtype="float32"):
@@ -208,3 +218,27 @@ def test_sinks_of_symbolic_length_checked_at_run_time(path):
     vm["main"](*map(tvm.runtime.tensor, args + [randn(rng, (6,))]))  # the right length runs
     with pytest.raises(Exception, match="head count Hq of 'sinks'"):
         vm["main"](*map(tvm.runtime.tensor, args + [randn(rng, (5,))]))
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_backward", "paged_attn"])
+def test_tuning_measures_the_kernel_a_call_with_sinks_runs(name):
+    """``tune``'s workload of a call with sinks is the one its kernel is built for: the sink-free
+    forward with lse and the sink-free backward (their results rescaled), paged with its sinks."""
+    from tvm_fuel.tuning.kernels import workloads_of
+
+    rng = np.random.default_rng(9)
+    if name == "paged_attn":
+        inputs = paged_inputs(rng, [3, 40], Sq=1)
+        make = lambda **a: op.paged_attn(**a, causal=True)  # noqa: E731
+    else:
+        inputs = dense_inputs(rng, 1, 6, 2, 17, 33, 40)
+        if name == "flash_attn_backward":
+            inputs["do"] = randn(rng, inputs["q"].shape, "float32")
+        make = lambda **a: getattr(op, name)(**a, causal=True)  # noqa: E731
+    inputs["sinks"] = _sinks(rng, 6)
+    mod = build(make, {n: (a.shape, str(a.dtype)) for n, a in inputs.items()})
+    (workload,) = [w for w in workloads_of(mod, tvm_fuel.target.as_target(HOST)) if w.op == name]
+    assert workload.spec.has_sinks == (name == "paged_attn")
+    assert workload.spec.return_lse == (name == "flash_attn")
+    legalized = tvm_fuel.transform.legalize(mod, HOST, kernels="tuned")
+    assert str(legalized[f"fuel_{name}_kernel"].attrs["fuel.workload"]) == workload.describe()

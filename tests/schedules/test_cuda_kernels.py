@@ -59,10 +59,12 @@ def _backward(dtype, name="flash_attn_backward", sq=SQ, sk=SK, d=64):
     return build(lambda **a: getattr(op, name)(**a, causal=True, softcap=5.0), params)
 
 
-def _paged(dtype, sq=1, d=128):
+def _paged(dtype, sq=1, d=128, sinks=False):
     nb, mb = tirx.Var("num_blocks", "int64"), tirx.Var("max_blocks", "int64")
     params = dict(q=((4, 32, sq, d), dtype), k_cache=((nb, 16, 8, d), dtype), v_cache=((nb, 16, 8, d), dtype),
                   block_table=((4, mb), "int32"), context_lens=((4,), "int32"))
+    if sinks:
+        params["sinks"] = ((32,), "float32")
     return build(lambda **a: op.paged_attn(**a, causal=True), params)
 
 
@@ -75,6 +77,7 @@ CASES = {
     "flash_attn_backward_v": lambda dtype: _backward(dtype, "flash_attn_backward_v"),
     "paged_decode": lambda dtype: _paged(dtype),
     "paged_multi_query": lambda dtype: _paged(dtype, sq=5, d=64),
+    "paged_decode_sinks": lambda dtype: _paged(dtype, sinks=True),
 }
 
 

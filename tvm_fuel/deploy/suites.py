@@ -283,6 +283,13 @@ def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
             found.append(Case("check", name, "paged_attn", dtype,
                               _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype),
                               dict(causal=True), seed=seed))
+        # gpt-oss's sinks: each head's sink logit added to its rows' sums (the first paged shape)
+        Sq, Hq, Hkv, D, block_size, lens = paged[0]
+        seed += 1
+        found.append(Case("check", f"check/paged_attn/{dtype}/Sq{Sq}-Hq{Hq}-Hkv{Hkv}-D{D}-bs{block_size}/ctx"
+                                   f"{'_'.join(map(str, lens))}/sinks", "paged_attn", dtype,
+                          _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype)
+                          + (tensor("sinks", (Hq,), "float32"),), dict(causal=True), seed=seed))
     return found
 
 

@@ -24,7 +24,7 @@ underflows to 0 passes its NaN on is unspecified (the paths round differently).
 
 Contents:
     kv_head, keep, in_subtree, softcap, softcap_grad, alibi_bias, add_mask (BIAS_BOUND), masked, mask_index, NEG_INF,
-    safe_row_max, normalize, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
+    safe_row_max, normalize, with_sink, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
     fast_exp2 (LOG2E, LN2), fast_tanh
     logit_tangent, prob_tangent, score_grad_tangent -- forward-mode pieces of the JVP and the
         double backward (the derivatives of the lines above along a tangent direction)
@@ -191,6 +191,16 @@ def safe_row_max(row_max):
 def normalize(acc, row_sum):
     """``acc / row_sum``, and 0 for a row that kept no key (a NaN sum stays NaN)."""
     return tirx.Select(row_sum == _ZERO, _ZERO, acc / row_sum)
+
+
+def with_sink(row_sum, row_max, sink, *, log2: bool = False):
+    """A row's sum with its sink's term (gpt-oss's sinks): ``row_sum + exp(sink - shift)`` for a sum
+    taken relative to ``shift = safe_row_max(row_max)`` (log2 units: ``2^(sink log2 e - shift)``).
+    ``normalize`` by it is the output with the sink in the softmax: the sink weighs no value, a row
+    without keys is 0, a ``-inf`` sink adds nothing. (A sink past every logit by more than
+    float32's exp range gives an infinite sum: the output is then 0 to float32 precision.)"""
+    shift = safe_row_max(row_max)
+    return row_sum + (tirx.exp2(sink * tirx.const(LOG2E, "float32") - shift) if log2 else te.exp(sink - shift))
 
 
 def log_sum_exp(shift, row_sum):

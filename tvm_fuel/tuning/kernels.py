@@ -42,7 +42,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..target import as_target
 from ..op.config import as_int
 from ..op import SPECS
-from ..schedules import rule_for
+from ..schedules import kernel_call, rule_for
 from ..schedules.workload import Workload
 from . import measure
 from .buckets import TUNABLE_OPS
@@ -112,7 +112,8 @@ class TaskResult:
 
 def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str] | None = None) -> list[Workload]:
     """The distinct static workloads of the fuel calls of ``mod`` served by a tunable kernel on
-    ``target`` (the norm backward kernels' knobs are hand-picked: memory-bound, one pass)."""
+    ``target`` (the norm backward kernels' knobs are hand-picked: memory-bound, one pass); a call
+    with sinks: the sink-free kernel's that serves it (``schedules.kernel_call``)."""
     wanted = set(ops) if ops is not None else None
     found: list[Workload] = []
 
@@ -123,7 +124,7 @@ def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str
         if wanted is not None and kernel_family(name) not in wanted:
             return
         rule = rule_for(name, target)
-        workload = rule.workload(expr, target) if rule is not None else None
+        workload = rule.workload(kernel_call(name, expr), target) if rule is not None else None
         if workload is not None and rule.tunable and workload.is_static and workload not in found:
             found.append(workload)
 
