@@ -151,6 +151,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import norm as bench_norm
 
         _bench_rows(args.out, "norm.json", bench_norm.norm_rows(), bench_norm.print_rows)
+    if not args.higher_order_only and not args.no_sinks:
+        from .bench import sinks as bench_sinks
+
+        _bench_rows(args.out, "sinks.json", bench_sinks.sink_rows(), bench_sinks.print_rows)
     if not args.no_higher_order:
         from .bench import higher_order as bench_higher_order
 
@@ -458,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the demo decoder's end-to-end rows against PyTorch (decoder.json)")
     bench.add_argument("--no-norm", action="store_true",
                        help="skip the norm backward rows: fused kernel, floor, composition, PyTorch (norm.json)")
+    bench.add_argument("--no-sinks", action="store_true",
+                       help="skip the attention sinks rows: with and without sinks, PyTorch's eager gpt-oss "
+                            "attention (sinks.json)")
     bench.add_argument("--models", nargs="+", metavar="ROW", type=_model_row,
                        help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
                             "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "

@@ -34,7 +34,7 @@ def _expr(tensor: nn.Tensor | None):
 
 
 class FlashAttention(nn.Module):
-    """``out = flash_attn(q, k, v, [alibi_slopes], [attn_mask])`` (``return_lse``: ``(out, lse)``).
+    """``out = flash_attn(q, k, v, [alibi_slopes], [attn_mask], [sinks])`` (``return_lse``: ``(out, lse)``).
 
     Parameters (keyword-only)
     ----------
@@ -43,7 +43,8 @@ class FlashAttention(nn.Module):
         Also return the log-sum-exp [B, Hq, Sq] (float32).
 
     Inputs: q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (float32, float16 or bfloat16, Hq a multiple
-    of Hkv); alibi_slopes [Hq] float32 and attn_mask (broadcastable to [B, Hq, Sq, Sk]) optional.
+    of Hkv); alibi_slopes [Hq] float32, attn_mask (broadcastable to [B, Hq, Sq, Sk]) and sinks [Hq]
+    float32 (gpt-oss's sink logits: a model's ``nn.Parameter``) optional.
     """
 
     def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
@@ -54,20 +55,20 @@ class FlashAttention(nn.Module):
         self.return_lse = return_lse
 
     def forward(self, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, alibi_slopes: nn.Tensor | None = None,
-                attn_mask: nn.Tensor | None = None):
+                attn_mask: nn.Tensor | None = None, *, sinks: nn.Tensor | None = None):
         call = op.flash_attn(_expr(q), _expr(k), _expr(v), _expr(alibi_slopes), _expr(attn_mask),
-                             return_lse=self.return_lse, **self.options)
+                             sinks=_expr(sinks), return_lse=self.return_lse, **self.options)
         return nn.wrap_nested(call, name="flash_attn")
 
 
 class PagedAttention(nn.Module):
-    """``out = paged_attn(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes])``.
+    """``out = paged_attn(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks])``.
 
     Parameters (keyword-only): softmax_scale, causal, window_size, softcap as ``tvm_fuel.op.paged_attn``.
 
     Inputs: q [B, Hq, Sq, D] (the last Sq positions of each context), k_cache and v_cache
     [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] and context_lens [B] (int32 or
-    int64), alibi_slopes [Hq] float32 optional. Returns out [B, Hq, Sq, D].
+    int64), alibi_slopes [Hq] and sinks [Hq] (float32) optional. Returns out [B, Hq, Sq, D].
     """
 
     def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
@@ -77,7 +78,8 @@ class PagedAttention(nn.Module):
         AttnConfig.create("tvm_fuel.nn.PagedAttention", **self.options)
 
     def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, block_table: nn.Tensor,
-                context_lens: nn.Tensor, alibi_slopes: nn.Tensor | None = None) -> nn.Tensor:
+                context_lens: nn.Tensor, alibi_slopes: nn.Tensor | None = None, *,
+                sinks: nn.Tensor | None = None) -> nn.Tensor:
         call = op.paged_attn(_expr(q), _expr(k_cache), _expr(v_cache), _expr(block_table), _expr(context_lens),
-                             _expr(alibi_slopes), **self.options)
+                             _expr(alibi_slopes), sinks=_expr(sinks), **self.options)
         return nn.wrap_nested(call, name="paged_attn")

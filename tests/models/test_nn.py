@@ -32,6 +32,23 @@ class _Decode(nn.Module):
         return self.attn(q, k_cache, v_cache, table, lens)
 
 
+class _AttentionWithSinks(nn.Module):
+    def __init__(self, **options):
+        self.attn = tvm_fuel.nn.FlashAttention(**options)
+
+    def forward(self, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, sinks: nn.Tensor):
+        return self.attn(q, k, v, sinks=sinks)
+
+
+class _DecodeWithSinks(nn.Module):
+    def __init__(self, **options):
+        self.attn = tvm_fuel.nn.PagedAttention(**options)
+
+    def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, table: nn.Tensor, lens: nn.Tensor,
+                sinks: nn.Tensor):
+        return self.attn(q, k_cache, v_cache, table, lens, sinks=sinks)
+
+
 def _run(model: nn.Module, arrays: dict, kernels: str) -> list[np.ndarray]:
     mod, _ = model.export_tvm({"forward": {n: nn.spec.Tensor(a.shape, str(a.dtype)) for n, a in arrays.items()}})
     vm = relax.VirtualMachine(tvm.compile(legalize_checked(mod, HOST, kernels), target=HOST), tvm.cpu())
@@ -61,6 +78,23 @@ def test_paged_attention_module(kernels):
     (out,) = _run(_Decode(window_size=(31, 0)), arrays, kernels)
     want = reference.paged_attn(*arrays.values(), window_size=(31, 0))
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_modules_take_sinks(kernels):
+    rng = np.random.default_rng(2)
+    sinks = rng.standard_normal(6).astype("float32") * 2
+    dense = {n: rng.standard_normal(shape).astype("float32") for n, shape in
+             (("q", (1, 6, 17, 40)), ("k", (1, 2, 23, 40)), ("v", (1, 2, 23, 40)))}
+    (out,) = _run(_AttentionWithSinks(causal=True), {**dense, "sinks": sinks}, kernels)
+    np.testing.assert_allclose(out, reference.flash_attn(*dense.values(), sinks=sinks, causal=True),
+                               atol=2e-5, rtol=2e-5)
+    table = rng.permutation(12)[:8].reshape(2, 4).astype("int32")
+    paged = dict(q=rng.standard_normal((2, 6, 1, 64)).astype("float32"),
+                 k_cache=rng.standard_normal((12, 16, 2, 64)).astype("float32"),
+                 v_cache=rng.standard_normal((12, 16, 2, 64)).astype("float32"),
+                 table=table, lens=np.array([0, 50], "int32"))
+    (out,) = _run(_DecodeWithSinks(), {**paged, "sinks": sinks}, kernels)
+    np.testing.assert_allclose(out, reference.paged_attn(*paged.values(), sinks=sinks), atol=2e-5, rtol=2e-5)
 
 
 def test_bad_options_fail_at_construction_by_name():

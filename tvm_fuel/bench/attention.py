@@ -13,6 +13,7 @@ Contents:
     read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
     measure, measure_side_by_side -- median timings (side by side: in turns)
+    torch_with_our_threads -- PyTorch (None without it) on the threads TVM uses
     peak_rss_mib, child_probe -- this process's peak resident memory; a probe run in a child process
     build_vm             -- a VirtualMachine of a module built one of the BUILDS ways
     run_bench            -- run the default suite, write JSON and PNG, return the report
@@ -152,7 +153,7 @@ def machine_peaks(target: tvm.target.Target) -> dict:
     n = 2048
     a, b = np.random.rand(n, n).astype(np.float32), np.random.rand(n, n).astype(np.float32)
     gemm = {"numpy": 2 * n**3 / measure(lambda: a @ b)[0] / 1e9}
-    torch = _torch()
+    torch = torch_with_our_threads()
     if torch is not None:
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)
         gemm["torch"] = 2 * n**3 / measure(lambda: ta @ tb)[0] / 1e9
@@ -167,7 +168,8 @@ def machine_peaks(target: tvm.target.Target) -> dict:
     return {"fma_gflops": peak, "gemm_gflops": max(gemm.values()), "gemm_gflops_by": gemm, "read_gbps": read}
 
 
-def _torch():
+def torch_with_our_threads():
+    """PyTorch on TVM's thread count (None where it is not installed)."""
     try:
         import torch
     except ImportError:
@@ -219,7 +221,7 @@ def _flash_timings(case: FlashCase, target, *, with_floor: bool) -> dict:
     results = _timed_builds(mod, target, tensors, with_floor=with_floor, floor_skip=(
         f"would materialize {case.B * case.H * case.S * case.S:,} scores (> {FLOOR_MAX_SCORES:,}); "
         "run with --floor-all"))
-    torch = _torch()
+    torch = torch_with_our_threads()
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
     else:
@@ -262,7 +264,7 @@ def _paged_timings(case: PagedCase, target) -> dict:
     read_all, read_bytes = read_probe(target)
     results = _timed_builds(mod, target, tensors, alongside={"read_probe": read_all})
     results["read_probe"]["gbps"] = read_bytes / results["read_probe"]["ms"] / 1e6
-    torch = _torch()
+    torch = torch_with_our_threads()
     if torch is None:
         results["torch"] = {"skipped": "torch is not installed (pip install -e '.[bench]')"}
     else:
@@ -351,7 +353,7 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = host_target()
-    torch = _torch()
+    torch = torch_with_our_threads()
     report: dict = {
         "machine": {"cpu": tvm.target.codegen.llvm_get_system_cpu(), "cores": os.cpu_count(),
                     "physical_cores": physical_cores(),

@@ -37,9 +37,10 @@ def sdpa_backward(torch, q, k, v, do, *, causal: bool):
     return run
 
 
-def paged_gather_sdpa(torch, q, k_cache, v_cache, table, context: int):
+def paged_gather_sdpa(torch, q, k_cache, v_cache, table, context: int, attend=None):
     """Paged decode as vLLM's reference does it: gather each sequence's live blocks (every
-    sequence ``context`` tokens long), then dense SDPA over them."""
+    sequence ``context`` tokens long), then dense SDPA over them (or ``attend(q, k, v)``, k and v
+    of the KV heads)."""
     batch, block_size, kv_heads, head_dim = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     live = -(-context // block_size)
 
@@ -48,6 +49,8 @@ def paged_gather_sdpa(torch, q, k_cache, v_cache, table, context: int):
         return pages[:, :context].transpose(1, 2)
 
     def run():
+        if attend is not None:
+            return attend(q, gather(k_cache), gather(v_cache))
         return torch.nn.functional.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), enable_gqa=True)
 
     return run
