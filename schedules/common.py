@@ -6,7 +6,8 @@ Contents:
     shape_vars        -- the runtime dims of a kernel: symbolic vars or constants
     kernel_sizes      -- an attention kernel's runtime sizes by name (dense or paged)
     kernel_params     -- every kernel's prologue: its parameters' buffers, laid out by name
-    key_tile_range    -- the key tiles a range of query positions can see
+    key_tile_range    -- the key tiles a range of query positions can see (the window's)
+    KeyTiles, key_tiles -- those tiles and the sink tokens' left of them, walked as one range
     query_tile_range  -- the query tiles that can see a range of keys (backward)
     balanced_order    -- a task order whose contiguous chunks carry equal causal work
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
@@ -18,6 +19,8 @@ Contents:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -53,6 +56,38 @@ def key_tile_range(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block
     return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_k - 1, block_k))
 
 
+@dataclass(frozen=True)
+class KeyTiles:
+    """The key tiles rows can see, walked as one range ``t = 0 .. count - 1``: the sink tokens'
+    tiles ``[0, sinks)`` left of the window (``sink_tokens``; none: ``sinks`` is 0), then the
+    window's ``[lo, hi)``. Tiles between them hold no key the rows see, and are not walked."""
+
+    sinks: tirx.PrimExpr | int
+    lo: tirx.PrimExpr
+    hi: tirx.PrimExpr
+
+    @property
+    def count(self):
+        return self.hi - self.lo if isinstance(self.sinks, int) else self.sinks + (self.hi - self.lo)
+
+    def tile(self, t):
+        """The key tile of step ``t``."""
+        if isinstance(self.sinks, int):
+            return self.lo + t
+        t = sem.as_int64(t)  # a pipeline's step may be int32
+        return tirx.Select(t < self.sinks, t, t - self.sinks + self.lo)
+
+
+def key_tiles(cfg: AttnConfig, *, first_pos, last_pos, kv_len, delta, block_k: int) -> KeyTiles:
+    """The key tiles that rows at query positions first_pos..last_pos can see (``KeyTiles``)."""
+    lo, hi = key_tile_range(cfg, first_pos=first_pos, last_pos=last_pos, kv_len=kv_len, delta=delta,
+                            block_k=block_k)
+    if not cfg.sink_tokens or cfg.window_left < 0:
+        return KeyTiles(0, lo, hi)
+    # the sink tokens' tiles left of the window's first (a sink tile inside it is the window's)
+    return KeyTiles(tirx.min(tirx.const(ceil_div(cfg.sink_tokens, block_k), "int64"), lo), lo, hi)
+
+
 def tile_width(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int, step: int):
     """Keys of the tile at ``key_start`` up to the last one the rows can see, rounded up to ``step``
     (at most block_k): a causal diagonal tile computes only its visible part."""
@@ -61,7 +96,8 @@ def tile_width(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta
 
 
 def tile_is_interior(cfg: AttnConfig, *, key_start, first_pos, last_pos, kv_len, delta, block_k: int):
-    """True when every row of the task sees every key of the tile (no masking needed)."""
+    """True when every row of the task sees every key of the tile (no masking needed; a tile
+    of sink tokens left of the window is masked as a window tile is)."""
     cond = key_start + block_k <= sem.as_int64(kv_len)
     if cfg.window_left >= 0:
         cond = tirx.all(cond, key_start >= last_pos + delta - cfg.window_left)
@@ -77,7 +113,10 @@ def query_tile_range(cfg: AttnConfig, *, key_first, key_last, num_queries, delta
     if cfg.window_right >= 0:  # j <= i + delta + right  <=>  i >= j - delta - right
         lo = tirx.max(lo, key_first - delta - cfg.window_right)
     if cfg.window_left >= 0:  # j >= i + delta - left  <=>  i <= j - delta + left
-        hi = tirx.min(hi, key_last - delta + cfg.window_left + 1)
+        bound = key_last - delta + cfg.window_left + 1
+        if cfg.sink_tokens:  # a sink token is seen by every later query
+            bound = tirx.Select(key_first < cfg.sink_tokens, sem.as_int64(num_queries), bound)
+        hi = tirx.min(hi, bound)
     tile_lo = tirx.floordiv(lo, block_q)
     return tile_lo, tirx.max(tile_lo, tirx.floordiv(hi + block_q - 1, block_q))
 

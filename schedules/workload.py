@@ -98,8 +98,11 @@ class Workload:
     def key(self) -> str:
         """Canonical JSON of the workload (what a tuning record is matched on)."""
         spec = asdict(self.spec)
+        # the keys of the records written before sinks and sink tokens existed stay as they were
         if not spec.get("has_sinks", True):
-            del spec["has_sinks"]  # the keys of the records written before sinks existed stay as they were
+            del spec["has_sinks"]
+        if "cfg" in spec and not spec["cfg"]["sink_tokens"]:
+            del spec["cfg"]["sink_tokens"]
         body = {"v": KEY_VERSION, "op": self.op, "spec": spec, "dims": [list(d) for d in self.dims],
                 "grads": list(self.grads)}
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -114,7 +117,7 @@ class Workload:
             spec = dict(body["spec"])
             cfg = dict(spec.pop("cfg"))
             spec = KernelSpec(cfg=AttnConfig(cfg["softmax_scale"], bool(cfg["causal"]), tuple(cfg["window_size"]),
-                                             float(cfg["softcap"])),
+                                             float(cfg["softcap"]), int(cfg.get("sink_tokens", 0))),
                               mask_broadcast=tuple(spec.pop("mask_broadcast")), **spec)
             return Workload(body["op"], spec, tuple((str(n), s) for n, s in body["dims"]), tuple(body["grads"]))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
@@ -159,6 +162,8 @@ class Workload:
             parts.append("causal")
         if cfg.window_size != (-1, -1):
             parts.append(f"window{list(cfg.window_size)}")
+        if cfg.sink_tokens:
+            parts.append(f"sink_tokens{cfg.sink_tokens}")
         if cfg.softcap:
             parts.append(f"softcap{cfg.softcap:g}")
         if spec.has_alibi:

@@ -38,7 +38,7 @@ class FlashAttention(nn.Module):
 
     Parameters (keyword-only)
     ----------
-    softmax_scale, causal, window_size, softcap : as ``tvm_fuel.op.flash_attn`` (validated here).
+    softmax_scale, causal, window_size, softcap, sink_tokens : as ``tvm_fuel.op.flash_attn`` (validated here).
     return_lse : bool
         Also return the log-sum-exp [B, Hq, Sq] (float32).
 
@@ -48,9 +48,10 @@ class FlashAttention(nn.Module):
     """
 
     def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
-                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False):
+                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
+                 sink_tokens: int = 0):
         self.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-                            softcap=softcap)
+                            softcap=softcap, sink_tokens=sink_tokens)
         AttnConfig.create("tvm_fuel.nn.FlashAttention", **self.options)  # bad options fail here, by name
         self.return_lse = return_lse
 
@@ -64,7 +65,8 @@ class FlashAttention(nn.Module):
 class PagedAttention(nn.Module):
     """``out = paged_attn(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks])``.
 
-    Parameters (keyword-only): softmax_scale, causal, window_size, softcap as ``tvm_fuel.op.paged_attn``.
+    Parameters (keyword-only): softmax_scale, causal, window_size, softcap, sink_tokens as
+    ``tvm_fuel.op.paged_attn``.
 
     Inputs: q [B, Hq, Sq, D] (the last Sq positions of each context), k_cache and v_cache
     [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] and context_lens [B] (int32 or
@@ -72,9 +74,9 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
-                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sink_tokens: int = 0):
         self.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-                            softcap=softcap)
+                            softcap=softcap, sink_tokens=sink_tokens)
         AttnConfig.create("tvm_fuel.nn.PagedAttention", **self.options)
 
     def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, block_table: nn.Tensor,

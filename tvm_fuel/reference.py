@@ -14,6 +14,9 @@ Contents:
     flash_attn_jvp, flash_attn_double_backward -- forward mode and the backward's VJP (issue 16)
     flash_attn_varlen, flash_attn_varlen_backward -- packed variable-length batches (cu_seqlens)
 
+Sink tokens (``sink_tokens = n``, StreamingLLM's): keys ``j < n`` stay visible past the window's
+left bound (``visible_keys``).
+
 Sinks (``sinks [Hq]``, gpt-oss's learned logits): one more column in each row's softmax holding
 ``sinks[h]`` as it is (not scaled, capped or masked), that weighs no value. A row keeping no key
 then gives 0 and ``lse = sinks[h]``; its gradient is ``-sum_i exp(sinks[h] - lse_i) * rowsum(do_i * out_i)``.
@@ -30,21 +33,23 @@ def _f64(x):
     return None if x is None else np.asarray(x).astype(np.float64)
 
 
-def visible_keys(sq: int, sk: int, kv_len: int | None = None, *, causal=False, window_size=(-1, -1)) -> np.ndarray:
-    """Bool [sq, sk]: key j visible to query i (bottom-right aligned, ``kv_len`` valid keys)."""
+def visible_keys(sq: int, sk: int, kv_len: int | None = None, *, causal=False, window_size=(-1, -1),
+                 sink_tokens: int = 0) -> np.ndarray:
+    """Bool [sq, sk]: key j visible to query i (bottom-right aligned, ``kv_len`` valid keys; keys
+    ``j < sink_tokens`` past the window's left bound)."""
     kv_len = sk if kv_len is None else kv_len
     left, right = window_size[0], 0 if causal else window_size[1]
     i = np.arange(sq)[:, None] + (kv_len - sq)  # absolute position of query i
     j = np.arange(sk)[None, :]
     keep = np.broadcast_to(j < kv_len, (sq, sk))
     if left >= 0:
-        keep = keep & (j >= i - left)
+        keep = keep & ((j >= i - left) | (j < sink_tokens))
     if right >= 0:
         keep = keep & (j <= i + right)
     return keep
 
 
-def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, kv_len=None):
+def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, kv_len=None, sink_tokens=0):
     """(capped logits, final logits with -inf at dropped keys), both [B, Hq, Sq, Sk] float64."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -57,7 +62,8 @@ def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, s
     if alibi_slopes is not None:
         distance = np.abs(np.arange(Sq)[:, None] + (kv_len - Sq) - np.arange(Sk)[None, :])
         logits = logits - _f64(alibi_slopes)[None, :, None, None] * distance
-    keep = np.broadcast_to(visible_keys(Sq, Sk, kv_len, causal=causal, window_size=window_size), logits.shape)
+    keep = np.broadcast_to(visible_keys(Sq, Sk, kv_len, causal=causal, window_size=window_size,
+                                        sink_tokens=sink_tokens), logits.shape)
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
         if mask.dtype == np.bool_:
@@ -107,24 +113,26 @@ def _transposed(w):
 
 
 def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
-               window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+               window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False, sink_tokens=0):
     """out [B, Hq, Sq, D] (and lse [B, Hq, Sq]) in float64; see ``tvm_fuel.op.flash_attn``;
     ``sinks`` [Hq]: see the module's docstring."""
-    _, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
+    _, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap,
+                        sink_tokens=sink_tokens)
     p, lse = _softmax(logits, sinks)
     out = _weighted_sum(p, np.repeat(_f64(v), q.shape[1] // v.shape[1], axis=1))
     return (out, lse) if return_lse else out
 
 
 def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
-                        window_size=(-1, -1), softcap=0.0, sinks=None):
+                        window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0):
     """(dq, dk, dv) in float64 for the loss ``sum(out * do)``; masks and ALiBi are constants. With
     ``sinks``, (dq, dk, dv, dsinks), dsinks [Hq]."""
     B, Hq, Sq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
+    capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap,
+                        sink_tokens=sink_tokens)
     p, lse = _softmax(logits, sinks)
     kr, vr, do = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1), _f64(do)
     with np.errstate(invalid="ignore"):
@@ -154,7 +162,7 @@ def _zeros_or(x, like):
 
 
 def _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_scale, causal, window_size,
-              softcap) -> dict:
+              softcap, sink_tokens=0) -> dict:
     """The forward's values and their directional derivatives along (q_dot, k_dot, v_dot), per
     query head (K, V and their tangents repeated over the GQA group), float64, finite inputs.
 
@@ -163,7 +171,8 @@ def _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_sca
     Hq, D = q.shape[1], q.shape[3]
     group = Hq // k.shape[1]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap)
+    capped, logits = _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap,
+                        sink_tokens=sink_tokens)
     p, lse = _softmax(logits)
     kr, vr = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1)
     kr_dot, vr_dot = np.repeat(_zeros_or(k_dot, k), group, axis=1), np.repeat(_zeros_or(v_dot, v), group, axis=1)
@@ -182,18 +191,18 @@ def _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_sca
 
 
 def flash_attn_jvp(q, k, v, q_dot, k_dot, v_dot, alibi_slopes=None, attn_mask=None, *, softmax_scale=None,
-                   causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False):
+                   causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False, sink_tokens=0):
     """Forward mode: (out, out_dot[, lse]) float64, ``out_dot`` the derivative of ``flash_attn``'s
     out along (q_dot [B, Hq, Sq, D], k_dot, v_dot [B, Hkv, Sk, D]; None counts as 0). Finite
     inputs (the NaN rule is not modelled for tangents)."""
     t = _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_scale, causal, window_size,
-                  softcap)
+                  softcap, sink_tokens)
     return (t["out"], t["out_dot"], t["lse"]) if return_lse else (t["out"], t["out_dot"])
 
 
 def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=None, alibi_slopes=None,
                                attn_mask=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0):
+                               softcap=0.0, sink_tokens=0):
     """(q_grad, k_grad, v_grad, do_grad) float64: the vector-Jacobian product of
     ``(dq, dk, dv) = flash_attn_backward(q, k, v, do)`` with cotangents (dq_bar [B, Hq, Sq, D],
     dk_bar, dv_bar [B, Hkv, Sk, D]; None counts as 0). Finite inputs.
@@ -204,7 +213,7 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
     """
     B, Hkv = q.shape[0], k.shape[1]
     t = _tangents(q, k, v, dq_bar, dk_bar, dv_bar, alibi_slopes, attn_mask, softmax_scale, causal, window_size,
-                  softcap)
+                  softcap, sink_tokens)
     p, p_dot, scale, slope = t["p"], t["p_dot"], t["scale"], t["slope"]
     q64, q_bar, do = _f64(q), _zeros_or(dq_bar, q), _f64(do)
     dp = np.einsum("bhid,bhjd->bhij", do, t["vr"])
@@ -237,7 +246,7 @@ def gather_pages(cache, block_table_row, kv_len: int) -> np.ndarray:
 
 
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
+               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0):
     """out [B, Hq, Sq, D] float64: each sequence's queries are the last Sq of its context."""
     B, Hq, Sq, D = q.shape
     out = np.zeros((B, Hq, Sq, D))
@@ -248,7 +257,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         k = gather_pages(k_cache, block_table[b], kv_len)[None]
         v = gather_pages(v_cache, block_table[b], kv_len)[None]
         out[b] = flash_attn(q[b:b + 1], k, v, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, softcap=softcap, sinks=sinks)[0]
+                            window_size=window_size, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)[0]
     return out
 
 

@@ -37,8 +37,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, key_tile_range, masked_logit,
-                      kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
+from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, KeyTiles, key_tile_range, key_tiles,
+                      masked_logit, kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
 from ..layouts import BlockTable
 from .common import absent_inputs, Buffers, prefetch
 from .micro import add_term, Micro, store_row_sums
@@ -96,8 +96,12 @@ class RowTile:
         return row_position(self.r0 + r, self.group)
 
     def key_tiles(self, cfg, block_k: int):
-        """[lo, hi) of the key tiles the rows can see."""
+        """[lo, hi) of the key tiles the rows can see (the window's: see ``key_walk``)."""
         return key_tile_range(cfg, **self._bounds(), block_k=block_k)
+
+    def key_walk(self, cfg, block_k: int) -> KeyTiles:
+        """The key tiles the rows can see, the sink tokens' included (``KeyTiles``)."""
+        return key_tiles(cfg, **self._bounds(), block_k=block_k)
 
     def is_interior(self, cfg, key_start, block_k: int):
         """Whether every row sees every key of the tile at ``key_start`` (no masking needed)."""
@@ -292,8 +296,9 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
                                       last_pos=last_pos))
             body.load_queries(Qs, params, tile)
             body.init_state(O, m, l)
-            lo, hi = tile.key_tiles(cfg, BK)
-            for kt in range(lo, hi):
+            walk = T.meta_var(tile.key_walk(cfg, BK))
+            for t in range(walk.count):
+                kt: T.int64 = walk.tile(t)
                 tile_offset = T.meta_var((b * Hkv + g) * n_key_tiles + kt)  # of the KV head's packed tile kt
                 Kt = T.decl_buffer((D, BK), F32, data=k_tiles.data, elem_offset=tile_offset * (D * BK))
                 Vt = T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=tile_offset * (BK * DP))
@@ -500,8 +505,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             for gi in range(HT):
                 body.load_queries(_head(Qs_all, gi), params, tile.head(gi))
                 body.init_state(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi))
-            lo, hi = tile.key_tiles(cfg, BK)
-            for kt in range(lo, hi):
+            walk = T.meta_var(tile.key_walk(cfg, BK))
+            for t in range(walk.count):
+                kt: T.int64 = walk.tile(t)
                 if streaming:
                     paged.stream_tile(heads, params, cache, tile, kt)
                 else:

@@ -31,7 +31,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tile_range, masked_logit, kernel_params,
+from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tiles, masked_logit, kernel_params,
                       probability, kernel_sizes)
 from .common import Buffers, absent_inputs
 from .micro import Micro, lane_tree
@@ -338,9 +338,10 @@ class TangentPass:
         @T.macro
         def run(rows, scores, packed, params, tile):
             load_rows(rows, params, tile)
-            lo, hi = key_tile_range(cfg, first_pos=tile.i0, last_pos=T.min(tile.i0 + BQ, Sq) - 1, kv_len=Sk,
-                                    delta=Sk - Sq, block_k=BK)
-            for kt in range(lo, hi):
+            walk = T.meta_var(key_tiles(cfg, first_pos=tile.i0, last_pos=T.min(tile.i0 + BQ, Sq) - 1, kv_len=Sk,
+                                        delta=Sk - Sq, block_k=BK))
+            for t in range(walk.count):
+                kt: T.int64 = walk.tile(t)
                 key_tile(rows, scores, packed, params, tile, kt)
 
         @T.macro

@@ -46,7 +46,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tile_range, kernel_params, probability,
+from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tiles, kernel_params, probability,
                       query_tile_range, kernel_sizes)
 from .backward_registers import RegisterTiles, Scratch
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
@@ -269,12 +269,12 @@ class BackwardMacros(RegisterTiles):
             # streamed through the pipeline; compute(at, st) once the tile is in stage st
             load_rows(sc.Qs, sc.dOs, prm, qb, self.copy_queries, tx)
             load_row_stats(sc, prm, qb, True, tx)
-            lo, hi = key_tile_range(spec.cfg, first_pos=qb.i0, last_pos=T.min(qb.i0 + BQ, qb.Sq) - 1, kv_len=qb.Sk,
-                                    delta=qb.Sk - qb.Sq, block_k=BK)
-            pipeline(T.max(hi - lo, 0),
+            walk = T.meta_var(key_tiles(spec.cfg, first_pos=qb.i0, last_pos=T.min(qb.i0 + BQ, qb.Sq) - 1,
+                                        kv_len=qb.Sk, delta=qb.Sk - qb.Sq, block_k=BK))
+            pipeline(T.max(walk.count, 0),
                      lambda t, st: load_keys(Rows.stage(sc.Ks, st, BK), Rows.stage(sc.Vs, st, BK), prm, qb.b,
-                                             qb.h // group, (lo + t) * BK, qb.Sk, self.stream_keys, tx),
-                     lambda t, st: compute(qb.tile((lo + t) * BK), st))
+                                             qb.h // group, walk.tile(t) * BK, qb.Sk, self.stream_keys, tx),
+                     lambda t, st: compute(qb.tile(walk.tile(t) * BK), st))
 
         self.walk_group_queries, self.walk_keys = walk_group_queries, walk_keys
 

@@ -30,7 +30,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tile_range, masked_logit, kernel_params,
+from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tiles, masked_logit, kernel_params,
                       row_head, row_position, kernel_sizes, tile_is_interior)
 from ..layouts import BlockTable, EMPTY_LSE
 from .device import F32, HALF_TYPES, Launch, Rows, TileOps, padded_dim
@@ -156,17 +156,19 @@ class ForwardMacros(RegisterTiles):
     # ---- what every block does: key tiles to walk, loads, logits, results ----
 
     def key_walk(self, blk: _Block):
-        """(first, count): the key tiles this block's split walks (those its rows can see)."""
+        """(tile, count): the key tiles this block's split walks (those its rows can see, the sink
+        tokens' included: ``KeyTiles``), its step t's tile ``tile(t)``."""
         SPLITS = self.tiles.splits
         first_pos, last_pos = blk.positions(self.BQ)
-        lo, hi = key_tile_range(self.spec.cfg, first_pos=first_pos, last_pos=last_pos, kv_len=blk.kv_len,
-                                delta=blk.delta, block_k=self.BK)
-        per = (hi - lo + SPLITS - 1) // SPLITS
-        first = lo + blk.split * per
-        count = T.max(first, T.min(hi, first + per)) - lo - blk.split * per
+        walk = key_tiles(self.spec.cfg, first_pos=first_pos, last_pos=last_pos, kv_len=blk.kv_len,
+                         delta=blk.delta, block_k=self.BK)
+        total = walk.count
+        per = (total + SPLITS - 1) // SPLITS
+        first = blk.split * per
+        count = T.max(first, T.min(total, first + per)) - first
         if blk.q_start is not None:  # ragged queries: a block past its sequence's rows walks no keys
             count = T.Select(blk.r0 < blk.rows, count, T.int64(0))
-        return first, count
+        return (lambda t: walk.tile(first + t)), count
 
     def needs_mask(self, blk: _Block, kt):
         """Whether key tile kt masks any element of the block's rows (interior tiles skip it)."""
@@ -368,9 +370,10 @@ class ForwardMacros(RegisterTiles):
                 l[i] = T.float32(0)
             for i in range(ceil_div(BQ * DP, NT)):
                 O[i] = T.float32(0)
-            first, count = self.key_walk(blk)
-            pipeline(count, lambda t, st: load_keys(sc, prm, blk, first + t, st, tx),
-                     lambda t, st: simt_tile(sc, prm, blk, first + t, st, tx))
+            tile, steps = T.meta_var(self.key_walk(blk))
+            count: T.int64 = steps
+            pipeline(count, lambda t, st: load_keys(sc, prm, blk, tile(t), st, tx),
+                     lambda t, st: simt_tile(sc, prm, blk, tile(t), st, tx))
             for i in range(SLOTS):
                 if tirx.all(i * NT + tx < BQ * RT, slot_part(i, tx) == 0):
                     row_max[slot_row(i, tx)] = m[i]

@@ -86,9 +86,10 @@ class RegisterTiles:
             wt.fill(m, R, T.float32(NEG_INF), tx)
             wt.fill(l, R, T.float32(0), tx)
             wt.fill(o, MT * DT * 4, T.float32(0), tx)
-            first, count = self.key_walk(blk)
-            pipeline(count, lambda t, st: load_keys(sc, prm, blk, first + t, st, tx),
-                     lambda t, st: register_tile(sc, prm, blk, first + t, st, tx))
+            tile, steps = T.meta_var(self.key_walk(blk))
+            count: T.int64 = steps
+            pipeline(count, lambda t, st: load_keys(sc, prm, blk, tile(t), st, tx),
+                     lambda t, st: register_tile(sc, prm, blk, tile(t), st, tx))
             for wi in wt.warp_loop():
                 wt.quad_sum(l, R, wt.warp_of(wi, tx), tx)
             if WN == 1:

@@ -97,8 +97,28 @@ def test_modules_take_sinks(kernels):
     np.testing.assert_allclose(out, reference.paged_attn(*paged.values(), sinks=sinks), atol=2e-5, rtol=2e-5)
 
 
+def test_modules_take_sink_tokens(kernels):
+    """StreamingLLM: a window of 16 keys and the first 4 kept, through both modules."""
+    rng = np.random.default_rng(3)
+    options = dict(window_size=(15, 0), sink_tokens=4)
+    dense = dict(q=rng.standard_normal((1, 6, 17, 40)), k=rng.standard_normal((1, 2, 60, 40)),
+                 v=rng.standard_normal((1, 2, 60, 40)), slopes=np.zeros(6))
+    dense = {n: a.astype("float32") for n, a in dense.items()}
+    (out,) = _run(_Attention(**options), dense, kernels)
+    np.testing.assert_allclose(out, reference.flash_attn(*dense.values(), **options), atol=2e-5, rtol=2e-5)
+    table = rng.permutation(12)[:8].reshape(2, 4).astype("int32")
+    paged = dict(q=rng.standard_normal((2, 8, 1, 64)).astype("float32"),
+                 k_cache=rng.standard_normal((12, 16, 2, 64)).astype("float32"),
+                 v_cache=rng.standard_normal((12, 16, 2, 64)).astype("float32"),
+                 table=table, lens=np.array([30, 64], "int32"))
+    (out,) = _run(_Decode(**options), paged, kernels)
+    np.testing.assert_allclose(out, reference.paged_attn(*paged.values(), **options), atol=2e-5, rtol=2e-5)
+
+
 def test_bad_options_fail_at_construction_by_name():
     with pytest.raises(ValueError, match="tvm_fuel.nn.FlashAttention"):
         tvm_fuel.nn.FlashAttention(window_size=(-3, 0))
     with pytest.raises((ValueError, TypeError), match="tvm_fuel.nn.PagedAttention"):
         tvm_fuel.nn.PagedAttention(softmax_scale="big")
+    with pytest.raises(ValueError, match="tvm_fuel.nn.PagedAttention: sink_tokens"):
+        tvm_fuel.nn.PagedAttention(window_size=(7, 0), sink_tokens=-4)

@@ -71,6 +71,7 @@ def _paged(dtype, sq=1, d=128, sinks=False):
 CASES = {
     "flash_attn": lambda dtype: _flash(dtype, causal=True, softcap=5.0),
     "flash_attn_window": lambda dtype: _flash(dtype, d=40, window_size=(64, 0)),
+    "flash_attn_sink_tokens": lambda dtype: _flash(dtype, d=64, causal=True, window_size=(64, -1), sink_tokens=4),
     "flash_attn_backward": lambda dtype: _backward(dtype),
     "flash_attn_backward_q": lambda dtype: _backward(dtype, "flash_attn_backward_q", d=128),
     "flash_attn_backward_k": lambda dtype: _backward(dtype, "flash_attn_backward_k"),

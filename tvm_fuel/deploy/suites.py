@@ -3,10 +3,10 @@
 A ``Case`` is one Relax module (one fuel call over named inputs) plus how the node makes its
 inputs (seeded fills, ``node.arrays``) and what its outputs must match: the float64 reference
 (small shapes), the floor's module and PyTorch (large shapes). The check matrix follows the CPU
-suite: GQA groups 1, 3 and 7; head dims 40, 64, 80, 96, 128 and 256; causal, windows, softcap, ALiBi, bool
-and additive masks; rows with no visible key; every dtype; the four backward forms; paged decode
-and multi-query over permuted block tables with −1 padding, lengths 0, 1, 17 and long enough for
-split-KV. Tune buckets are the benchmark's shapes.
+suite: GQA groups 1, 3 and 7; head dims 40, 64, 80, 96, 128 and 256; causal, windows (with sink
+tokens), softcap, ALiBi, bool and additive masks; rows with no visible key; every dtype; the four
+backward forms; paged decode (with sinks) and multi-query over permuted block tables with −1
+padding, lengths 0, 1, 17 and long enough for split-KV. Tune buckets are the benchmark's shapes.
 
 A ``SlotCase`` is fuel's kernels for the attention slots of TVM's runtime KV cache beside TVM's
 own for the same slots, in one module, run on one batch in TVM's layouts (``node.tvm_slots``):
@@ -160,6 +160,8 @@ def _label(options: dict) -> str:
         parts.append("window{}:{}".format(*options["window_size"]))
     if options.get("softcap"):
         parts.append(f"softcap{options['softcap']:g}")
+    if options.get("sink_tokens"):
+        parts.append(f"sink_tokens{options['sink_tokens']}")
     return "-".join(parts) or "full"
 
 
@@ -188,6 +190,7 @@ _FORWARD = [
     (1, 6, 2, 33, 47, 64, dict(), dict(mask="additive")),
     (1, 6, 2, 65, 130, 256, dict(causal=True), {}),  # head dims beyond 128 (Gemma) and between (80)
     (1, 4, 4, 33, 97, 80, dict(softcap=5.0), {}),
+    (1, 6, 2, 64, 400, 64, dict(causal=True, window_size=(16, -1), sink_tokens=4), {}),  # tiles skipped between
 ]
 _BACKWARD = [
     (1, 6, 2, 97, 130, 64, dict(causal=True, softcap=5.0), {}),
@@ -196,6 +199,7 @@ _BACKWARD = [
     (1, 3, 3, 40, 56, 64, dict(), dict(mask="bool")),
     (1, 4, 2, 33, 65, 256, dict(causal=True), {}),
     (1, 3, 1, 40, 40, 96, dict(), {}),
+    (1, 3, 1, 64, 400, 64, dict(causal=True, window_size=(16, -1), sink_tokens=40), {}),
 ]
 # (Sq, Hq, Hkv, D, block size, context lengths): decode, multi-query, split-KV, empty sequences
 _PAGED = [

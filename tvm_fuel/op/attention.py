@@ -23,7 +23,7 @@ from .spec import SPECS, attn_attrs
 
 
 def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
-               window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False) -> relax.Call:
+               window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False, sink_tokens=0) -> relax.Call:
     """Fused scaled-dot-product attention (FlashAttention-2 semantics).
 
     Parameters
@@ -44,6 +44,9 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None
         (left, right) sliding window around the bottom-right diagonal; -1 is unbounded.
     softcap : float
         When > 0, logits become ``softcap * tanh(logit / softcap)`` before bias and masking.
+    sink_tokens : int
+        StreamingLLM's attention sinks (TVM's KV cache's sink tokens): keys ``j < sink_tokens`` stay
+        visible past the window's left bound (its right bound and the length still apply); 0: none.
     sinks : relax.Expr, optional
         shape: [Hq], dtype: float32. Attention sinks (gpt-oss; FlashAttention 3's and vLLM's
         ``s_aux``): each row's softmax gets one more logit, ``sinks[h]`` as it is (not scaled,
@@ -68,7 +71,7 @@ def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None
     >>> call = op.flash_attn(q, relax.Var("k", kv), relax.Var("v", kv), causal=True, return_lse=True)
     """
     attrs = attn_attrs("flash_attn", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap)
+                        softcap=softcap, sink_tokens=sink_tokens)
     attrs["return_lse"] = as_bool("fuel.flash_attn", "return_lse", return_lse)
     return SPECS["flash_attn"].make_call(
         dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, sinks=sinks), attrs)
@@ -79,9 +82,9 @@ def _backward_op(name: str, doc: str):
     spec = SPECS[name]
 
     def constructor(q, k, v, do, alibi_slopes=None, attn_mask=None, *, out=None, lse=None, softmax_scale=None,
-                    causal=False, window_size=(-1, -1), softcap=0.0, sinks=None) -> relax.Call:
+                    causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0) -> relax.Call:
         attrs = attn_attrs(name, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                            softcap=softcap)
+                            softcap=softcap, sink_tokens=sink_tokens)
         return spec.make_call(dict(q=q, k=k, v=v, do=do, alibi_slopes=alibi_slopes, attn_mask=attn_mask, out=out,
                                    lse=lse, sinks=sinks), attrs)
 
@@ -95,7 +98,7 @@ flash_attn_backward = _backward_op(
 
     Parameters
     ----------
-    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, sinks :
+    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, sinks, sink_tokens :
         As for ``flash_attn``.
     do : relax.Expr
         shape: [B, Hq, Sq, D], dtype: as q. The gradient of the loss w.r.t. ``out``.
@@ -130,7 +133,7 @@ flash_attn_backward_v = _backward_op(
 
 
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None) -> relax.Call:
+               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0) -> relax.Call:
     """Attention of new queries over a paged KV cache (decode: Sq = 1; multi-query: Sq > 1).
 
     The Sq queries of sequence b are the last Sq tokens of its context of ``context_lens[b]``
@@ -149,7 +152,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         sequence's live blocks are never read and may hold anything (-1 padding, say).
     context_lens : relax.Expr
         shape: [B], dtype: int32 (uint32, int64 accepted). 0 <= context_lens[b] <= max_blocks * block_size.
-    alibi_slopes, softmax_scale, causal, window_size, softcap, sinks :
+    alibi_slopes, softmax_scale, causal, window_size, softcap, sinks, sink_tokens :
         As for ``flash_attn``.
 
     Returns
@@ -168,7 +171,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
     >>> out = op.paged_attn(q, relax.Var("k_cache", cache), relax.Var("v_cache", cache), table, lens)
     """
     attrs = attn_attrs("paged_attn", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap)
+                        softcap=softcap, sink_tokens=sink_tokens)
     return SPECS["paged_attn"].make_call(
         dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, context_lens=context_lens,
              alibi_slopes=alibi_slopes, sinks=sinks), attrs)
@@ -199,7 +202,7 @@ def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:
 
 def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=None, attn_mask=None, *,
                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                   return_lse=False) -> relax.Call:
+                   return_lse=False, sink_tokens=0) -> relax.Call:
     """Forward mode: ``flash_attn``'s output and its directional derivative along a tangent.
 
     ``out_dot = P_dot V + P v_dot`` with ``P_dot = P * (logit_dot - rowsum(P * logit_dot))`` and
@@ -207,7 +210,7 @@ def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=Non
 
     Parameters
     ----------
-    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, return_lse :
+    q, k, v, alibi_slopes, attn_mask, softmax_scale, causal, window_size, softcap, return_lse, sink_tokens :
         As for ``flash_attn``.
     q_dot : relax.Expr, optional
         shape: [B, Hq, Sq, D], dtype: as q. The tangent of q; absent means 0.
@@ -232,7 +235,7 @@ def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=Non
     >>> out_and_tangent = op.flash_attn_jvp(q, k, v, q_dot, causal=True)
     """
     attrs = attn_attrs("flash_attn_jvp", softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap)
+                        softcap=softcap, sink_tokens=sink_tokens)
     attrs["return_lse"] = as_bool("fuel.flash_attn_jvp", "return_lse", return_lse)
     return SPECS["flash_attn_jvp"].make_call(
         dict(q=q, k=k, v=v, q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, alibi_slopes=alibi_slopes, attn_mask=attn_mask),
@@ -241,7 +244,7 @@ def flash_attn_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, alibi_slopes=Non
 
 def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=None, alibi_slopes=None,
                                attn_mask=None, *, out=None, lse=None, softmax_scale=None, causal=False,
-                               window_size=(-1, -1), softcap=0.0) -> relax.Call:
+                               window_size=(-1, -1), softcap=0.0, sink_tokens=0) -> relax.Call:
     """The vector-Jacobian product of ``(dq, dk, dv) = flash_attn_backward(q, k, v, do)`` with the
     cotangents ``(dq_bar, dk_bar, dv_bar)``: the gradients a second-order loss sends to q, k, v, do.
 
@@ -251,7 +254,7 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
 
     Parameters
     ----------
-    q, k, v, do, alibi_slopes, attn_mask, out, lse, softmax_scale, causal, window_size, softcap :
+    q, k, v, do, alibi_slopes, attn_mask, out, lse, softmax_scale, causal, window_size, softcap, sink_tokens :
         As for ``flash_attn_backward``.
     dq_bar : relax.Expr, optional
         shape: [B, Hq, Sq, D], dtype: as q. The cotangent of dq; absent means 0.
@@ -276,7 +279,7 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
     >>> grads = op.flash_attn_double_backward(q, k, v, do, dq_bar, causal=True)
     """
     attrs = attn_attrs("flash_attn_double_backward", softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap)
+                        window_size=window_size, softcap=softcap, sink_tokens=sink_tokens)
     return SPECS["flash_attn_double_backward"].make_call(
         dict(q=q, k=k, v=v, do=do, dq_bar=dq_bar, dk_bar=dk_bar, dv_bar=dv_bar, alibi_slopes=alibi_slopes,
              attn_mask=attn_mask, out=out, lse=lse), attrs)

@@ -1,7 +1,7 @@
 """Frozen option records shared by every layer (constructors, type rules, TE, references).
 
 Contents:
-    AttnConfig   -- the semantic options of every attention op (scale, causal, window, softcap)
+    AttnConfig   -- the semantic options of every attention op (scale, causal, window, softcap, sink tokens)
     FLOAT_DTYPES -- dtypes the attention ops accept for q, k, v, do
     INDEX_DTYPES -- dtypes accepted for block tables and context lengths
     MAX_WINDOW   -- the largest window side accepted (2**31 - 1)
@@ -31,15 +31,19 @@ class AttnConfig:
     ``i + delta - left <= j <= i + delta + right`` with ``delta = Sk - Sq`` (bottom-right aligned);
     -1 means unbounded on that side. ``causal`` means ``right = 0`` (the left bound is kept).
     ``softcap > 0`` maps a logit ``s`` to ``softcap * tanh(s / softcap)``.
+    ``sink_tokens = n`` (StreamingLLM's attention sinks; the sink tokens of TVM's KV cache): keys
+    ``j < n`` stay visible past the window's left bound (the right bound and the length still apply).
     """
 
     softmax_scale: float | None = None
     causal: bool = False
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    sink_tokens: int = 0
 
     @staticmethod
-    def create(op: str, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0) -> AttnConfig:
+    def create(op: str, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+               sink_tokens=0) -> AttnConfig:
         """Validate raw option values, naming ``op`` in any error, and return the config."""
         if softmax_scale is not None:
             softmax_scale = _as_real(op, "softmax_scale", softmax_scale, "a float or None")
@@ -61,7 +65,10 @@ class AttnConfig:
         if softcap != 0 and not finite_nonzero_float32(softcap):  # the kernels divide by it in float32
             raise ValueError(f"{op}: softcap must be finite and non-zero as a float32 ({_F32_RANGE}) "
                              f"or 0 (disabled), got {softcap!r}")
-        return AttnConfig(softmax_scale, causal, window, softcap)
+        sink_tokens = as_int(op, "sink_tokens", sink_tokens)
+        if not 0 <= sink_tokens <= MAX_WINDOW:
+            raise ValueError(f"{op}: sink_tokens must be between 0 (none) and 2**31 - 1, got {sink_tokens}")
+        return AttnConfig(softmax_scale, causal, window, softcap, sink_tokens)
 
     @staticmethod
     def from_attrs(op: str, attrs: Mapping[str, Any]) -> AttnConfig:
@@ -75,20 +82,23 @@ class AttnConfig:
             causal=attrs["causal"],
             window_size=list(attrs["window_size"]),
             softcap=attrs["softcap"],
+            sink_tokens=attrs["sink_tokens"] if "sink_tokens" in attrs else 0,  # written only when not 0
         )
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of an op constructor that make this config (Python values)."""
         return {"softmax_scale": self.softmax_scale, "causal": self.causal, "window_size": self.window_size,
-                "softcap": self.softcap}
+                "softcap": self.softcap, **({"sink_tokens": self.sink_tokens} if self.sink_tokens else {})}
 
     def to_attrs(self) -> dict[str, Any]:
-        """The attribute dict stored on a Relax call (prints as keyword arguments)."""
+        """The attribute dict stored on a Relax call (prints as keyword arguments); ``sink_tokens``
+        only when not 0, so calls without it print and compare as before it existed."""
         return {
             "softmax_scale": self.softmax_scale,
             "causal": self.causal,
             "window_size": list(self.window_size),
             "softcap": self.softcap,
+            **({"sink_tokens": self.sink_tokens} if self.sink_tokens else {}),
         }
 
     @property

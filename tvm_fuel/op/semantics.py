@@ -12,7 +12,8 @@ positions of the context, so the diagonal is aligned bottom-right):
 2. ``softcap c > 0``: ``s = c * tanh(s / c)``
 3. ``s += -slope_h * |i + delta - j|`` (ALiBi) and ``s += mask`` (additive mask, bounded to
    ``+-2^127`` so that finite biases stay finite; a ``-inf`` entry drops the key whatever ``s`` is)
-4. keep ``(i, j)`` iff ``j < kv_len``, inside the window, and the boolean mask allows it
+4. keep ``(i, j)`` iff ``j < kv_len``, inside the window (or, left of it, ``j < sink_tokens``),
+   and the boolean mask allows it
 5. softmax over kept keys; a row without a kept key gives 0 and ``lse = -inf``.
 
 Non-finite inputs (the NaN rule): a NaN or Inf in a q, k or v element that a row uses reaches
@@ -55,12 +56,16 @@ def kv_head(h, group):
 
 
 def keep(cfg: AttnConfig, i, j, *, kv_len, delta):
-    """Whether key ``j`` is visible to query row ``i`` under the length and window rules."""
+    """Whether key ``j`` is visible to query row ``i`` under the length and window rules (the
+    first ``sink_tokens`` keys past the window's left bound)."""
     i, j, kv_len, delta = as_int64(i), as_int64(j), as_int64(kv_len), as_int64(delta)
     cond = j < kv_len
     diagonal = i + delta
     if cfg.window_left >= 0:
-        cond = tirx.all(cond, j >= diagonal - cfg.window_left)
+        left = j >= diagonal - cfg.window_left
+        if cfg.sink_tokens > 0:
+            left = tirx.any(left, j < cfg.sink_tokens)
+        cond = tirx.all(cond, left)
     if cfg.window_right >= 0:
         cond = tirx.all(cond, j <= diagonal + cfg.window_right)
     return cond

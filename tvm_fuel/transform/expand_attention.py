@@ -158,11 +158,19 @@ class _Expander:
             return _R.take(table, _R.abs(rel), axis=0)
         return _R.astype(_R.abs(rel), F32)
 
+    def left_of_window(self, rel, cfg):
+        """The window's left bound ``rel >= -left``; with ``sink_tokens``, or key ``j < sink_tokens``."""
+        cond = _R.greater_equal(rel, _const(-cfg.window_left, "int64"))
+        if not cfg.sink_tokens:
+            return cond
+        j = _R.arange(0, rel.ty.shape.values[-1], 1, "int64")  # broadcast over rel's leading dims
+        return _R.logical_or(self.emit(cond), _R.less(j, _const(cfg.sink_tokens, "int64")))
+
     def logits(self, capped, cfg, rel, keep_len, alibi_slopes, attn_mask):
         """The logits [B, Hq, Sq, Sk] float32: ALiBi and the additive mask added, ``-inf`` at every
         dropped key (whatever the score there holds)."""
         keep = keep_len
-        for bound, ok in ((cfg.window_left, lambda: _R.greater_equal(rel, _const(-cfg.window_left, "int64"))),
+        for bound, ok in ((cfg.window_left, lambda: self.left_of_window(rel, cfg)),
                           (cfg.window_right, lambda: _R.less_equal(rel, _const(cfg.window_right, "int64")))):
             if bound >= 0:
                 cond = self.emit(ok())
