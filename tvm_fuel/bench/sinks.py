@@ -1,4 +1,5 @@
-"""The benchmark's sinks rows (``python -m tvm_fuel bench``): gpt-oss's attention sinks, what they cost.
+"""The benchmark's sinks rows (``python -m tvm_fuel bench``): gpt-oss's attention sinks and
+StreamingLLM's sink tokens, what they cost.
 
 Each row times, side by side in one process, fuel's tuned kernels with ``sinks`` and the same call
 without them (the sinks' overhead: the dense forward rescales its (out, lse) in one elementwise
@@ -8,6 +9,7 @@ dropped after the softmax; paged: the live blocks gathered first, as vLLM's refe
 
 Contents:
     SINK_ROWS  -- the rows: flash forward (causal, S 2048) and paged decode (context 4096)
+    SINK_TOKEN_ROW -- StreamingLLM decode: a window and sink tokens, beside the window alone and the whole context
     sink_rows  -- run them, return their report
     print_rows -- the rows as text
 """
@@ -37,8 +39,8 @@ def _eager_sinks(torch, q, k, v, sinks, *, causal: bool):
     return torch.softmax(combined, dim=-1)[..., :-1] @ v
 
 
-def _module(case, sinks: bool):
-    """main(inputs[, sinks]) -> out: the case's call with sinks or without."""
+def _module(case, sinks: bool, **options):
+    """main(inputs[, sinks]) -> out: the case's call with sinks or without (and ``options``)."""
     from tvm import relax
 
     from .. import op
@@ -59,7 +61,7 @@ def _module(case, sinks: bool):
         if isinstance(case, FlashCase):
             call = op.flash_attn(**params, causal=case.causal)
         else:
-            call = op.paged_attn(**params)
+            call = op.paged_attn(**params, **options)
         bb.emit_func_output(bb.emit(call))
     return bb.get()
 
@@ -112,12 +114,38 @@ def _row(case, target) -> dict:
     return row
 
 
+def _sink_tokens_row(case: PagedCase, target, window: int, sink_tokens: int) -> dict:
+    """StreamingLLM decode: a window of ``window`` keys with the first ``sink_tokens`` kept, beside
+    the window alone and the whole context (fuel's tuned paged kernel, side by side)."""
+    import tvm
+
+    from .attention import build_vm, measure_side_by_side
+
+    tensors = [tvm.runtime.tensor(a) for a in _arrays(case, np.random.default_rng(0)).values()]
+    window_only = dict(causal=True, window_size=(window - 1, -1))
+    vms = {"window_and_sink_tokens": build_vm(_module(case, False, **window_only, sink_tokens=sink_tokens),
+                                              target, "tuned"),
+           "window": build_vm(_module(case, False, **window_only), target, "tuned"),
+           "whole_context": build_vm(_module(case, False, causal=True), target, "tuned")}
+    timed = measure_side_by_side({name: (lambda vm=vm: vm["main"](*tensors)) for name, vm in vms.items()})
+    results = {name: {"ms": seconds * 1e3, "runs": runs} for name, (seconds, runs) in timed.items()}
+    ms = {name: r["ms"] for name, r in results.items()}
+    return {"name": f"{case.name} window{window} sink_tokens{sink_tokens}", "results": results,
+            "sink_tokens_over_window": ms["window_and_sink_tokens"] / ms["window"],
+            "sink_tokens_over_whole_context": ms["window_and_sink_tokens"] / ms["whole_context"]}
+
+
+SINK_TOKEN_ROW = (PagedCase(8, 32, 8, 128, 16, 8192, 8192), 512, 4)  # decode, window 512 of 8192 keys, 4 sinks
+
+
 def sink_rows() -> dict:
-    """Every row of SINK_ROWS on this CPU (the tuned kernels, fuel's shipped logs)."""
+    """Every row of SINK_ROWS and the sink tokens' row on this CPU (the tuned kernels, fuel's shipped logs)."""
     from ..target import host_target
 
     target = host_target()
-    return {"rows": [_row(case, target) for case in SINK_ROWS]}
+    case, window, sink_tokens = SINK_TOKEN_ROW
+    return {"rows": [_row(c, target) for c in SINK_ROWS],
+            "sink_tokens": _sink_tokens_row(case, target, window, sink_tokens)}
 
 
 def print_rows(report: dict) -> None:
@@ -130,3 +158,9 @@ def print_rows(report: dict) -> None:
               f"{row['sinks_over_plain']:12.2f} {row.get('fuel_over_torch', float('nan')):11.2f}")
     print("(side by side in one process; sinks/plain: the sinks' overhead on fuel's kernels; fuel/torch < 1: fuel "
           "is faster than transformers' eager gpt-oss attention)")
+    row = report.get("sink_tokens")
+    if row:
+        r = row["results"]
+        print(f"{row['name']}: {r['window_and_sink_tokens']['ms']:.2f} ms with the sink tokens, "
+              f"{r['window']['ms']:.2f} ms the window alone ({row['sink_tokens_over_window']:.2f}x), "
+              f"{r['whole_context']['ms']:.2f} ms the whole context ({row['sink_tokens_over_whole_context']:.2f}x)")
