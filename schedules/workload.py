@@ -49,6 +49,11 @@ class KernelSpec:
     table_dtype: str = "int32"
     lens_dtype: str = "int32"
 
+    def __post_init__(self):
+        if self.has_sinks and (not self.block_size or self.return_lse):
+            # the kernels fold sinks into the paged kernels' row sums only; an lse would miss them
+            raise ValueError("KernelSpec: has_sinks is a paged kernel's (block_size > 0) without return_lse")
+
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads

@@ -96,7 +96,11 @@ class RowTile:
         return row_position(self.r0 + r, self.group)
 
     def key_tiles(self, cfg, block_k: int):
-        """[lo, hi) of the key tiles the rows can see (the window's: see ``key_walk``)."""
+        """[lo, hi) of the key tiles the rows can see, for a config without sink tokens (TVM's
+        cache kernels); ``key_walk`` walks the sink tokens' tiles too."""
+        if cfg.sink_tokens:
+            raise ValueError("RowTile.key_tiles: the window's range alone would skip the sink tokens' tiles; "
+                             "walk them with key_walk")
         return key_tile_range(cfg, **self._bounds(), block_k=block_k)
 
     def key_walk(self, cfg, block_k: int) -> KeyTiles:

@@ -220,8 +220,10 @@ class _UnfusedAttention:
         b, h, sq, sk = dims
         concat = m[self.with_sinks]
         rank = len(static_dims(concat))
-        if (int(concat.attrs.axis) % rank != rank - 1 or not _merged(static_dims(concat), (b, h), (sq, sk + 1))
-                or not drops_last(m[self.sliced]) or not _last_axis(concat, m[self.sink_softmax].attrs.axis)):
+        if concat.attrs.axis is None or int(concat.attrs.axis) % rank != rank - 1:
+            return None
+        if (not _merged(static_dims(concat), (b, h), (sq, sk + 1)) or not drops_last(m[self.sliced])
+                or not _last_axis(concat, m[self.sink_softmax].attrs.axis)):
             return None
         if self.shift in m and not is_row_max(m[self.shift], concat, self._bound):
             return None

@@ -64,7 +64,7 @@ def is_row_max(shift: relax.Expr, tensor: relax.Expr, bound: Bound) -> bool:
 def drops_last(call: relax.Call) -> bool:
     """Whether the ``strided_slice`` ``call`` keeps entries 0 .. n - 2 of its input's last axis (n
     entries) and all of the other axes."""
-    if op_name(call) != "relax.strided_slice":
+    if op_name(call) != "relax.strided_slice" or not all(isinstance(arg, relax.Tuple) for arg in call.args[1:]):
         return False
     ints = [[int_dim(getattr(e, "value", e)) for e in arg] for arg in call.args[1:]]
     axes, begin, end = ints[:3]
