@@ -115,11 +115,15 @@ def paged_workload(call: relax.Call) -> Workload | None:
     q, cache, table = static_dims(args["q"]), static_dims(args["k_cache"]), static_dims(args["block_table"])
     if q is None or cache is None or table is None or None in (q[1], q[3], cache[1], cache[2]):
         return None
+    cache_dtype = str(args["k_cache"].ty.dtype)
+    scale = args["k_scale"]
+    kv_scale = "" if scale is None else {0: "tensor", 1: "head", 3: "token"}[scale.ty.ndim]  # ranks type-checked
     spec = KernelSpec(
         dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=cache[2], head_dim=q[3],
         cfg=AttnConfig.from_attrs(SPECS["paged_attn"].label, call.attrs),
         has_alibi=args["alibi_slopes"] is not None, block_size=cache[1], has_sinks=args["sinks"] is not None,
-        table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype))
+        table_dtype=str(args["block_table"].ty.dtype), lens_dtype=str(args["context_lens"].ty.dtype),
+        cache_dtype=cache_dtype if cache_dtype != str(args["q"].ty.dtype) else "", kv_scale=kv_scale)
     return Workload("paged_attn", spec, _runtime_dims(B=q[0], Sq=q[2], num_blocks=cache[0], max_blocks=table[1]))
 
 

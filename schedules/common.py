@@ -216,9 +216,11 @@ def kernel_params(spec: KernelSpec, sizes: dict, *handles) -> tuple:
         layouts.update({name: kv for name in _KEY_LIKE})
         layouts.update(mask=(mask_shape(spec, B, Sq, sizes["Sk"]) if has_mask else (1,), spec.mask_dtype or "bool"))
     else:
-        cache = ((sizes["num_blocks"], spec.block_size, Hkv, D), dtype)
+        cache = ((sizes["num_blocks"], spec.block_size, Hkv, D), spec.kv_dtype)
+        scale = {"tensor": (), "head": (Hkv,), "token": (sizes["num_blocks"], spec.block_size, Hkv)}.get(spec.kv_scale,
+                                                                                                      (1,))
         layouts.update(k_cache=cache, v_cache=cache, table=((B, sizes["max_blocks"]), spec.table_dtype),
-                       lens=((B,), spec.lens_dtype))
+                       lens=((B,), spec.lens_dtype), k_scale=(scale, F32), v_scale=(scale, F32))
     return tuple(T.match_buffer(handle, *layouts[handle.name.removesuffix("_h")]) for handle in handles)
 
 

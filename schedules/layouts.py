@@ -1,9 +1,12 @@
 """Where a paged kernel's tokens live, for every target: one small object per layout with the
 methods the kernels read tokens through (``page(j)``, ``slot(j)``, ``k(page, slot, g, d)``,
-``v(...)``; ``rope_position(j)`` where keys may be rotated in the kernel).
+``v(...)``, ``stored(kind, ...)`` (the element's load, for prefetches); ``rope_position(j)`` where
+keys may be rotated in the kernel).
 
 * vLLM's layout (fuel's own paged ops): caches [num_blocks, block_size, Hkv, D] and a block
-  table [B, max_blocks] (``BlockTable``).
+  table [B, max_blocks] (``BlockTable``); an 8-bit cache's ``k`` and ``v`` are dequantized, and
+  ``raw`` and ``scale`` give the decoded element and what multiplies it (a streaming decode
+  applies the scale per token).
 * TVM's runtime cache (``relax.frontend.nn.llm``'s PagedKVCache, MLC-LLM's): pages
   [max_num_pages, 2, Hkv, page_size, D] (K, then V), a sequence's pages in CSR form
   (``page_indptr`` [B + 1] into ``page_values``), ``length_info`` [B] (the last page's used
@@ -25,7 +28,7 @@ from typing import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..op import semantics as sem
+from ..op import quant, semantics as sem
 
 EMPTY_LSE = -5e4  # TVM's lse of a sequence without keys (its online softmax starts from m = -5e4, d = 1)
 
@@ -43,6 +46,12 @@ class BlockTable:
     b: tirx.PrimExpr
     num_blocks: tirx.PrimExpr
     block_size: int
+    k_scale: tirx.Buffer | None = None  # an 8-bit cache's scales ([], [Hkv] or [num_blocks, block_size, Hkv])
+    v_scale: tirx.Buffer | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return str(self.k_cache.dtype) in quant.QUANT_DTYPES
 
     def page(self, j):
         # a live token's block id was validated before the kernel (CPU check); clamp all the same
@@ -53,10 +62,35 @@ class BlockTable:
         return j % self.block_size
 
     def k(self, page, slot, g, d):
-        return self.k_cache[page, slot, g, d]
+        """K at (page, slot, head g, d): the cache's element, float32 and scaled for an 8-bit cache."""
+        return self._scaled("k", page, slot, g, d)
 
     def v(self, page, slot, g, d):
-        return self.v_cache[page, slot, g, d]
+        return self._scaled("v", page, slot, g, d)
+
+    def stored(self, kind: str, page, slot, g, d):
+        """The load of K's or V's (``kind``) stored element (its address is what a prefetch takes)."""
+        return getattr(self, f"{kind}_cache")[page, slot, g, d]
+
+    def raw(self, kind: str, page, slot, g, d):
+        """K or V (``kind``) before its scale: float32 for an 8-bit cache, up to the constant
+        factor ``scale`` folds in (``quant.decode_parts``), else the cache's element."""
+        value = self.stored(kind, page, slot, g, d)
+        return quant.decode_parts(value)[0] if self.quantized else value
+
+    def scale(self, kind: str, page, slot, g):
+        """What multiplies ``raw`` of K or V (``kind``) at (page, slot, head g): its scale (and the
+        decoding's factor); None where that is 1."""
+        factor = quant.decode_factor(self.k_cache.dtype)
+        scale = getattr(self, f"{kind}_scale")
+        if scale is None:
+            return None if factor == 1 else T.float32(factor)
+        scale = scale[(page, slot, g)[3 - len(scale.shape):]]
+        return scale if factor == 1 else scale * T.float32(factor)
+
+    def _scaled(self, kind: str, page, slot, g, d):
+        value, scale = self.raw(kind, page, slot, g, d), self.scale(kind, page, slot, g)
+        return value if scale is None else value * scale
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,9 @@ class TvmPages:
 
     def v(self, page, slot, g, d):
         return self.pages[page, 1, g, slot, d]
+
+    def stored(self, kind: str, page, slot, g, d):
+        return getattr(self, kind)(page, slot, g, d)
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,23 @@ class KernelSpec:
     has_sinks: bool = False  # paged only (sinks folded into each row's sum; no lse output)
     table_dtype: str = "int32"
     lens_dtype: str = "int32"
+    cache_dtype: str = ""  # paged only: an 8-bit cache's dtype ("": the caches are dtype)
+    kv_scale: str = ""  # paged only: the 8-bit cache's scales, "" (none), "tensor" [], "head" [Hkv] or "token"
 
     def __post_init__(self):
         if self.has_sinks and (not self.block_size or self.return_lse):
             # the kernels fold sinks into the paged kernels' row sums only; an lse would miss them
             raise ValueError("KernelSpec: has_sinks is a paged kernel's (block_size > 0) without return_lse")
+        if (self.cache_dtype or self.kv_scale) and not self.block_size:
+            raise ValueError("KernelSpec: cache_dtype and kv_scale are a paged kernel's (block_size > 0)")
+        if (self.kv_scale == "token") != (self.cache_dtype == "int8") or (self.kv_scale and not self.cache_dtype):
+            raise ValueError(f"KernelSpec: kv_scale {self.kv_scale!r} does not scale a "
+                             f"{self.cache_dtype or self.dtype} cache (int8: 'token'; fp8: '', 'tensor' or 'head')")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype of the K and V tensors the kernel reads (a cache's, where it is 8-bit)."""
+        return self.cache_dtype or self.dtype
 
     @property
     def group(self) -> int:
@@ -104,8 +116,9 @@ class Workload:
         """Canonical JSON of the workload (what a tuning record is matched on)."""
         spec = asdict(self.spec)
         # the keys of the records written before sinks and sink tokens existed stay as they were
-        if not spec.get("has_sinks", True):
-            del spec["has_sinks"]
+        for name in ("has_sinks", "cache_dtype", "kv_scale"):
+            if name in spec and not spec[name]:
+                del spec[name]
         if "cfg" in spec and not spec["cfg"]["sink_tokens"]:
             del spec["cfg"]["sink_tokens"]
         body = {"v": KEY_VERSION, "op": self.op, "spec": spec, "dims": [list(d) for d in self.dims],
@@ -177,6 +190,8 @@ class Workload:
             parts.append(f"mask:{spec.mask_dtype}")
         if spec.has_sinks:
             parts.append("sinks")
+        if spec.cache_dtype:
+            parts.append(f"cache:{spec.cache_dtype}" + (f"/{spec.kv_scale}" if spec.kv_scale else ""))
         return " ".join([*parts, self.dims_label()])
 
 

@@ -125,7 +125,8 @@ class Runner:
         self.vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
 
     def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
-        return flatten(self.vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]))
+        # np.require keeps a 0-d array 0-d (ascontiguousarray makes it 1-d)
+        return flatten(self.vm["main"](*[tvm.runtime.tensor(np.require(a, requirements="C")) for a in arrays]))
 
 
 def run(make: Callable[..., relax.Expr], inputs: Mapping[str, np.ndarray], *,

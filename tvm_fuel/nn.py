@@ -63,14 +63,18 @@ class FlashAttention(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """``out = paged_attn(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks])``.
+    """``out = paged_attn(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks],
+    [k_scale, v_scale])``.
 
     Parameters (keyword-only): softmax_scale, causal, window_size, softcap, sink_tokens as
     ``tvm_fuel.op.paged_attn``.
 
     Inputs: q [B, Hq, Sq, D] (the last Sq positions of each context), k_cache and v_cache
-    [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] and context_lens [B] (int32 or
-    int64), alibi_slopes [Hq] and sinks [Hq] (float32) optional. Returns out [B, Hq, Sq, D].
+    [num_blocks, block_size, Hkv, D] (q's dtype, or 8-bit: float8_e4m3fn, float8_e5m2, int8),
+    block_table [B, max_blocks] and context_lens [B] (int32 or int64), alibi_slopes [Hq] and sinks
+    [Hq] (float32) optional; an 8-bit cache's k_scale and v_scale (float32: [] or [Hkv] for fp8,
+    [num_blocks, block_size, Hkv] for int8; ``tvm_fuel.kv_cache.PagedKVCache`` holds them).
+    Returns out [B, Hq, Sq, D].
     """
 
     def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
@@ -81,7 +85,9 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, block_table: nn.Tensor,
                 context_lens: nn.Tensor, alibi_slopes: nn.Tensor | None = None, *,
-                sinks: nn.Tensor | None = None) -> nn.Tensor:
+                sinks: nn.Tensor | None = None, k_scale: nn.Tensor | None = None,
+                v_scale: nn.Tensor | None = None) -> nn.Tensor:
         call = op.paged_attn(_expr(q), _expr(k_cache), _expr(v_cache), _expr(block_table), _expr(context_lens),
-                             _expr(alibi_slopes), sinks=_expr(sinks), **self.options)
+                             _expr(alibi_slopes), sinks=_expr(sinks), k_scale=_expr(k_scale), v_scale=_expr(v_scale),
+                             **self.options)
         return nn.wrap_nested(call, name="paged_attn")

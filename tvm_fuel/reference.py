@@ -11,6 +11,8 @@ additive mask drops its key whatever the score.
 Contents:
     flash_attn, flash_attn_backward, paged_attn, gather_pages, softmax_backward, visible_keys,
     layer_norm_backward, rms_norm_backward
+    dequantize, quantize_fp8, quantize_int8 -- 8-bit KV caches (fp8 with a per-cache or per-head
+        scale, int8 with a scale per token and head)
     flash_attn_jvp, flash_attn_double_backward -- forward mode and the backward's VJP (issue 16)
     flash_attn_varlen, flash_attn_varlen_backward -- packed variable-length batches (cu_seqlens)
 
@@ -245,9 +247,47 @@ def gather_pages(cache, block_table_row, kv_len: int) -> np.ndarray:
     return np.stack(tokens, axis=1)
 
 
+def dequantize(cache, scale=None) -> np.ndarray:
+    """A cache's float64 values: an 8-bit cache [num_blocks, block_size, Hkv, D] times its scale
+    (fp8: a scalar or [Hkv]; int8: [num_blocks, block_size, Hkv]); any other cache as it is."""
+    values = _f64(cache)  # ml_dtypes' float8 -> float64 is exact
+    if scale is None:
+        return values
+    scale = _f64(scale)
+    return values * (scale[..., None] if scale.ndim == 3 else scale.reshape(scale.shape + (1,)))
+
+
+_FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def quantize_fp8(x, dtype: str, scale=1.0) -> np.ndarray:
+    """x [..., Hkv, D] as a ``dtype`` (float8_e4m3fn / float8_e5m2) cache of ``scale`` (a scalar or
+    [Hkv]): ``x / scale`` rounded to nearest even, saturated to the format's largest finite value;
+    NaN stays NaN."""
+    import ml_dtypes
+
+    scaled = _f64(x) / np.asarray(scale, np.float64).reshape(np.shape(scale) + (1,))
+    # float32 first: the kernels divide in float32, then round once to the 8-bit format
+    limit = _FP8_MAX[dtype]
+    return np.clip(scaled.astype(np.float32), -limit, limit).astype(getattr(ml_dtypes, dtype))
+
+
+def quantize_int8(x) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., Hkv, D] as an int8 cache and its float32 scales [..., Hkv]: each (token, head) row
+    scaled by max |x| / 127, rounded to nearest even (a zero row: scale 0, codes 0)."""
+    x = np.asarray(x).astype(np.float32)
+    scale = (np.abs(x).max(axis=-1) * np.float32(1.0 / 127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(scale[..., None] > 0, x / scale[..., None], 0)
+    return np.clip(np.rint(codes), -127, 127).astype(np.int8), scale
+
+
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0):
-    """out [B, Hq, Sq, D] float64: each sequence's queries are the last Sq of its context."""
+               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0, k_scale=None,
+               v_scale=None):
+    """out [B, Hq, Sq, D] float64: each sequence's queries are the last Sq of its context. A
+    quantized cache reads as ``dequantize(cache, scale)``."""
+    k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
     B, Hq, Sq, D = q.shape
     out = np.zeros((B, Hq, Sq, D))
     for b in range(B):

@@ -2,7 +2,7 @@
 
 Contents:
     prefetch      -- software prefetch of a cache line
-    absent_inputs -- the optional inputs (ALiBi, mask, sinks) a spec does not use
+    absent_inputs -- the optional inputs (ALiBi, mask, sinks, cache scales) a spec does not use
     Buffers       -- base of the frozen bundles of parameter buffers handed to the task macros
 """
 
@@ -19,9 +19,11 @@ def prefetch(address):
 
 
 def absent_inputs(spec: KernelSpec) -> set[str]:
-    """The optional inputs ("alibi", "mask", "sinks") ``spec`` does not use: the kernels drop them
+    """The optional inputs ("alibi", "mask", "sinks", "k_scale", "v_scale") ``spec`` does not use: the kernels drop them
     from their signature, and their bundles hold None in their place."""
     absent = {"sinks"} if not spec.has_sinks else set()
+    if not spec.kv_scale:
+        absent |= {"k_scale", "v_scale"}
     if not spec.has_alibi:
         absent.add("alibi")
     if len(spec.mask_broadcast) == 0:

@@ -24,7 +24,8 @@ Contents:
     BlockTable     -- where a paged task's tokens live in vLLM's layout (page, slot, K and V reads)
     PagedTile      -- the macros of one key tile of a paged task, streamed in place or packed
     dense_forward   -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
-    paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks], out)
+    paged_forward   -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks],
+                       [k_scale, v_scale], out)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from ...op import quant, semantics as sem
 from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, KeyTiles, key_tile_range, key_tiles,
                       masked_logit, kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
 from ..layouts import BlockTable
@@ -320,24 +321,38 @@ class PagedTile:
     GEMMs."""
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, body: ForwardMacros):
-        cfg, dtype, D = spec.cfg, spec.dtype, spec.head_dim
+        cfg, D = spec.cfg, spec.head_dim
         BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
         HT = tiles.kv_heads  # KV heads per streaming task
         LD = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)  # lanes of the head-dim loops
         VT = tiles.value_tokens
         PREFETCH = tiles.prefetch
-        PER_LINE = 64 // (tvm.DataType(dtype).bits // 8)  # elements per 64-byte cache line
+        PER_LINE = 64 // (tvm.DataType(spec.kv_dtype).bits // 8)  # elements per 64-byte cache line
         LINES = -(-D // PER_LINE)  # cache lines of one head's row of a token
         ROWS_POW2 = 1 << (BQ - 1).bit_length()  # rows of the score shuffle tree
+        # an 8-bit cache streams its elements decoded but unscaled: a token's K scale multiplies its
+        # scores and its V scale its weights (per token, not per element)
+        QUANT = bool(spec.cache_dtype)
+        SCALED = QUANT and (bool(spec.kv_scale) or quant.decode_factor(spec.cache_dtype) != 1)
+        # independent accumulator sets of a score's dot product: a few rows alone leave the FMA
+        # units waiting on each chain's latency
+        CHAINS = 2 if (D // LD) % 2 == 0 and BQ <= 4 else 1
+
+        def element(cache, kind, page, slot, g, d):
+            return (cache.raw(kind, page, slot, g, d) if QUANT else getattr(cache, kind)(page, slot, g, d)).astype(F32)
+
+        def scaled(x, cache, kind, page, slot, g):
+            return x * cache.scale(kind, page, slot, g) if SCALED else x
 
         @T.macro
-        def prefetch_row(cache, load, pages_ahead, token, kv_len, g, c):
+        def prefetch_row(cache, kind, pages_ahead, token, kv_len, g, c):
             # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
             # pass. The hardware prefetchers restart at every 4 KiB page and at every jump through the
             # block table (measured: bfloat16 1.7x faster with it, float32 0-16 % by the memory load).
             ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
             for line in T.unroll(LINES):
-                prefetch(T.address_of(load(pages_ahead[c], cache.slot(ahead), g, T.min(line * PER_LINE, D - 1))))
+                prefetch(T.address_of(cache.stored(kind, pages_ahead[c], cache.slot(ahead), g,
+                                                   T.min(line * PER_LINE, D - 1))))
 
         @T.macro
         def add_values(heads, cache, tile, tokens, gi, first, count: T.int32, skip_zero_weights):
@@ -353,8 +368,8 @@ class PagedTile:
                         for v in T.vectorized(LD):
                             acc_o[r, v] = add_term(
                                 acc_o[r, v], heads.S[gi, r, first + u],
-                                cache.v(tokens.pages[first + u], cache.slot(tokens.kt * BK + first + u), tile.g + gi,
-                                        d0 * LD + v).astype(F32),
+                                element(cache, "v", tokens.pages[first + u], cache.slot(tokens.kt * BK + first + u),
+                                        tile.g + gi, d0 * LD + v),
                                 skip_zero_weights)
                 for r in T.unroll(BQ):
                     for v in T.vectorized(LD):
@@ -368,7 +383,7 @@ class PagedTile:
                 for gi in range(HT):
                     if PREFETCH > 0:
                         for u in T.unroll(VT):
-                            prefetch_row(cache, cache.v, tokens.pages_ahead, tokens.kt * BK + c0 * VT + u,
+                            prefetch_row(cache, "v", tokens.pages_ahead, tokens.kt * BK + c0 * VT + u,
                                          tile.kv_len, tile.g + gi, c0 * VT + u)
                     add_values(heads, cache, tile, tokens, gi, c0 * VT, VT, skip_zero_weights)
             for c in range(live // VT * VT, live):
@@ -391,20 +406,28 @@ class PagedTile:
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
                     for gi in range(HT):
-                        acc = T.alloc_buffer((BQ, LD), F32, scope="local")
-                        for r in T.unroll(BQ):
+                        acc = T.alloc_buffer((CHAINS * BQ, LD), F32, scope="local")
+                        for r in T.unroll(CHAINS * BQ):
                             for v in T.vectorized(LD):
                                 acc[r, v] = T.float32(0)
                         if PREFETCH > 0:
-                            prefetch_row(cache, cache.k, pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
-                        for d0 in range(D // LD):
+                            prefetch_row(cache, "k", pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
+                        for d1 in range(D // LD // CHAINS):
+                            for h in T.unroll(CHAINS):
+                                for r in T.unroll(BQ):
+                                    for v in T.vectorized(LD):
+                                        acc[h * BQ + r, v] = acc[h * BQ + r, v] + heads.Qs[
+                                            gi, r, (d1 * CHAINS + h) * LD + v] * element(
+                                            cache, "k", pages[c], cache.slot(kt * BK + c), tile.g + gi,
+                                            (d1 * CHAINS + h) * LD + v)
+                        for h in T.unroll(1, CHAINS):
                             for r in T.unroll(BQ):
                                 for v in T.vectorized(LD):
-                                    acc[r, v] = acc[r, v] + heads.Qs[gi, r, d0 * LD + v] * cache.k(
-                                        pages[c], cache.slot(kt * BK + c), tile.g + gi, d0 * LD + v).astype(F32)
+                                    acc[r, v] = acc[r, v] + acc[h * BQ + r, v]
                         store_row_sums(sums, acc, BQ, LD)
                         for r in T.unroll(BQ):
-                            heads.S[gi, r, c] = sums[r]
+                            heads.S[gi, r, c] = scaled(sums[r], cache, "k", pages[c], cache.slot(kt * BK + c),
+                                                       tile.g + gi)
                 else:
                     for gi, r in T.grid(HT, BQ):
                         heads.S[gi, r, c] = T.float32(0)
@@ -412,6 +435,15 @@ class PagedTile:
                 body.normalize_tile(_head(heads.S, gi), _head(heads.m, gi), _head(heads.l, gi),
                                     _head(heads.alpha, gi), params, tile.head(gi), kt * BK, BK)
                 body.scale_rows(_head(heads.O, gi), _head(heads.alpha, gi), BQ, DP)
+                if SCALED:  # the weights times their token's V scale (a zero weight stays 0: NaN scales of
+                    # dropped tokens never reach a row)
+                    for c in range(BK):
+                        if kt * BK + c < tile.kv_len:
+                            for r in T.unroll(BQ):
+                                heads.S[gi, r, c] = T.Select(
+                                    heads.S[gi, r, c] == T.float32(0), T.float32(0),
+                                    scaled(heads.S[gi, r, c], cache, "v", pages[c], cache.slot(kt * BK + c),
+                                           tile.g + gi))
             live = T.min(tile.kv_len - kt * BK, BK)
             # interior tiles drop no token: their value rows need no zero-weight check
             if tile.is_interior(cfg, kt * BK, BK):
@@ -476,13 +508,15 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     streaming = BQ <= STREAMING_ROWS
     HT = tiles.kv_heads if streaming else 1  # KV heads per task
     unused = absent_inputs(spec)
+    scaled = bool(spec.kv_scale)
 
     # fmt: off
     @T.prim_func
     def fuel_paged_attn_cpu(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
-                            lens_h: T.handle, alibi_h: T.handle, sinks_h: T.handle, out_h: T.handle):
-        q, k_cache, v_cache, table, lens, alibi, sinks, out = kernel_params(
-            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, out_h)
+                            lens_h: T.handle, alibi_h: T.handle, sinks_h: T.handle, k_scale_h: T.handle,
+                            v_scale_h: T.handle, out_h: T.handle):
+        q, k_cache, v_cache, table, lens, alibi, sinks, k_scale, v_scale, out = kernel_params(
+            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, k_scale_h, v_scale_h, out_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
                                       table=table, sinks=sinks))
         rows = Sq * group
@@ -505,7 +539,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all))
             tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
                                       first_pos=first_pos, last_pos=last_pos))
-            cache = T.meta_var(BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size))
+            cache = T.meta_var(BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size,
+                                          *((k_scale, v_scale) if scaled else ())))
             for gi in range(HT):
                 body.load_queries(_head(Qs_all, gi), params, tile.head(gi))
                 body.init_state(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi))

@@ -232,7 +232,7 @@ class TileOps:
     def threads(self) -> int:
         return self.launch.threads
 
-    def copy(self, rows: int, width: int, padded: int, *, asynchronous: bool = False):
+    def copy(self, rows: int, width: int, padded: int, *, asynchronous: bool = False, vector: bool = True):
         """Macro ``copy(dst, valid, src, tx)``: dst[r, c] = src(r, c) for the ``rows`` x ``width``
         elements of a tile whose row r is ``valid(r)``, zero elsewhere up to ``padded`` columns.
 
@@ -241,7 +241,9 @@ class TileOps:
         A thread moves 16 bytes per step where the width allows. ``asynchronous``: on the device
         the valid rows go through ``cp.async`` (16 bytes: ``.cg``, bypassing L1; 4 or 8: ``.ca``),
         addressed with 64-bit pointers (``src`` must be a buffer load): the caller commits and
-        waits. Zero rows are plain stores either way.
+        waits. Zero rows are plain stores either way. Without ``vector`` a thread's elements are
+        computed one by one (a source that decodes 8-bit elements: CUDA's codegen mangles 32-bit
+        integer vectors of 8 lanes).
         """
         NT = self.threads
         itemsize = 2 if self.dtype in HALF_TYPES else 4
@@ -256,8 +258,11 @@ class TileOps:
         def store(dst, row0, src, r, c0):
             if in_flight:
                 T.ptx[cp_async](T.address_of(dst[row0 + r, c0]), T.address_of(src(r, c0)), nbytes)
-            else:
+            elif vector:
                 for j in T.vectorized(VW):
+                    dst[row0 + r, c0 + j] = src(r, c0 + j)
+            else:
+                for j in T.unroll(VW):
                     dst[row0 + r, c0 + j] = src(r, c0 + j)
 
         @T.macro

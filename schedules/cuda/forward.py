@@ -18,7 +18,8 @@ Sq * Sk.
 
 Contents:
     dense_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
-    paged_forward -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks], out)
+    paged_forward -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks],
+                     [k_scale, v_scale], out)
 """
 
 from __future__ import annotations
@@ -192,7 +193,9 @@ class ForwardMacros(RegisterTiles):
         through the page ids the stage holds and the layout's slots."""
         if self.paged:
             cache = prm.keys(blk.b)
-            return getattr(cache, kind)(pages[st * self.BK + r], cache.slot(key), blk.g, c)
+            value = getattr(cache, kind)(pages[st * self.BK + r], cache.slot(key), blk.g, c)
+            # an 8-bit cache is dequantized (float32) on its way to shared memory, in q's dtype
+            return T.Cast(self.spec.dtype, value) if self.spec.cache_dtype else value
         return getattr(prm, kind)[blk.b, blk.g, key, c]
 
     def out_row(self, i, tx):  # row and column of element i * threads + tx of a [block_q, DP] tile
@@ -204,7 +207,9 @@ class ForwardMacros(RegisterTiles):
     def _loads(self):
         spec, ops, paged, BK, NT = self.spec, self.ops, self.paged, self.BK, self.NT
         D, DP = spec.head_dim, self.DP
-        copy_queries, copy_keys = ops.copy(self.BQ, D, DP), ops.copy(BK, D, DP, asynchronous=True)
+        # cp.async moves bytes as they are: an 8-bit cache's tiles are loaded, dequantized and stored
+        copy_queries = ops.copy(self.BQ, D, DP)
+        copy_keys = ops.copy(BK, D, DP, asynchronous=not spec.cache_dtype, vector=not spec.cache_dtype)
 
         @T.macro
         def load_queries(sc, prm, blk, tx):
@@ -503,22 +508,26 @@ def paged_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None =
     B, Sq, num_blocks, max_blocks = sizes.values()
     body = ForwardMacros(spec, tiles, launch, paged=True)
     part_o_shape, part_stats_shape = _partials(B, Sq, spec, tiles.splits)
+    scaled = bool(spec.kv_scale)
 
     def context_len(lens, b):  # a device kernel cannot assert: a length past the table's capacity is clamped
         return T.max(T.min(T.Cast("int64", lens[b]), max_blocks * spec.block_size), T.int64(0))
 
     @T.prim_func
     def fuel_paged_attn_cuda(q_h: T.handle, k_cache_h: T.handle, v_cache_h: T.handle, table_h: T.handle,
-                             lens_h: T.handle, alibi_h: T.handle, sinks_h: T.handle, out_h: T.handle):
-        q, k_cache, v_cache, table, lens, alibi, sinks, out = kernel_params(
-            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, out_h)
+                             lens_h: T.handle, alibi_h: T.handle, sinks_h: T.handle, k_scale_h: T.handle,
+                             v_scale_h: T.handle, out_h: T.handle):
+        q, k_cache, v_cache, table, lens, alibi, sinks, k_scale, v_scale, out = kernel_params(
+            spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, k_scale_h, v_scale_h, out_h)
         part_o = T.alloc_buffer(part_o_shape, F32)
         part_stats = T.alloc_buffer(part_stats_shape, F32)
         body.launch_grid(ForwardBuffers(q, k_cache, v_cache, out, part_o, part_stats, alibi=alibi,
                                         sinks=sinks if spec.has_sinks else None,
                                         keys=lambda b: BlockTable(table, k_cache, v_cache, b, num_blocks,
-                                                                  spec.block_size)),
+                                                                  spec.block_size,
+                                                                  *((k_scale, v_scale) if scaled else ()))),
                          B, Sq, lambda b: context_len(lens, b))
 
-    unused = {name for name, used in (("alibi", spec.has_alibi), ("sinks", spec.has_sinks)) if not used}
+    unused = {name for name, used in (("alibi", spec.has_alibi), ("sinks", spec.has_sinks), ("k_scale", spec.kv_scale),
+                                      ("v_scale", spec.kv_scale)) if not used}
     return finish(drop_params(fuel_paged_attn_cuda, unused))

@@ -216,41 +216,42 @@ class WarpTiles:
         own = launch.owned
         DT = columns // 8
 
-        def weight_of(weights, mt, half, i, w, lane):
-            # weights[row, i] of the lane's row (strip mt, half): C element half * 2 + i % 2 of n-tile
-            # i // 8 in lane (i % 8) // 2 of the lane's group. On the device the register is picked
-            # by a chain of selects with static indices (a dynamic one would put the fragment in
-            # local memory), then shuffled over from that lane.
+        def weight_of(weights, mt, row_half, i, w, lane):
+            # weights[row, i] of the lane's row (strip mt, row_half; not `half`, a CUDA type): C element
+            # row_half * 2 + i % 2 of n-tile i // 8 in lane (i % 8) // 2 of the lane's group. On the
+            # device the register is picked by a chain of selects with static indices (a dynamic one
+            # would put the fragment in local memory), then shuffled over from that lane.
             src = lane // 4 * 4 + i % 8 // 2
             if launch.emulate:
-                return weights[self.slot(w, src), (mt * inner // 8 + i // 8) * 4 + half * 2 + i % 2]
+                return weights[self.slot(w, src), (mt * inner // 8 + i // 8) * 4 + row_half * 2 + i % 2]
             picked = T.float32(0)
             for nt in range(inner // 8):
                 for e2 in range(2):
                     picked = T.Select(tirx.all(i // 8 == nt, i % 2 == e2),
-                                      weights[self.slot(w, lane), (mt * inner // 8 + nt) * 4 + half * 2 + e2], picked)
+                                      weights[self.slot(w, lane), (mt * inner // 8 + nt) * 4 + row_half * 2 + e2],
+                                      picked)
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), picked, src, WARP, WARP)
 
-        def column(li, tx, dt, e):  # acc column of C element half * 2 + e of the lane's n-tile dt
+        def column(li, tx, dt, e):  # acc column of C element row_half * 2 + e of the lane's n-tile dt
             return dt * 8 + 2 * (self.lane_of(li, tx) % 4) + e
 
-        def acc_at(mt, dt, half, e):
-            return (mt * DT + dt) * 4 + half * 2 + e
+        def acc_at(mt, dt, row_half, e):
+            return (mt * DT + dt) * 4 + row_half * 2 + e
 
         @T.macro
         def nonfinite_terms(acc, weights, value, valid, w, tx):
             for li in self.lanes():
                 for mt in own(strips):
-                    for half in own(2):
+                    for row_half in own(2):
                         for i in T.serial(inner):
-                            weight: T.float32 = weight_of(weights, mt, half, i, w, self.lane_of(li, tx))
+                            weight: T.float32 = weight_of(weights, mt, row_half, i, w, self.lane_of(li, tx))
                             for dt in own(DT):
                                 for e in own(2):
                                     if tirx.all(valid(w, i), column(li, tx, dt, e) < head_dim, weight != T.float32(0)):
                                         x: T.float32 = T.Cast(F32, value(w, i, column(li, tx, dt, e)))
                                         if not T.isfinite(x):
-                                            acc[self.slot(w, self.lane_of(li, tx)), acc_at(mt, dt, half, e)] = (
-                                                acc[self.slot(w, self.lane_of(li, tx)), acc_at(mt, dt, half, e)]
+                                            acc[self.slot(w, self.lane_of(li, tx)), acc_at(mt, dt, row_half, e)] = (
+                                                acc[self.slot(w, self.lane_of(li, tx)), acc_at(mt, dt, row_half, e)]
                                                 + weight * x)
 
         return nonfinite_terms

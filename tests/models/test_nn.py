@@ -49,6 +49,15 @@ class _DecodeWithSinks(nn.Module):
         return self.attn(q, k_cache, v_cache, table, lens, sinks=sinks)
 
 
+class _QuantizedDecode(nn.Module):
+    def __init__(self, **options):
+        self.attn = tvm_fuel.nn.PagedAttention(**options)
+
+    def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, table: nn.Tensor, lens: nn.Tensor,
+                k_scale: nn.Tensor, v_scale: nn.Tensor):
+        return self.attn(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale)
+
+
 def _run(model: nn.Module, arrays: dict, kernels: str) -> list[np.ndarray]:
     mod, _ = model.export_tvm({"forward": {n: nn.spec.Tensor(a.shape, str(a.dtype)) for n, a in arrays.items()}})
     vm = relax.VirtualMachine(tvm.compile(legalize_checked(mod, HOST, kernels), target=HOST), tvm.cpu())
@@ -95,6 +104,18 @@ def test_modules_take_sinks(kernels):
                  table=table, lens=np.array([0, 50], "int32"))
     (out,) = _run(_DecodeWithSinks(), {**paged, "sinks": sinks}, kernels)
     np.testing.assert_allclose(out, reference.paged_attn(*paged.values(), sinks=sinks), atol=2e-5, rtol=2e-5)
+
+
+def test_paged_attention_module_reads_an_int8_cache(kernels):
+    rng = np.random.default_rng(4)
+    (k_cache, k_scale), (v_cache, v_scale) = (reference.quantize_int8(rng.standard_normal((12, 16, 2, 64)))
+                                              for _ in range(2))
+    arrays = dict(q=rng.standard_normal((2, 8, 1, 64)).astype("float32"), k_cache=k_cache, v_cache=v_cache,
+                  table=rng.permutation(12)[:8].reshape(2, 4).astype("int32"), lens=np.array([17, 64], "int32"),
+                  k_scale=k_scale, v_scale=v_scale)
+    (out,) = _run(_QuantizedDecode(causal=True), arrays, kernels)
+    want = reference.paged_attn(*list(arrays.values())[:5], k_scale=k_scale, v_scale=v_scale, causal=True)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
 def test_modules_take_sink_tokens(kernels):

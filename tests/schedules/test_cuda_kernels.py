@@ -59,12 +59,16 @@ def _backward(dtype, name="flash_attn_backward", sq=SQ, sk=SK, d=64):
     return build(lambda **a: getattr(op, name)(**a, causal=True, softcap=5.0), params)
 
 
-def _paged(dtype, sq=1, d=128, sinks=False):
+def _paged(dtype, sq=1, d=128, sinks=False, cache_dtype=None):
     nb, mb = tirx.Var("num_blocks", "int64"), tirx.Var("max_blocks", "int64")
-    params = dict(q=((4, 32, sq, d), dtype), k_cache=((nb, 16, 8, d), dtype), v_cache=((nb, 16, 8, d), dtype),
+    cache = ((nb, 16, 8, d), cache_dtype or dtype)
+    params = dict(q=((4, 32, sq, d), dtype), k_cache=cache, v_cache=cache,
                   block_table=((4, mb), "int32"), context_lens=((4,), "int32"))
     if sinks:
         params["sinks"] = ((32,), "float32")
+    if cache_dtype:  # int8: a scale per token and head; fp8: one per KV head
+        scale = ((nb, 16, 8), "float32") if cache_dtype == "int8" else ((8,), "float32")
+        params.update(k_scale=scale, v_scale=scale)
     return build(lambda **a: op.paged_attn(**a, causal=True), params)
 
 
@@ -79,7 +83,11 @@ CASES = {
     "paged_decode": lambda dtype: _paged(dtype),
     "paged_multi_query": lambda dtype: _paged(dtype, sq=5, d=64),
     "paged_decode_sinks": lambda dtype: _paged(dtype, sinks=True),
+    "paged_decode_fp8": lambda dtype: _paged(dtype, cache_dtype="float8_e4m3fn"),
+    "paged_decode_int8": lambda dtype: _paged(dtype, cache_dtype="int8"),
+    "paged_multi_query_e5m2": lambda dtype: _paged(dtype, sq=5, d=64, cache_dtype="float8_e5m2"),
 }
+QUANTIZED = {"paged_decode_fp8", "paged_decode_int8", "paged_multi_query_e5m2"}
 
 
 def _floors_left(legalized: tvm.IRModule, kernels) -> list[str]:
@@ -130,6 +138,9 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
                 assert "backward" in case or "tirx.tvm_warp_shuffle_xor" in loop_ops  # the forward's row max
                 assert not [s for s in stores if _stores_accumulator(s)], (name,
                                                                             sorted({s.buffer.name for s in stores}))
+    if case in QUANTIZED:  # 8-bit tiles are dequantized on their way to shared memory: no cp.async
+        assert "cp.async.cg.shared.global" not in source and "cp.async.ca.shared.global" not in source
+        return
     # the tiles a block walks (K/V; Q/dO in the backward's dk/dv kernel) stream through a cp.async pipeline
     assert "cp.async.cg.shared.global" in source and "cp.async.wait_group" in source
     assert source.count("_async_commit_group();") >= 2  # the prologue's group and one per tile

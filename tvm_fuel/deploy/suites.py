@@ -294,6 +294,20 @@ def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
                                    f"{'_'.join(map(str, lens))}/sinks", "paged_attn", dtype,
                           _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype)
                           + (tensor("sinks", (Hq,), "float32"),), dict(causal=True), seed=seed))
+        # 8-bit caches, dequantized in the kernels' loads: fp8 with a scale per KV head (vLLM's),
+        # int8 with one per token and head
+        for cache_dtype in ("float8_e4m3fn", "int8"):
+            seed += 1
+            q, k_cache, v_cache, table, lens_ = _paged(len(lens), Hq, Hkv, Sq, D, block_size, lens, dtype)
+            cache = dict(k_cache, dtype=cache_dtype, **({"fill": "codes"} if cache_dtype == "int8" else {}))
+            scale_shape = tuple(k_cache["shape"][:3]) if cache_dtype == "int8" else (Hkv,)
+            low, high = (0.5 / 127, 1.5 / 127) if cache_dtype == "int8" else (0.25, 2.0)
+            scales = tuple(tensor(name, scale_shape, "float32", "uniform", low=low, high=high)
+                           for name in ("k_scale", "v_scale"))
+            found.append(Case("check", f"check/paged_attn/{dtype}/Sq{Sq}-Hq{Hq}-Hkv{Hkv}-D{D}-bs{block_size}/ctx"
+                                       f"{'_'.join(map(str, lens))}/{cache_dtype}", "paged_attn", dtype,
+                              (q, cache, dict(cache, name="v_cache"), table, lens_) + scales, dict(causal=True),
+                              seed=seed))
     return found
 
 

@@ -133,7 +133,8 @@ flash_attn_backward_v = _backward_op(
 
 
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, *, softmax_scale=None,
-               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0) -> relax.Call:
+               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0, k_scale=None,
+               v_scale=None) -> relax.Call:
     """Attention of new queries over a paged KV cache (decode: Sq = 1; multi-query: Sq > 1).
 
     The Sq queries of sequence b are the last Sq tokens of its context of ``context_lens[b]``
@@ -145,7 +146,9 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
     q : relax.Expr
         shape: [B, Hq, Sq, D], dtype: float32, float16 or bfloat16.
     k_cache, v_cache : relax.Expr
-        shape: [num_blocks, block_size, Hkv, D] (NHD pages), dtype: as q.
+        shape: [num_blocks, block_size, Hkv, D] (NHD pages), dtype: as q, or an 8-bit cache
+        (both alike): float8_e4m3fn or float8_e5m2 (vLLM's fp8 caches), int8. An element x stands
+        for ``x * scale`` (``tvm_fuel.op.quant``), dequantized as the kernels load it.
     block_table : relax.Expr
         shape: [B, max_blocks], dtype: int32 (uint32, int64 accepted). Token t of sequence b lives
         in block ``block_table[b, t // block_size]`` at offset ``t % block_size``. Entries past the
@@ -154,6 +157,11 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         shape: [B], dtype: int32 (uint32, int64 accepted). 0 <= context_lens[b] <= max_blocks * block_size.
     alibi_slopes, softmax_scale, causal, window_size, softcap, sinks, sink_tokens :
         As for ``flash_attn``.
+    k_scale, v_scale : relax.Expr, optional
+        The scales of an 8-bit cache, both or neither, dtype: float32. fp8 caches: shape [] (one
+        for the cache) or [Hkv] (one per KV head), vLLM's convention; absent means 1. int8 caches
+        (required): shape [num_blocks, block_size, Hkv], one per token and KV head (the rule that
+        sets them: ``tvm_fuel.kv_cache.PagedKVCache``).
 
     Returns
     -------
@@ -174,7 +182,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
                         softcap=softcap, sink_tokens=sink_tokens)
     return SPECS["paged_attn"].make_call(
         dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, context_lens=context_lens,
-             alibi_slopes=alibi_slopes, sinks=sinks), attrs)
+             alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale), attrs)
 
 
 def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from tvm import te, tirx
 
-from . import semantics as sem
+from . import quant, semantics as sem
 from .config import AttnConfig
 
 F32 = "float32"
@@ -465,23 +465,37 @@ def sanitize_block_table(block_table, context_lens, num_blocks, block_size, live
     return te.compute((B, live_blocks), safe, name="safe_block_table")
 
 
-def gather_pages(cache, safe_table, context_lens, live_len):
+def gather_pages(cache, safe_table, context_lens, live_len, scale=None):
     """The cache [num_blocks, block_size, Hkv, D] gathered to dense [B, Hkv, live_len, D].
 
     Slots past a sequence's length are 0 and never read (an empty cache has no block to read).
+    An 8-bit cache is dequantized to float32 with its ``scale`` ([], [Hkv] or [num_blocks,
+    block_size, Hkv]; absent: 1), ``tvm_fuel.op.quant``'s rule.
     """
     _, block_size, Hkv, D = cache.shape
     B = safe_table.shape[0]
+    quantized = str(cache.dtype) in quant.QUANT_DTYPES
+    dtype = F32 if quantized else str(cache.dtype)
+
+    def element(block, slot, g, e):
+        value = sem.as_expr(cache[block, slot, g, e])
+        if not quantized:
+            return value
+        value = quant.decode(value)
+        if scale is None:
+            return value
+        return value * sem.as_expr(scale[(block, slot, g)[3 - len(scale.shape):]])
+
     return te.compute(
         (B, Hkv, live_len, D),
         lambda b, g, j, e: tirx.if_then_else(
-            j < sem.as_int64(context_lens[b]), cache[safe_table[b, j // block_size], j % block_size, g, e],
-            tirx.const(0, str(cache.dtype))),
+            j < sem.as_int64(context_lens[b]), element(safe_table[b, j // block_size], j % block_size, g, e),
+            tirx.const(0, dtype)),
         name="gathered")
 
 
-def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, sinks=None, *, cfg: AttnConfig,
-               live_len):
+def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None, sinks=None, k_scale=None,
+               v_scale=None, *, cfg: AttnConfig, live_len):
     """Attention of q [B, Hq, Sq, D] over the paged cache; the Sq queries are each sequence's last.
 
     ``live_len`` is ``paged_live_len``'s value (a variable of the caller): keys, scores and the
@@ -489,8 +503,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     safe_table = sanitize_block_table(block_table, context_lens, num_blocks, block_size,
                                       (live_len + block_size - 1) // block_size)
-    k = gather_pages(k_cache, safe_table, context_lens, live_len)
-    v = gather_pages(v_cache, safe_table, context_lens, live_len)
+    k = gather_pages(k_cache, safe_table, context_lens, live_len, k_scale)
+    v = gather_pages(v_cache, safe_table, context_lens, live_len, v_scale)
     sq = q.shape[2]
     layout = _Layout(
         group=q.shape[1] // k_cache.shape[2],

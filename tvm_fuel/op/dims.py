@@ -2,7 +2,8 @@
 can and the run-time check (``tvm_fuel.op.legalize``) enforces where it cannot.
 
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; do, out [B, Hq, Sq, D]; lse [B, Hq, Sq];
-alibi_slopes, sinks [Hq]; paged caches [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
+alibi_slopes, sinks [Hq]; paged caches [num_blocks, block_size, Hkv, D], their scales [], [Hkv] or
+[num_blocks, block_size, Hkv]; block_table [B, max_blocks];
 context_lens [B]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the
 tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar like k.
 
@@ -70,10 +71,19 @@ _RULES = {"flash_attn": _DENSE + _SINKS, "flash_attn_backward": _BACKWARD + _SIN
           "layer_norm_backward": _LAYER_NORM, "rms_norm_backward": _RMS_NORM}
 
 
-def dim_rules(op: str, ndim: int = 0) -> tuple[DimRule, ...]:
-    """The rules of ``op``; softmax_backward's ``dprobs`` has every dim of its ``ndim``-D ``probs``."""
+_CACHE_DIMS = ((0, "block count num_blocks"), (1, "block size"), (2, "head count Hkv"))
+
+
+def dim_rules(op: str, ndim: int = 0, *, scale_ndim: int = 0) -> tuple[DimRule, ...]:
+    """The rules of ``op``; softmax_backward's ``dprobs`` has every dim of its ``ndim``-D ``probs``;
+    paged_attn's k_scale and v_scale, ``scale_ndim``-D: [Hkv] (fp8) or [num_blocks, block_size,
+    Hkv] (int8) of the cache."""
     if op == "softmax_backward":
         return tuple(DimRule("dprobs", axis, "probs", axis, f"dim {axis}") for axis in range(ndim))
+    if op == "paged_attn" and scale_ndim in (1, 3):
+        cache_dims = _CACHE_DIMS[3 - scale_ndim:]
+        return _RULES[op] + tuple(DimRule(name, axis, "k_cache", cache_axis, what) for name in ("k_scale", "v_scale")
+                                  for axis, (cache_axis, what) in enumerate(cache_dims))
     return _RULES[op]
 
 

@@ -18,6 +18,7 @@ from tvm.ir import TupleType
 
 from .config import FLOAT_DTYPES, INDEX_DTYPES, AttnConfig
 from .dims import positive_dims
+from .quant import QUANT_DTYPES
 from .spec import SPECS, OpSpec
 
 
@@ -238,10 +239,11 @@ def _infer_paged_attn(call, ctx):
     c = _Checker(SPECS["paged_attn"], call)
     q = c.tensor("q", layout=("B", "Hq", "Sq", "D"), dtypes=FLOAT_DTYPES)
     cache_layout = ("num_blocks", "block_size", "Hkv", "D")
-    kc = c.tensor("k_cache", layout=cache_layout, dtypes=FLOAT_DTYPES)
-    vc = c.tensor("v_cache", layout=cache_layout, dtypes=FLOAT_DTYPES)
-    c.same_dtype("k_cache", kc, "q", q)
-    c.same_dtype("v_cache", vc, "q", q)
+    kc = c.tensor("k_cache", layout=cache_layout, dtypes=FLOAT_DTYPES + QUANT_DTYPES)
+    vc = c.tensor("v_cache", layout=cache_layout, dtypes=FLOAT_DTYPES + QUANT_DTYPES)
+    if str(kc.dtype) not in QUANT_DTYPES:
+        c.same_dtype("k_cache", kc, "q", q)
+    c.same_dtype("v_cache", vc, "k_cache", kc)
     table = c.tensor("block_table", layout=("B", "max_blocks"), dtypes=INDEX_DTYPES)
     lens = c.tensor("context_lens", layout=("B",), dtypes=INDEX_DTYPES)
     c.positive()
@@ -259,7 +261,38 @@ def _infer_paged_attn(call, ctx):
     c.config()
     c.alibi(qd[1] if qd is not None else None)
     c.sinks(qd[1] if qd is not None else None)
+    _kv_scales(c, kc)
     return _tensor(qd, q.dtype, 4)
+
+
+def _kv_scales(c: _Checker, cache):
+    """paged_attn's k_scale and v_scale: both or neither, float32; [] or [Hkv] for an fp8 cache,
+    [num_blocks, block_size, Hkv] (required) for an int8 cache, none for a float cache."""
+    dtype = str(cache.dtype)
+    given = [name for name in ("k_scale", "v_scale") if c.args[name] is not None]
+    if dtype not in QUANT_DTYPES:
+        if given:
+            raise ValueError(f"{c.op}: argument {given[0]!r} scales an 8-bit cache (float8_e4m3fn, float8_e5m2 "
+                             f"or int8); k_cache is {dtype}")
+        return
+    if len(given) == 1:
+        raise ValueError(f"{c.op}: k_scale and v_scale must be given together, got {given[0]!r} alone")
+    if not given:
+        if dtype == "int8":
+            raise ValueError(f"{c.op}: an int8 cache needs k_scale and v_scale [num_blocks, block_size, Hkv] float32")
+        return
+    dims = c.dims(cache)
+    want, meaning = ((3,), "[num_blocks, block_size, Hkv]") if dtype == "int8" else ((0, 1), "[] or [Hkv]")
+    for name in given:
+        ty = c.tensor(name, layout=None, dtypes=("float32",))
+        if ty.ndim not in want:  # a known rank: it decides how the scale broadcasts
+            raise ValueError(f"{c.op}: argument {name!r} of a {dtype} cache must be {meaning}, got "
+                             f"{'a tensor of unknown rank' if ty.ndim == -1 else f'a {ty.ndim}-D tensor'}")
+        if ty.ndim and dims is not None:
+            c.expect_shape(name, ty, dims[3 - ty.ndim:3], f"{meaning} of the cache")
+    if c.args["k_scale"].ty.ndim != c.args["v_scale"].ty.ndim:
+        raise ValueError(f"{c.op}: k_scale and v_scale must have the same shape form, got "
+                         f"{c.args['k_scale'].ty.ndim}-D and {c.args['v_scale'].ty.ndim}-D")
 
 
 def _infer_softmax_backward(call, ctx):

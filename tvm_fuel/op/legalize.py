@@ -39,7 +39,8 @@ def _unproven(name: str, args: dict) -> tuple[list[DimRule], list[tuple[str, int
     analyzer = tvm.sym.Analyzer()
     first = SPECS[name].required[0]
     pairs = []
-    for rule in dim_rules(name, args[first].ty.ndim):
+    scale = args.get("k_scale")
+    for rule in dim_rules(name, args[first].ty.ndim, scale_ndim=0 if scale is None else scale.ty.ndim):
         a, b = args.get(rule.arg), args.get(rule.ref)
         if a is None or b is None:
             continue
@@ -168,7 +169,8 @@ def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
     # live_len through call_te (not the partial): call_te passes the variables it is given to the PrimFunc
     return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
-                      a["sinks"], live_len=_live_len(bb, a, lens), primfunc_name_hint="fuel_paged_attn")
+                      a["sinks"], a["k_scale"], a["v_scale"], live_len=_live_len(bb, a, lens),
+                      primfunc_name_hint="fuel_paged_attn")
 
 
 def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,

@@ -43,10 +43,14 @@ NEG_INF = tirx.const(float("-inf"), "float32")
 _ZERO = tirx.const(0.0, "float32")
 
 
+def as_expr(x):
+    """A TE tensor element as a TIR expression (``t[i]`` in TE is a slice until converted)."""
+    return x.asobject() if isinstance(x, te.TensorSlice) else x
+
+
 def as_int64(x):
     """Index arithmetic is done in int64 (Relax shapes are int64; lengths may arrive as int32)."""
-    if isinstance(x, te.TensorSlice):  # t[i] in TE is a slice until converted
-        x = x.asobject()
+    x = as_expr(x)
     return x if str(x.ty) == "int64" else x.astype("int64")
 
 

@@ -93,7 +93,8 @@ SPECS: dict[str, OpSpec] = {
         OpSpec("flash_attn_backward_q", **_BWD_ARGS),
         OpSpec("flash_attn_backward_k", **_BWD_ARGS),
         OpSpec("flash_attn_backward_v", **_BWD_ARGS),
-        OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"), ("alibi_slopes", "sinks")),
+        OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"),
+               ("alibi_slopes", "sinks", "k_scale", "v_scale")),
         OpSpec("softmax_backward", ("probs", "dprobs"), attention=False),
         # kernels take the present arguments in exactly this order, then the outputs
         OpSpec("flash_attn_jvp", ("q", "k", "v"), ("q_dot", "k_dot", "v_dot", "alibi_slopes", "attn_mask")),

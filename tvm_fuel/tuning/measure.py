@@ -50,11 +50,13 @@ def input_specs(params) -> list[dict]:
     cache's count and full context lengths, an lse is finite (about log Sk), masks mostly keep,
     floats are normal. The shapes tell the parameters apart: MetaSchedule's runners know no names."""
     params = [(str(dtype), [int(n) for n in shape]) for dtype, shape in params]
-    floats4 = [shape for dtype, shape in params if len(shape) == 4 and dtype.startswith(("float", "bfloat"))]
+    floats4 = [shape for _, shape in params if len(shape) == 4]  # q, k or k_cache (any 8-bit cache too), ...
     specs = []
     for dtype, shape in params:
         spec = {"shape": shape, "dtype": dtype, "fill": "normal", "scale": 0.5}
-        if dtype.startswith(("int", "uint")) and len(shape) == 2:  # block table [B, max_blocks]
+        if dtype == "int8":  # an int8 cache's codes (its scales are float32, filled as floats)
+            spec.update(fill="codes")
+        elif dtype.startswith(("int", "uint")) and len(shape) == 2:  # block table [B, max_blocks]
             # k_cache [num_blocks, block_size, Hkv, D] follows q
             spec.update(fill="blocks", num_blocks=floats4[1][0], block_size=floats4[1][1])
         elif dtype.startswith(("int", "uint")):  # context_lens [B]: every table full

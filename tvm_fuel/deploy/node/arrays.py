@@ -5,7 +5,8 @@ has a ``seed``. Fills: ``normal`` (standard normal times ``scale``), ``keep`` (a
 True with probability ``p``), ``slopes`` (ALiBi's geometric slopes for the heads), ``blocks``
 (a block table of distinct block ids below ``num_blocks``, −1 after each sequence's live blocks
 when ``lens`` are given), ``values`` (the given numbers), ``lse`` (a finite log-sum-exp near
-log ``keys``).
+log ``keys``), ``codes`` (an int8 cache's codes in [-127, 127]), ``uniform`` (in [``low``,
+``high``): a quantized cache's scales).
 
 Contents:
     numpy_dtype, make_arrays, make_array
@@ -19,10 +20,10 @@ import numpy as np
 
 
 def numpy_dtype(name: str):
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
 
-        return ml_dtypes.bfloat16
+        return getattr(ml_dtypes, name)
     return np.dtype(name)
 
 
@@ -38,6 +39,10 @@ def make_array(rng: np.random.Generator, spec: dict) -> np.ndarray:
         return (rng.standard_normal(shape) * spec.get("scale", 1.0)).astype(numpy_dtype(dtype))
     if fill == "keep":
         return rng.random(shape) < spec.get("p", 0.8)
+    if fill == "codes":  # an int8 cache's codes
+        return rng.integers(-127, 128, shape).astype(dtype)
+    if fill == "uniform":  # in [low, high): quantized caches' scales
+        return rng.uniform(spec["low"], spec["high"], shape).astype(dtype)
     if fill == "slopes":
         (heads,) = shape
         return np.array([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype)
