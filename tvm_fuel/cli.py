@@ -155,6 +155,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import sinks as bench_sinks
 
         _bench_rows(args.out, "sinks.json", bench_sinks.sink_rows(), bench_sinks.print_rows)
+    if not args.higher_order_only and not args.no_quantized:
+        from .bench import quantized as bench_quantized
+
+        _bench_rows(args.out, "quantized.json", bench_quantized.quantized_rows(), bench_quantized.print_rows)
     if not args.no_higher_order:
         from .bench import higher_order as bench_higher_order
 
@@ -462,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the demo decoder's end-to-end rows against PyTorch (decoder.json)")
     bench.add_argument("--no-norm", action="store_true",
                        help="skip the norm backward rows: fused kernel, floor, composition, PyTorch (norm.json)")
+    bench.add_argument("--no-quantized", action="store_true",
+                       help="skip the quantized-cache rows: paged decode over bfloat16, fp8 and int8 caches "
+                            "(quantized.json)")
     bench.add_argument("--no-sinks", action="store_true",
                        help="skip the attention sinks rows: with and without sinks, PyTorch's eager gpt-oss "
                             "attention (sinks.json)")
