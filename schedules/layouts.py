@@ -160,6 +160,9 @@ class RaggedKeys:
     def v(self, page, slot, g, d):
         return self.v_rows[page, g, d]
 
+    def stored(self, kind: str, page, slot, g, d):
+        return getattr(self, kind)(page, slot, g, d)
+
 
 def tvm_lengths(length_info, b, sliding_window: bool):
     """(last page's used slots, window offset, sink length) of sequence b."""

@@ -274,11 +274,13 @@ def quantize_fp8(x, dtype: str, scale=1.0) -> np.ndarray:
 
 def quantize_int8(x) -> tuple[np.ndarray, np.ndarray]:
     """x [..., Hkv, D] as an int8 cache and its float32 scales [..., Hkv]: each (token, head) row
-    scaled by max |x| / 127, rounded to nearest even (a zero row: scale 0, codes 0)."""
+    scaled by max |x| / 127, rounded to nearest even (a zero row: scale 0, codes 0; a row holding
+    NaN or Inf: scale NaN or Inf, codes 0, so it reads back NaN)."""
     x = np.asarray(x).astype(np.float32)
     scale = (np.abs(x).max(axis=-1) * np.float32(1.0 / 127)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.where(scale[..., None] > 0, x / scale[..., None], 0)
+    codes = np.where(np.isnan(codes), 0, codes)  # a NaN or Inf row: codes 0, its scale NaN or Inf
     return np.clip(np.rint(codes), -127, 127).astype(np.int8), scale
 
 

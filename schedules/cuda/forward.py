@@ -146,6 +146,11 @@ class ForwardMacros(RegisterTiles):
         # cached keys), not the last Sq of them
         self.spec, self.tiles, self.launch, self.paged = spec, tiles, launch, paged
         self.queries_after_keys = queries_after_keys
+        # an fp8 cache's scales are one per KV head (or cache): its tiles hold the decoded elements,
+        # exact in q's dtype, and the block's K scale joins the softmax scale, its V scale the
+        # output (float32: a scaled element could overflow float16). int8's per-token scales are
+        # applied in the loads.
+        self.folded = bool(spec.cache_dtype) and spec.kv_scale != "token"
         self.ops = TileOps(launch, spec.dtype)
         self.BQ, self.BK, self.DP, self.NT = tiles.block_q, tiles.block_k, padded_dim(spec.head_dim), launch.threads
         self._loads()
@@ -183,18 +188,29 @@ class ForwardMacros(RegisterTiles):
         """The logit of row r and key ``key`` from the raw score: softcapped, then biased and masked
         where ``check`` holds (everywhere with a per-element transform)."""
         spec = self.spec
-        capped = sem.softcap(spec.cfg, score * (T.float32(spec.scale) if prm.sm_scale is None else prm.sm_scale))
+        scale = T.float32(spec.scale) if prm.sm_scale is None else prm.sm_scale
+        capped = sem.softcap(spec.cfg, score * self.folded_scale(prm, blk, "k", scale))
         logit = masked_logit(spec, capped, prm.alibi, prm.mask, blk.b, blk.head(r), blk.position(r), key, blk.kv_len,
                              blk.delta)
         return logit if spec.elementwise_logits else T.Select(check, logit, capped)
+
+    def folded_scale(self, prm: ForwardBuffers, blk: _Block, kind: str, x):
+        """``x`` times the block's K or V (``kind``) scale of an fp8 cache (see ``__init__``)."""
+        if not self.folded:
+            return x
+        scale = prm.keys(blk.b).scale(kind, 0, 0, blk.g)  # per KV head or cache: no page or slot
+        return x if scale is None else x * scale
 
     def kv_at(self, prm: ForwardBuffers, kind: str, pages, blk: _Block, st, r, key, c):
         """Column c of key ``key`` of K or V (``kind``), row r of the tile in stage st: paged,
         through the page ids the stage holds and the layout's slots."""
         if self.paged:
             cache = prm.keys(blk.b)
-            value = getattr(cache, kind)(pages[st * self.BK + r], cache.slot(key), blk.g, c)
-            # an 8-bit cache is dequantized (float32) on its way to shared memory, in q's dtype
+            page, slot = pages[st * self.BK + r], cache.slot(key)
+            if self.folded:  # decoded, unscaled: exact in q's dtype
+                return T.Cast(self.spec.dtype, cache.raw(kind, page, slot, blk.g, c))
+            value = getattr(cache, kind)(page, slot, blk.g, c)
+            # an int8 cache is dequantized (float32) on its way to shared memory, in q's dtype
             return T.Cast(self.spec.dtype, value) if self.spec.cache_dtype else value
         return getattr(prm, kind)[blk.b, blk.g, key, c]
 
@@ -250,9 +266,10 @@ class ForwardMacros(RegisterTiles):
             if tirx.all(blk.live(row), col < D):
                 if SPLITS == 1:
                     prm.out[*blk.task(row), col] = T.Cast(spec.dtype, sem.normalize(
-                        acc, with_sink(prm, blk.head(row), row_max, row_sum)))
+                        self.folded_scale(prm, blk, "v", acc), with_sink(prm, blk.head(row), row_max, row_sum)))
                 else:
-                    prm.part_o[*blk.task(row), blk.split, col] = sem.normalize(acc, row_sum)
+                    prm.part_o[*blk.task(row), blk.split, col] = sem.normalize(
+                        self.folded_scale(prm, blk, "v", acc), row_sum)
 
         @T.macro
         def emit_lse(prm, blk, row, row_max, row_sum):

@@ -33,7 +33,9 @@ from tvm_fuel.schedules.workload import KernelSpec, Workload
 pytestmark = pytest.mark.numerics
 
 LENS = [0, 1, 17, 97]
-FORMS = [("float8_e4m3fn", "tensor"), ("float8_e4m3fn", "head"), ("float8_e5m2", "head"), ("int8", "token")]
+# "none": an fp8 cache without scales (1); e4m3fn's decoding then still folds its 2^8 into a per-token factor
+FORMS = [("float8_e4m3fn", "tensor"), ("float8_e4m3fn", "head"), ("float8_e4m3fn", "none"), ("float8_e5m2", "head"),
+         ("int8", "token")]
 
 
 def _quantized(rng, inputs, cache_dtype: str, form: str):
@@ -42,6 +44,9 @@ def _quantized(rng, inputs, cache_dtype: str, form: str):
     hkv = k.shape[2]
     if cache_dtype == "int8":
         (kc, ks), (vc, vs) = ref.quantize_int8(k), ref.quantize_int8(v)
+    elif form == "none":
+        kc, vc = ref.quantize_fp8(k, cache_dtype), ref.quantize_fp8(v, cache_dtype)
+        return dict(inputs, k_cache=kc, v_cache=vc), (k, v)
     else:
         shape = () if form == "tensor" else (hkv,)
         ks, vs = (rng.uniform(0.25, 2.0, shape).astype(np.float32) for _ in range(2))
@@ -84,8 +89,8 @@ def test_within_the_stated_error_bound_of_the_unquantized_cache(cache_dtype, for
     inputs, (k, v) = _quantized(rng, inputs, cache_dtype, form)
     (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs, kernels="tuned")
     exact = ref.paged_attn(inputs["q"], k, v, inputs["block_table"], inputs["context_lens"], causal=True)
-    k_deq, v_deq = ref.dequantize(inputs["k_cache"], inputs["k_scale"]), ref.dequantize(inputs["v_cache"],
-                                                                                         inputs["v_scale"])
+    k_deq = ref.dequantize(inputs["k_cache"], inputs.get("k_scale"))
+    v_deq = ref.dequantize(inputs["v_cache"], inputs.get("v_scale"))
     dk, dv = np.abs(k_deq - k).max(axis=(0, 1, 2)), np.abs(v_deq - v).max()  # dk per head-dim element
     q = inputs["q"].astype(np.float64)
     logit_error = np.einsum("bhid,d->bhi", np.abs(q), dk) / math.sqrt(q.shape[-1])
@@ -94,27 +99,48 @@ def test_within_the_stated_error_bound_of_the_unquantized_cache(cache_dtype, for
     assert np.abs(out - exact).max() > 1e-4  # the cache really is quantized
 
 
-@pytest.mark.parametrize("kernels_", ["decomposed", "tuned"])
-def test_nan_in_dropped_tokens_never_reaches_a_row(kernels_):
-    """NaN codes (fp8) and NaN scales (int8) in tokens left of the window, in tiles that straddle
-    it, and past the context: every output stays finite and equal to the clean cache's."""
+@pytest.mark.parametrize("sq", [1, 5])  # decode streams the cache; 5 rows of a group of 2 pack it
+def test_nan_and_inf_in_dropped_tokens_never_reach_a_row(sq, kernels):
+    """NaN codes (e4m3fn), Inf codes (e5m2) and NaN / Inf scales (int8) in tokens left of the window,
+    in tiles that straddle it, and past the context: every output stays finite and equal to the
+    clean cache's."""
     rng = np.random.default_rng(3)
     lens = [2 * BLOCK + 5, 3 * BLOCK]
     window = dict(window_size=(6, 0))
-    for cache_dtype in ("float8_e4m3fn", "int8"):
-        inputs, _ = _quantized(rng, paged_inputs(rng, lens, Hq=4, Hkv=2, Sq=1, D=40, shared_block=False),
+    for cache_dtype, bad in (("float8_e4m3fn", np.nan), ("float8_e5m2", np.inf), ("int8", np.nan), ("int8", np.inf)):
+        inputs, _ = _quantized(rng, paged_inputs(rng, lens, Hq=4, Hkv=2, Sq=sq, D=40, shared_block=False),
                                cache_dtype, "token" if cache_dtype == "int8" else "head")
-        (clean,) = run(lambda **a: op.paged_attn(**a, **window), inputs, kernels=kernels_)
+        (clean,) = run(lambda **a: op.paged_attn(**a, **window), inputs, kernels=kernels)
         dirty = {name: np.array(a) for name, a in inputs.items()}
         for b, n in enumerate(lens):
-            for t in list(range(n - 7 - 9, n - 7)) + list(range(n, -(-n // BLOCK) * BLOCK)):
+            for t in list(range(n - sq - 6 - 9, n - sq - 6)) + list(range(n, -(-n // BLOCK) * BLOCK)):
                 block, slot = dirty["block_table"][b, t // BLOCK], t % BLOCK
                 if cache_dtype == "int8":
-                    dirty["k_scale"][block, slot] = dirty["v_scale"][block, slot] = np.nan
+                    dirty["k_scale"][block, slot] = dirty["v_scale"][block, slot] = bad
                 else:
-                    dirty["k_cache"][block, slot] = dirty["v_cache"][block, slot] = np.nan
-        (out,) = run(lambda **a: op.paged_attn(**a, **window), dirty, kernels=kernels_)
-        np.testing.assert_allclose(out, clean, rtol=1e-6, atol=1e-7, err_msg=cache_dtype)
+                    dirty["k_cache"][block, slot] = dirty["v_cache"][block, slot] = bad
+        (out,) = run(lambda **a: op.paged_attn(**a, **window), dirty, kernels=kernels)
+        assert np.isfinite(out).all(), cache_dtype
+        np.testing.assert_allclose(out, clean, rtol=1e-6, atol=1e-7, err_msg=f"{cache_dtype} {bad}")
+
+
+def test_half_queries_over_large_fp8_values(kernels):
+    """float16 queries, an e5m2 cache holding its largest value with scale 2 (the dequantized key
+    is past float16's range): the kernels keep it in float32 (the CUDA tiles hold the decoded,
+    unscaled elements; the scale joins the softmax scale), as the reference does."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    inputs = paged_inputs(rng, [20], Hq=2, Hkv=1, Sq=1, D=64, dtype="float16")
+    k = rng.standard_normal(inputs["k_cache"].shape).astype(np.float32)
+    k[:, 3, :, 0] = 57344.0  # token 3 (block 0): e5m2's largest, times 2
+    inputs.update(k_cache=k.astype(ml_dtypes.float8_e5m2), v_cache=inputs["v_cache"].astype(ml_dtypes.float8_e5m2),
+                  k_scale=np.float32(2.0), v_scale=np.float32(3.0))
+    q = np.zeros((1, 2, 1, 64), np.float32)
+    q[0, 0, 0, 0], q[0, 1, 0, 0] = 1e-4, -1e-4  # logits of token 3: +-11.5, the rest ~0
+    inputs["q"] = q.astype(np.float16)
+    (out,) = run(lambda **a: op.paged_attn(**a), inputs, kernels=kernels)
+    assert_close(out, ref.paged_attn(**inputs), "float16")
 
 
 @pytest.mark.parametrize("cache_dtype", ["float8_e5m2", "int8"])

@@ -286,7 +286,7 @@ def _kv_scales(c: _Checker, cache):
     for name in given:
         ty = c.tensor(name, layout=None, dtypes=("float32",))
         if ty.ndim not in want:  # a known rank: it decides how the scale broadcasts
-            raise ValueError(f"{c.op}: argument {name!r} of a {dtype} cache must be {meaning}, got "
+            raise ValueError(f"{c.op}: argument {name!r} of the {dtype} cache must be {meaning}, got "
                              f"{'a tensor of unknown rank' if ty.ndim == -1 else f'a {ty.ndim}-D tensor'}")
         if ty.ndim and dims is not None:
             c.expect_shape(name, ty, dims[3 - ty.ndim:3], f"{meaning} of the cache")

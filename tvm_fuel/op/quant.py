@@ -18,7 +18,8 @@ its instructions on these per-element decodes, so the kernels fold the 2^8 into 
 
 The encode side (``encode_fp8``, ``encode_int8``) rounds to nearest, ties to even, and saturates
 (vLLM's and FlashInfer's rule): a finite value past the format's largest is stored as the
-largest, NaN stays NaN (int8: a row holding NaN or Inf gets a NaN scale).
+largest, NaN stays NaN (int8: a row holding NaN gets a NaN scale, one holding Inf an Inf scale,
+and codes 0: either reads back NaN).
 
 Contents:
     QUANT_DTYPES        -- the quantized cache dtypes
