@@ -334,9 +334,6 @@ class PagedTile:
         # scores and its V scale its weights (per token, not per element)
         QUANT = bool(spec.cache_dtype)
         SCALED = QUANT and (bool(spec.kv_scale) or quant.decode_factor(spec.cache_dtype) != 1)
-        # independent accumulator sets of a score's dot product: a few rows alone leave the FMA
-        # units waiting on each chain's latency
-        CHAINS = 2 if (D // LD) % 2 == 0 and BQ <= 4 else 1
 
         def element(cache, kind, page, slot, g, d):
             return (cache.raw(kind, page, slot, g, d) if QUANT else getattr(cache, kind)(page, slot, g, d)).astype(F32)
@@ -406,24 +403,17 @@ class PagedTile:
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
                     for gi in range(HT):
-                        acc = T.alloc_buffer((CHAINS * BQ, LD), F32, scope="local")
-                        for r in T.unroll(CHAINS * BQ):
+                        acc = T.alloc_buffer((BQ, LD), F32, scope="local")
+                        for r in T.unroll(BQ):
                             for v in T.vectorized(LD):
                                 acc[r, v] = T.float32(0)
                         if PREFETCH > 0:
                             prefetch_row(cache, "k", pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
-                        for d1 in range(D // LD // CHAINS):
-                            for h in T.unroll(CHAINS):
-                                for r in T.unroll(BQ):
-                                    for v in T.vectorized(LD):
-                                        acc[h * BQ + r, v] = acc[h * BQ + r, v] + heads.Qs[
-                                            gi, r, (d1 * CHAINS + h) * LD + v] * element(
-                                            cache, "k", pages[c], cache.slot(kt * BK + c), tile.g + gi,
-                                            (d1 * CHAINS + h) * LD + v)
-                        for h in T.unroll(1, CHAINS):
+                        for d0 in range(D // LD):
                             for r in T.unroll(BQ):
                                 for v in T.vectorized(LD):
-                                    acc[r, v] = acc[r, v] + acc[h * BQ + r, v]
+                                    acc[r, v] = acc[r, v] + heads.Qs[gi, r, d0 * LD + v] * element(
+                                        cache, "k", pages[c], cache.slot(kt * BK + c), tile.g + gi, d0 * LD + v)
                         store_row_sums(sums, acc, BQ, LD)
                         for r in T.unroll(BQ):
                             heads.S[gi, r, c] = scaled(sums[r], cache, "k", pages[c], cache.slot(kt * BK + c),
