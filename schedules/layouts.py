@@ -85,7 +85,7 @@ class BlockTable:
         scale = getattr(self, f"{kind}_scale")
         if scale is None:
             return None if factor == 1 else T.float32(factor)
-        scale = scale[(page, slot, g)[3 - len(scale.shape):]]
+        scale = quant.scale_at(scale, page, slot, g)
         return scale if factor == 1 else scale * T.float32(factor)
 
     def _scaled(self, kind: str, page, slot, g, d):

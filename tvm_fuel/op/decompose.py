@@ -484,7 +484,7 @@ def gather_pages(cache, safe_table, context_lens, live_len, scale=None):
         value = quant.decode(value)
         if scale is None:
             return value
-        return value * sem.as_expr(scale[(block, slot, g)[3 - len(scale.shape):]])
+        return value * sem.as_expr(quant.scale_at(scale, block, slot, g))
 
     return te.compute(
         (B, Hkv, live_len, D),

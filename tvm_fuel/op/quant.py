@@ -25,6 +25,7 @@ Contents:
     QUANT_DTYPES        -- the quantized cache dtypes
     FP8_MAX, INT8_MAX   -- the formats' largest finite magnitudes
     is_fp8              -- whether a dtype is one of the fp8 formats
+    scale_at            -- the scale of a token's head, whichever form the scales take
     decode              -- a quantized element (loaded from its buffer) as float32, before its scale
     decode_parts, decode_factor -- the same up to a constant factor (folded into a scale by the kernels)
     encode_fp8          -- float32 -> the fp8 element (round to nearest even, saturating)
@@ -56,6 +57,12 @@ def _u32(value: int):
 
 def _u16(value: int):
     return tirx.const(value, "uint16")
+
+
+def scale_at(scale, block, slot, g):
+    """The element of a cache's ``scale`` ([], [Hkv] or [num_blocks, block_size, Hkv]) that scales
+    its token at (block, slot) of KV head g."""
+    return scale[(block, slot, g)[3 - len(scale.shape):]]
 
 
 def decode(x):
@@ -132,5 +139,5 @@ def int8_scale(absmax):
     return absmax * tirx.const(1.0 / INT8_MAX, "float32")
 
 
-__all__ = ["QUANT_DTYPES", "FP8_MAX", "INT8_MAX", "is_fp8", "decode", "decode_parts", "decode_factor", "encode_fp8",
-           "encode_int8", "int8_scale"]
+__all__ = ["QUANT_DTYPES", "FP8_MAX", "INT8_MAX", "is_fp8", "scale_at", "decode", "decode_parts", "decode_factor",
+           "encode_fp8", "encode_int8", "int8_scale"]

@@ -50,7 +50,7 @@ def input_specs(params) -> list[dict]:
     cache's count and full context lengths, an lse is finite (about log Sk), masks mostly keep,
     floats are normal. The shapes tell the parameters apart: MetaSchedule's runners know no names."""
     params = [(str(dtype), [int(n) for n in shape]) for dtype, shape in params]
-    floats4 = [shape for _, shape in params if len(shape) == 4]  # q, k or k_cache (any 8-bit cache too), ...
+    tensors4 = [shape for _, shape in params if len(shape) == 4]  # q, k or k_cache (an 8-bit cache too), ...
     specs = []
     for dtype, shape in params:
         spec = {"shape": shape, "dtype": dtype, "fill": "normal", "scale": 0.5}
@@ -58,14 +58,14 @@ def input_specs(params) -> list[dict]:
             spec.update(fill="codes")
         elif dtype.startswith(("int", "uint")) and len(shape) == 2:  # block table [B, max_blocks]
             # k_cache [num_blocks, block_size, Hkv, D] follows q
-            spec.update(fill="blocks", num_blocks=floats4[1][0], block_size=floats4[1][1])
+            spec.update(fill="blocks", num_blocks=tensors4[1][0], block_size=tensors4[1][1])
         elif dtype.startswith(("int", "uint")):  # context_lens [B]: every table full
             table = next(s for d, s in params if d.startswith(("int", "uint")) and len(s) == 2)
-            spec.update(fill="values", values=[table[1] * floats4[1][1]] * shape[0])
+            spec.update(fill="values", values=[table[1] * tensors4[1][1]] * shape[0])
         elif dtype == "bool":
             spec.update(fill="keep", p=0.9)
         elif dtype == "float32" and len(shape) == 3:  # lse [B, Hq, Sq]
-            spec.update(fill="lse", keys=floats4[1][2])
+            spec.update(fill="lse", keys=tensors4[1][2])
         specs.append(spec)
     return specs
 
