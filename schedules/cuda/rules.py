@@ -49,8 +49,13 @@ def arch_of(target: tvm.target.Target) -> str | None:
 
 
 def shared_memory_fits(static: int, dynamic: int, limit: int) -> bool:
-    """Whether a block's (static, dynamic) shared-memory bytes fit ``limit`` (a block's maximum)."""
-    return static <= STATIC_SHARED_LIMIT and static + dynamic <= limit
+    """Whether a block's (static, dynamic) shared-memory bytes fit ``limit`` (a block's maximum)
+    and can be launched: TVM 0.27's CUDA runtime raises a kernel's dynamic limit past the
+    driver's default (48 KiB less the static bytes) only for more than 48 KiB of dynamic memory,
+    so between the two a launch fails (CUDA_ERROR_INVALID_VALUE, seen on an H200: float32 D64,
+    8448 static + 40960 dynamic bytes)."""
+    launchable = dynamic > STATIC_SHARED_LIMIT or static + dynamic <= STATIC_SHARED_LIMIT
+    return static <= STATIC_SHARED_LIMIT and static + dynamic <= limit and launchable
 
 
 class _CudaRule(KernelRule):
@@ -150,9 +155,13 @@ class _CudaRule(KernelRule):
     def _candidates(self, workload: Workload) -> list[CudaTiles]:
         half = workload.spec.dtype in HALF_TYPES
         shapes = [(64, 64), (64, 32), (32, 32), (16, 16)] if half else [(32, 32), (32, 16), (16, 16)]
-        # a tile shape pipelined two deep, else loaded tile by tile, before a smaller shape
+        # half precision: a tile shape pipelined two deep, else loaded tile by tile, before a smaller
+        # shape; float32 (S and P in shared memory too): any shape pipelined before none is, since
+        # at D 64 its 32x32 two-stage block is one TVM's runtime cannot launch (shared_memory_fits)
+        order = ([(shape, stages) for shape in shapes for stages in (2, 1)] if half
+                 else [(shape, stages) for stages in (2, 1) for shape in shapes])
         return [CudaTiles(block_q=bq, block_k=bk, stages=stages, threads=self._threads(workload, bq, bk))
-                for bq, bk in shapes for stages in (2, 1)]
+                for (bq, bk), stages in order]
 
     def _threads(self, workload: Workload, block_q: int, block_k: int) -> int:
         """128 threads, fewer where tensor-core warps would outnumber the tile's 16-row strips and
