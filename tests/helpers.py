@@ -14,6 +14,7 @@ from tvm import relax, s_tir, tirx
 import tvm_fuel
 from tvm_fuel.deploy.node.compare import TOLERANCE
 from tvm_fuel.schedules import KnobMatch  # one table: this suite's and the GPU node's
+from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
 
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -185,6 +186,15 @@ def assert_pinned(func: tirx.PrimFunc, **knobs):
     """The kernel was built with these knob values (no silent fallback to other knobs)."""
     applied = applied_knobs(func)
     assert {name: applied.get(name) for name in knobs} == knobs, (applied, knobs)
+
+
+def launchable(static: int, dynamic: int, arch: str) -> bool:
+    """What TVM 0.27's runtime launches, written apart from the rules' ``shared_memory_fits``: static
+    bytes within 48 KiB, the total within the architecture's block limit, and dynamic bytes that
+    either fit the driver's default (48 KiB less the static) or exceed 48 KiB (only then does the
+    runtime raise the kernel's limit; 8448 + 40960 bytes failed to launch on an H200)."""
+    return (static <= 48 * 1024 and static + dynamic <= SHARED_MEMORY_LIMIT[arch]
+            and (static + dynamic <= 48 * 1024 or dynamic > 48 * 1024))
 
 
 def has_torch() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from helpers import launchable
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 from tvm.runtime import ShapeTuple
 
@@ -541,9 +542,6 @@ def test_cuda_slots_compile_with_nvcc(dtype, arch):
     """Every attention slot for CUDA (one module): device kernels (not host code) that nvcc
     compiles for the architecture, within its shared memory; float16 multiplies in register tiles
     (mma.sync)."""
-    from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
-    from tvm_fuel.schedules.cuda.rules import shared_memory_fits
-
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     kernels = tvm_kernels(2, 14, 128, dtype, target)
     assert set(kernels) == set(TVM_SLOTS)
@@ -555,8 +553,7 @@ def test_cuda_slots_compile_with_nvcc(dtype, arch):
     for slot, symbol in symbols.items():
         assert any(name.startswith(f"{symbol}_kernel") for name in defined), (slot, defined)
     assert nvcc.compile_cubin(source, arch)
-    assert usage and all(shared_memory_fits(static, dynamic, SHARED_MEMORY_LIMIT[arch])
-                         for static, dynamic in usage.values()), usage
+    assert usage and all(launchable(static, dynamic, arch) for static, dynamic in usage.values()), usage
     if dtype == "float16":
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
 

@@ -20,7 +20,7 @@ import pytest
 import tvm
 import tvm_ffi
 from helpers import (PinnedKnobs, applied_knobs, assert_close, assert_pinned, build, buffers_growing_with, flatten,
-                     legalize_checked, legalize_cuda_emulated, randn)
+                     launchable, legalize_checked, legalize_cuda_emulated, randn)
 from tvm import relax, tirx
 
 import tvm_fuel
@@ -40,14 +40,6 @@ pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 ARCHS = ("sm_80", "sm_90")
 SQ, SK = tirx.Var("sq", "int64"), tirx.Var("sk", "int64")
 needs_nvcc = pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
-
-
-def _launchable(static: int, dynamic: int, arch: str) -> bool:
-    """What TVM 0.27's runtime launches: static bytes within 48 KiB, the total within the
-    architecture's block limit, and dynamic bytes that either fit the driver's default (48 KiB
-    less the static) or exceed 48 KiB (only then does the runtime raise the kernel's limit)."""
-    return (static <= 48 * 1024 and static + dynamic <= SHARED_MEMORY_LIMIT[arch]
-            and (static + dynamic <= 48 * 1024 or dynamic > 48 * 1024))
 
 
 def _target(arch: str) -> tvm.target.Target:
@@ -131,7 +123,7 @@ def test_kernels_compile_with_nvcc_and_fit_the_architecture(case, dtype, arch):
     assert cuda.compile_cubin(source, arch)
     assert usage
     for kernel, (static, dynamic) in usage.items():
-        assert _launchable(static, dynamic, arch), (kernel, static, dynamic)
+        assert launchable(static, dynamic, arch), (kernel, static, dynamic)
     if dtype != "float32":  # register tiles: S, P, dP, dS and the accumulators never leave the registers
         ptx = "bf16" if dtype == "bfloat16" else "f16"
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in source and "wmma" not in source
@@ -233,7 +225,7 @@ def test_every_pipeline_depth_gives_the_reference(stages, dtype):
     rng = np.random.default_rng(stages)
     host = tvm.target.Target("llvm")
     q, k, v = randn(rng, (1, 4, 37, 64), dtype), randn(rng, (1, 2, 150, 64), dtype), randn(rng, (1, 2, 150, 64), dtype)
-    # float32 at D 64: 16-row blocks, so that two stages of 32x32 stay launchable (shared_memory_fits)
+    # float32 at D 64: 16-row blocks keep the pinned K/V tiles' two- and three-stage blocks launchable
     rows = dict(block_q=16) if dtype == "float32" else {}
     cases = [(dict(causal=True), dict(block_q=16, block_k=16, threads=32)),
              (dict(window_size=(40, 0)), dict(block_k=32, **rows)),
@@ -506,7 +498,7 @@ def test_every_head_dim_builds_a_launchable_block(dtype, d):
         legalized = tvm_fuel.transform.legalize(mod, _target("sm_90"), kernels="tuned")
         assert not _floors_left(legalized, _kernel_funcs(legalized))
         _, usage = cuda.build_with_shared_memory(legalized, _target("sm_90"))
-        assert usage and all(_launchable(static, dynamic, "sm_90") for static, dynamic in usage.values()), (d, usage)
+        assert usage and all(launchable(static, dynamic, "sm_90") for static, dynamic in usage.values()), (d, usage)
 
 
 def test_shared_memory_limit_comes_from_the_target():
