@@ -316,7 +316,7 @@ def _as_batch(x):
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *, softmax_scale=None, causal=False,
-                      window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+                      window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0, return_lse=False):
     """FlashAttention's packed layout: q [total_q, Hq, D], k, v [total_k, Hkv, D], sequence b at
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; every option (causal bottom-right) per sequence.
     out [total_q, Hq, D] and lse [Hq, total_q], float64."""
@@ -325,20 +325,20 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *,
     for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         o, l_ = flash_attn(_as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]), alibi_slopes,
                            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                           sinks=sinks, return_lse=True)
+                           sinks=sinks, sink_tokens=sink_tokens, return_lse=True)
         out[rows_q], lse[:, rows_q] = np.swapaxes(o[0], 0, 1), l_[0]
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *, softmax_scale=None,
-                               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
+                               causal=False, window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0):
     """(dq, dk, dv) of ``flash_attn_varlen`` in its packed layout (and dsinks [Hq] with sinks)."""
     dq, dk, dv = np.zeros(np.shape(q)), np.zeros(np.shape(k)), np.zeros(np.shape(v))
     dsinks = None if sinks is None else np.zeros(np.shape(sinks))
     for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         grads = flash_attn_backward(_as_batch(q[rows_q]), _as_batch(k[rows_k]), _as_batch(v[rows_k]),
                                     _as_batch(do[rows_q]), alibi_slopes, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=window_size, softcap=softcap, sinks=sinks)
+                                    window_size=window_size, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
         for packed, grad, rows in zip((dq, dk, dv), grads, (rows_q, rows_k, rows_k)):
             packed[rows] = np.swapaxes(grad[0], 0, 1)
         if sinks is not None:

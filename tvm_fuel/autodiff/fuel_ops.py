@@ -60,6 +60,35 @@ def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad
     return result
 
 
+def _flash_attn_varlen_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                                ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """``flash_attn_varlen_backward`` with the forward's out (and lse where it returns it); the
+    offsets and ALiBi get no gradient, the sinks theirs (``op.sinks_grad(packed=True)``)."""
+    args = SPECS["flash_attn_varlen"].split_args(orig_call)
+    if bool(orig_call.attrs["return_lse"]):
+        out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
+        dout, dlse = tuple_adjoints(ctx, output_grad, 2)
+        if not _is_zeros(ctx, dlse):
+            raise ValueError("fuel.flash_attn_varlen: the gradient through lse is not supported: the loss may use "
+                             "out, not lse")
+    else:
+        out, lse, dout = orig_var, None, output_grad
+    sinks = args["sinks"]
+    if sinks is not None and lse is None:
+        raise ValueError("fuel.flash_attn_varlen: the gradient of a call with sinks needs its lse: run "
+                         "tvm_fuel.transform.ShareForwardState() before Gradient (tvm_fuel.transform.gradient does)")
+    lengths = {name: int(orig_call.attrs[name]) or None for name in ("max_seqlen_q", "max_seqlen_k")}
+    grads = ctx.emit(op.flash_attn_varlen_backward(
+        args["q"], args["k"], args["v"], dout, args["cu_seqlens_q"], args["cu_seqlens_k"], args["alibi_slopes"],
+        out=out, lse=lse, sinks=sinks, **lengths, **op.options_of(orig_call)))
+    result = [relax.TupleGetItem(grads, i) for i in range(3)]
+    result += [no_grad(args[name]) for name in ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
+               if args[name] is not None]
+    if sinks is not None:
+        result.append(ctx.emit(op.sinks_grad(out, lse, dout, sinks, packed=True)))
+    return result
+
+
 def _cotangent(ctx: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr | None:
     """An output's adjoint, None where it is Gradient's zero (the double backward skips its terms)."""
     return None if _is_zeros(ctx, expr) else expr
@@ -122,6 +151,10 @@ _BY_NAME = {
         "flash_attn (training) instead"),
     **{name: _backward_gradient(name)
        for name in ("flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")},
+    "flash_attn_varlen": _flash_attn_varlen_gradient,
+    "flash_attn_varlen_backward": _not_differentiable(
+        "fuel.flash_attn_varlen_backward has no gradient (no fused second derivative of the packed layout); "
+        "differentiate flash_attn_varlen once"),
     "softmax_backward": _softmax_backward_gradient,
     "flash_attn_jvp": _not_differentiable(
         "fuel.flash_attn_jvp has no gradient (forward mode); differentiate flash_attn instead"),

@@ -12,13 +12,14 @@ Contents:
     flash_attn, flash_attn_backward, flash_attn_backward_q, flash_attn_backward_k,
     flash_attn_backward_v, paged_attn, softmax_backward
     flash_attn_jvp, flash_attn_double_backward -- forward mode, and the VJP of the backward
+    flash_attn_varlen, flash_attn_varlen_backward -- FlashAttention's packed variable-length batches
 """
 
 from __future__ import annotations
 
 from tvm import relax
 
-from .config import as_bool, as_int
+from .config import as_bool, as_int, positive_int
 from .spec import SPECS, attn_attrs
 
 
@@ -183,6 +184,110 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
     return SPECS["paged_attn"].make_call(
         dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, context_lens=context_lens,
              alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale), attrs)
+
+
+def _varlen_attrs(name: str, max_seqlen_q, max_seqlen_k, **options) -> dict:
+    attrs = attn_attrs(name, **options)
+    for arg, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        attrs[arg] = 0 if value is None else positive_int(f"fuel.{name}", arg, value)
+    return attrs
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *, max_seqlen_q=None,
+                      max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                      sinks=None, sink_tokens=0, return_lse=False) -> relax.Call:
+    """Attention over a packed batch of variable-length sequences (FlashAttention's
+    ``flash_attn_varlen_func``; FlashInfer's ragged prefill): no padding, no mask.
+
+    Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` (Sq_b of them) and key
+    rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` (Sk_b); it attends only to itself, with every
+    option applied per sequence as ``flash_attn`` applies it to one batch row (causal and windows
+    bottom-right aligned: query i sits at position ``i + Sk_b - Sq_b``). Work follows
+    ``sum_b Sq_b * Sk_b``.
+
+    Parameters
+    ----------
+    q : relax.Expr
+        shape: [total_q, Hq, D], dtype: float32, float16 or bfloat16.
+    k, v : relax.Expr
+        shape: [total_k, Hkv, D], dtype: as q. Hq must be a multiple of Hkv (GQA/MQA).
+    cu_seqlens_q, cu_seqlens_k : relax.Expr
+        shape: [B + 1], dtype: int32 (uint32, int64 accepted). Each starts at 0, never decreases and
+        ends at most at ``total_q`` (``total_k``); rows past the last sequence belong to none and
+        get 0 (lse -inf). Checked at run time on CPU targets (an error names the argument).
+    alibi_slopes, softmax_scale, causal, window_size, softcap, sinks, sink_tokens :
+        As for ``flash_attn`` (``alibi_slopes`` and ``sinks`` shape [Hq], float32).
+    max_seqlen_q, max_seqlen_k : int, optional
+        FlashAttention's bounds on Sq_b and Sk_b. Not needed (the kernels and the floor find the
+        longest sequence); when given, a longer sequence is an error (CPU targets).
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each row.
+
+    Returns
+    -------
+    out : relax.Call
+        shape: [total_q, Hq, D], dtype: as q. A row with no visible key is 0. With ``return_lse``
+        the tuple ``(out, lse)``, lse shape: [Hq, total_q] (FlashAttention's varlen layout),
+        dtype: float32, ``-inf`` for such rows (``sinks[h]`` with sinks).
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> q = relax.Var("q", relax.TensorType((131, 8, 64), "float16"))
+    >>> kv = relax.TensorType((150, 2, 64), "float16")
+    >>> cu = relax.TensorType((4,), "int32")
+    >>> out = op.flash_attn_varlen(q, relax.Var("k", kv), relax.Var("v", kv), relax.Var("cu_q", cu),
+    ...                            relax.Var("cu_k", cu), causal=True)
+    """
+    attrs = _varlen_attrs("flash_attn_varlen", max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size, softcap=softcap, sink_tokens=sink_tokens)
+    attrs["return_lse"] = as_bool("fuel.flash_attn_varlen", "return_lse", return_lse)
+    return SPECS["flash_attn_varlen"].make_call(
+        dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+             sinks=sinks), attrs)
+
+
+def flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, *, out=None, lse=None,
+                               max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, sinks=None, sink_tokens=0) -> relax.Call:
+    """Gradients ``(dq, dk, dv)`` of ``flash_attn_varlen`` for the output gradient ``do``.
+
+    Parameters
+    ----------
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+    window_size, softcap, sinks, sink_tokens :
+        As for ``flash_attn_varlen``.
+    do : relax.Expr
+        shape: [total_q, Hq, D], dtype: as q. The gradient of the loss w.r.t. ``out``.
+    out : relax.Expr, optional
+        shape: [total_q, Hq, D], dtype: as q. The forward's output; with it ``D = rowsum(do * out)``.
+    lse : relax.Expr, optional
+        shape: [Hq, total_q], dtype: float32. The forward's log-sum-exp (with the same sinks);
+        without it the softmax state is recomputed.
+
+    Returns
+    -------
+    grads : relax.Call
+        The tuple ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``. For GQA, dk and dv sum over
+        the query heads of each group; rows of no sequence get 0. The sinks' gradient is
+        ``tvm_fuel.op.sinks_grad(..., packed=True)`` (``flash_attn_varlen``'s registered gradient returns it).
+
+    Examples
+    --------
+    >>> from tvm import relax
+    >>> from tvm_fuel import op
+    >>> t = relax.TensorType((131, 6, 40), "float32")
+    >>> q, do = relax.Var("q", t), relax.Var("do", t)
+    >>> k = relax.Var("k", relax.TensorType((150, 2, 40), "float32"))
+    >>> cu = relax.TensorType((4,), "int32")
+    >>> grads = op.flash_attn_varlen_backward(q, k, k, do, relax.Var("cu_q", cu), relax.Var("cu_k", cu))
+    """
+    attrs = _varlen_attrs("flash_attn_varlen_backward", max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size, softcap=softcap, sink_tokens=sink_tokens)
+    return SPECS["flash_attn_varlen_backward"].make_call(
+        dict(q=q, k=k, v=v, do=do, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+             out=out, lse=lse, sinks=sinks), attrs)
 
 
 def softmax_backward(probs, dprobs, *, axis: int = -1) -> relax.Call:

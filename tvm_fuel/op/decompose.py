@@ -15,6 +15,8 @@ Contents:
     softmax_backward       -- probs * (dprobs - sum(probs * dprobs))
     norm_backward_row_mean, norm_backward_dx, norm_backward_column_sum
                            -- layer / RMS norm backward over [N, C] rows, one reduction each
+    logit_scale, nonempty, softmax_stats, probabilities, do_dot_out
+                           -- the steps the packed (varlen) floor shares (``tvm_fuel.op.ragged``)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _dense_layout(q: te.Tensor, k: te.Tensor) -> _Layout:
     return _Layout(group=q.shape[1] // k.shape[1], kv_len=lambda b: sk, delta=lambda b: sk - sq)
 
 
-def _scale(cfg: AttnConfig, head_dim) -> tirx.PrimExpr:
+def logit_scale(cfg: AttnConfig, head_dim) -> tirx.PrimExpr:
     if cfg.softmax_scale is not None:
         return tirx.const(cfg.softmax_scale, F32)
     if isinstance(head_dim, tirx.IntImm):
@@ -60,7 +62,7 @@ def _logits(q, k, cfg: AttnConfig, layout: _Layout, alibi_slopes, attn_mask):
     """(capped, logits): ``softcap(scale * q.k)`` and the final logits with bias and -inf masking."""
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
-    scale = _scale(cfg, D)
+    scale = logit_scale(cfg, D)
     d = te.reduce_axis((0, D), name="d")
     qk = te.compute(
         (B, Hq, Sq, Sk),
@@ -86,20 +88,20 @@ def _logits(q, k, cfg: AttnConfig, layout: _Layout, alibi_slopes, attn_mask):
     return capped, te.compute((B, Hq, Sq, Sk), logit, name="logits")
 
 
-def _nonempty(reduced: te.Tensor, extent, empty_value, name: str) -> te.Tensor:
+def nonempty(reduced: te.Tensor, extent, empty_value, name: str) -> te.Tensor:
     """``reduced`` where its reduction ran over ``extent > 0`` items, else ``empty_value``: TIR
     initializes a reduction inside its loop, so an empty one leaves its buffer unwritten."""
     return te.compute(reduced.shape, lambda *idx: tirx.Select(
         sem.as_int64(extent) > 0, reduced(*idx), tirx.const(empty_value, F32)), name=name)
 
 
-def _softmax_stats(logits, sinks=None):
+def softmax_stats(logits, sinks=None):
     """(unnormalized P, row_sum, lse) of each row of ``logits``; fully masked rows get lse = -inf.
 
     With ``sinks`` [Hq] each row has one more column, ``sinks[h]``, in its max and its sum (not in P)."""
     B, Hq, Sq, Sk = logits.shape
     j = te.reduce_axis((0, Sk), name="j")
-    row_max = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.max(logits[b, h, i, j], axis=j),
+    row_max = nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.max(logits[b, h, i, j], axis=j),
                                    name="row_max_acc"), Sk, float("-inf"), "row_max")
     if sinks is not None:
         row_max = te.compute((B, Hq, Sq), lambda b, h, i: tirx.max(row_max[b, h, i], sinks[h]), name="row_max_sink")
@@ -107,7 +109,7 @@ def _softmax_stats(logits, sinks=None):
     p = te.compute((B, Hq, Sq, Sk), lambda b, h, i, jj: te.exp(logits[b, h, i, jj] - shift[b, h, i]),
                    name="p_unnorm")
     j2 = te.reduce_axis((0, Sk), name="j2")
-    row_sum = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j2], axis=j2), name="row_sum_acc"),
+    row_sum = nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j2], axis=j2), name="row_sum_acc"),
                         Sk, 0.0, "row_sum")
     if sinks is not None:
         row_sum = te.compute((B, Hq, Sq), lambda b, h, i: row_sum[b, h, i] + te.exp(sinks[h] - shift[b, h, i]),
@@ -120,9 +122,9 @@ def _softmax_stats(logits, sinks=None):
 def _attend(q, k, v, cfg, layout, alibi_slopes, attn_mask, sinks, return_lse):
     B, Hq, Sq, D = q.shape
     _, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
-    p, row_sum, lse = _softmax_stats(logits, sinks)
+    p, row_sum, lse = softmax_stats(logits, sinks)
     j = te.reduce_axis((0, k.shape[2]), name="j_pv")
-    acc = _nonempty(te.compute(
+    acc = nonempty(te.compute(
         (B, Hq, Sq, D),
         lambda b, h, i, e: te.sum(sem.weighted(p[b, h, i, j], v[b, sem.kv_head(h, layout.group), j, e].astype(F32)),
                                   axis=j),
@@ -151,14 +153,14 @@ def _dense_probabilities(q, k, cfg: AttnConfig, alibi_slopes, attn_mask, lse=Non
     capped, logits = _logits(q, k, cfg, layout, alibi_slopes, attn_mask)
     if normalized:
         assert lse is None, "normalized probabilities come from the recomputed statistics"
-        p_unnorm, row_sum, lse = _softmax_stats(logits)
+        p_unnorm, row_sum, lse = softmax_stats(logits)
         p = te.compute(logits.shape, lambda b, h, i, j: tirx.Select(
             logits[b, h, i, j] == sem.NEG_INF, tirx.const(0.0, F32),
             sem.normalize(p_unnorm[b, h, i, j], row_sum[b, h, i])), name="p")
-        return layout.group, _scale(cfg, q.shape[3]), capped, lse, p
+        return layout.group, logit_scale(cfg, q.shape[3]), capped, lse, p
     if lse is None:
-        _, _, lse = _softmax_stats(logits, sinks)
-    return layout.group, _scale(cfg, q.shape[3]), capped, lse, _probabilities(logits, lse)
+        _, _, lse = softmax_stats(logits, sinks)
+    return layout.group, logit_scale(cfg, q.shape[3]), capped, lse, probabilities(logits, lse)
 
 
 def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None, lse=None, sinks=None, *,
@@ -174,7 +176,7 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
     dp = _row_times_values(do, v, group, "dp")
     sink_p = None if sinks is None else te.compute(
         lse.shape, lambda b, h, i: sem.probability(sinks[h], lse[b, h, i]), name="sink_p")
-    row_dot = _do_dot_out(do, out, p, dp, sink_p)
+    row_dot = do_dot_out(do, out, p, dp, sink_p)
     ds = te.compute(
         (B, Hq, Sq, Sk),
         lambda b, h, i, j: sem.weighted(p[b, h, i, j], (dp[b, h, i, j] - row_dot[b, h, i])
@@ -185,7 +187,7 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
     for grad in grads:
         if grad == "dq":
             j = te.reduce_axis((0, Sk), name="j_dq")
-            acc = _nonempty(te.compute((B, Hq, Sq, D), lambda b, h, i, e: te.sum(
+            acc = nonempty(te.compute((B, Hq, Sq, D), lambda b, h, i, e: te.sum(
                 sem.weighted(ds[b, h, i, j], k[b, sem.kv_head(h, group), j, e].astype(F32)), axis=j), name="dq_sum"),
                 Sk, 0.0, "dq_acc")
             results.append(_cast(acc, q.dtype, "dq"))
@@ -194,7 +196,7 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
             r = te.reduce_axis((0, group), name="r")
             i = te.reduce_axis((0, Sq), name="i")
             weight, rhs = (ds, q) if grad == "dk" else (p, do)
-            acc = _nonempty(te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
+            acc = nonempty(te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
                 sem.weighted(weight[b, g * group + r, i, j], rhs[b, g * group + r, i, e].astype(F32)), axis=[r, i]),
                 name=f"{grad}_sum"), Sq, 0.0, f"{grad}_acc")
             results.append(_cast(acc, (k if grad == "dk" else v).dtype, grad))
@@ -203,7 +205,7 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, out=None
     return results if len(results) > 1 else results[0]
 
 
-def _probabilities(logits, lse):
+def probabilities(logits, lse):
     """P [B, Hq, Sq, Sk] float32 from the logits and the rows' lse."""
     # a dropped key weighs exactly 0 even where the row's lse is NaN (exp(-inf - NaN) is NaN): its
     # dk and dv must not see the row
@@ -223,7 +225,7 @@ def _row_times_values(rows, kv, group, name):
         name=name)
 
 
-def _do_dot_out(do, out, p, dp, sink_p=None):
+def do_dot_out(do, out, p, dp, sink_p=None):
     """D = rowsum(dO * O) [B, Hq, Sq]: from ``out`` when given (FlashAttention-2), else
     rowsum(P * dP) / rowsum(P), the forward's O without forming it. The kernels take O from the
     forward: where P from the lse does not sum to 1 (``_dense_probabilities``) so must this.
@@ -235,7 +237,7 @@ def _do_dot_out(do, out, p, dp, sink_p=None):
             do[b, h, i, e].astype(F32) * out[b, h, i, e].astype(F32), axis=e), name="do_dot_o")
     Sk = p.shape[3]
     jr = te.reduce_axis((0, Sk), name="j_row")
-    acc = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]),
+    acc = nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(sem.weighted(p[b, h, i, jr], dp[b, h, i, jr]),
                                                                     axis=jr),
                                name="do_dot_o_acc"), Sk, 0.0, "do_dot_o_sum")
     mass = _row_mass(p)
@@ -248,7 +250,7 @@ def _row_mass(p):
     """rowsum(P) [B, Hq, Sq] (0 for a row without a visible key)."""
     B, Hq, Sq, Sk = p.shape
     j = te.reduce_axis((0, Sk), name="j_mass")
-    return _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j], axis=j), name="p_mass_acc"),
+    return nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(p[b, h, i, j], axis=j), name="p_mass_acc"),
                      Sk, 0.0, "p_mass")
 
 
@@ -266,7 +268,7 @@ def _sum_terms(shape, extent, terms, name):
         present = [t for t in terms(idx, r) if t is not None]
         return te.sum(present[0] if len(present) == 1 else sum(present[1:], present[0]), axis=r)
 
-    return _nonempty(te.compute(shape, body, name=f"{name}_acc"), extent, 0.0, name)
+    return nonempty(te.compute(shape, body, name=f"{name}_acc"), extent, 0.0, name)
 
 
 @dataclass
@@ -328,7 +330,7 @@ def _tangent(q, k, v, q_dot, k_dot, v_dot, cfg, alibi_slopes, attn_mask, lse=Non
         logit_dot = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.logit_tangent(
             cfg, capped[b, h, i, j], s_dot[b, h, i, j] * scale), name="logit_dot")
         jl = te.reduce_axis((0, Sk), name="j_lse_dot")
-        lse_dot = _nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(
+        lse_dot = nonempty(te.compute((B, Hq, Sq), lambda b, h, i: te.sum(
             sem.weighted(p[b, h, i, jl], logit_dot[b, h, i, jl]), axis=jl), name="lse_dot_acc"), Sk, 0.0, "lse_dot")
         p_dot = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.prob_tangent(
             p[b, h, i, j], logit_dot[b, h, i, j], lse_dot[b, h, i]), name="p_dot")
@@ -366,11 +368,11 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = _dense_layout(q, k).group
-    scale = _scale(cfg, D)
+    scale = logit_scale(cfg, D)
     t = _tangent(q, k, v, dq_bar, dk_bar, dv_bar, cfg, alibi_slopes, attn_mask, lse, out)
     p, capped = t.p, t.capped
     dp = _row_times_values(do, v, group, "dp")
-    row_dot = _do_dot_out(do, out, p, dp)
+    row_dot = do_dot_out(do, out, p, dp)
     ds = te.compute((B, Hq, Sq, Sk), lambda b, h, i, j: sem.score_grad(
         cfg, p[b, h, i, j], dp[b, h, i, j], row_dot[b, h, i], capped[b, h, i, j], factor=scale), name="ds")
     zero = tirx.const(0.0, F32)
@@ -412,7 +414,7 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
             return _zeros(like.shape, like.dtype, name)
         r = te.reduce_axis((0, group), name=f"r_{name}")
         i = te.reduce_axis((0, Sq), name=f"i_{name}")
-        acc = _nonempty(te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
+        acc = nonempty(te.compute((B, Hkv, Sk, D), lambda b, g, j, e: te.sum(
             sum((f(b, g, j, e, r, i) for f in terms[1:]), terms[0](b, g, j, e, r, i)), axis=[r, i]),
             name=f"{name}_sum"), Sq, 0.0, f"{name}_acc")
         return _cast(acc, like.dtype, name)

@@ -4,7 +4,8 @@ can and the run-time check (``tvm_fuel.op.legalize``) enforces where it cannot.
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; do, out [B, Hq, Sq, D]; lse [B, Hq, Sq];
 alibi_slopes, sinks [Hq]; paged caches [num_blocks, block_size, Hkv, D], their scales [], [Hkv] or
 [num_blocks, block_size, Hkv]; block_table [B, max_blocks];
-context_lens [B]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the
+context_lens [B]; varlen q, do, out [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens [B + 1],
+lse [Hq, total_q]; the norms' backward dy, x [N, C], gamma / weight [C], mean, rstd [N]; the
 tangents and cotangents q_dot, dq_bar like q, k_dot, v_dot, dk_bar, dv_bar like k.
 
 Contents:
@@ -59,6 +60,16 @@ _PAGED = (
     DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
 ) + _SINKS
 
+_PACKED_QUERY = ((0, "query count total_q"), (1, "head count Hq"), (2, "head dim D"))
+_VARLEN = (
+    DimRule("k", 2, "q", 2, "head dim D"),
+    *_same("v", "k", ((0, "key count total_k"), (1, "head count Hkv"), (2, "head dim D"))),
+    DimRule("cu_seqlens_k", 0, "cu_seqlens_q", 0, "offset count B + 1"),
+    DimRule("alibi_slopes", 0, "q", 1, "head count Hq"),
+) + _SINKS
+_VARLEN_BACKWARD = _VARLEN + _same("do", "q", _PACKED_QUERY) + _same("out", "q", _PACKED_QUERY) + (
+    DimRule("lse", 0, "q", 1, "head count Hq"), DimRule("lse", 1, "q", 0, "query count total_q"))
+
 _NORM = (DimRule("dy", 0, "x", 0, "row count N"), DimRule("dy", 1, "x", 1, "feature count C"),
          DimRule("rstd", 0, "x", 0, "row count N"))
 _LAYER_NORM = _NORM + (DimRule("gamma", 0, "x", 1, "feature count C"), DimRule("mean", 0, "x", 0, "row count N"))
@@ -68,6 +79,7 @@ _RULES = {"flash_attn": _DENSE + _SINKS, "flash_attn_backward": _BACKWARD + _SIN
           "flash_attn_backward_q": _BACKWARD + _SINKS, "flash_attn_backward_k": _BACKWARD + _SINKS,
           "flash_attn_backward_v": _BACKWARD + _SINKS, "paged_attn": _PAGED,
           "flash_attn_jvp": _JVP, "flash_attn_double_backward": _DOUBLE_BACKWARD,
+          "flash_attn_varlen": _VARLEN, "flash_attn_varlen_backward": _VARLEN_BACKWARD,
           "layer_norm_backward": _LAYER_NORM, "rms_norm_backward": _RMS_NORM}
 
 
@@ -90,6 +102,9 @@ def dim_rules(op: str, ndim: int = 0, *, scale_ndim: int = 0) -> tuple[DimRule, 
 _DENSE_POSITIVE = (("q", 1, "head count Hq"), ("q", 3, "head dim D"), ("k", 1, "head count Hkv"))
 _POSITIVE = {"paged_attn": (("q", 1, "head count Hq"), ("q", 3, "head dim D"), ("k_cache", 1, "block size"),
                             ("k_cache", 2, "head count Hkv")), "softmax_backward": (),
+             **{name: (("q", 1, "head count Hq"), ("q", 2, "head dim D"), ("k", 1, "head count Hkv"),
+                       ("cu_seqlens_q", 0, "offset count B + 1")) for name in ("flash_attn_varlen",
+                                                                              "flash_attn_varlen_backward")},
              # a row's mean over C features divides by C
              "layer_norm_backward": (("x", 1, "feature count C"),), "rms_norm_backward": (("x", 1, "feature count C"),)}
 

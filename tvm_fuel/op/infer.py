@@ -295,6 +295,62 @@ def _kv_scales(c: _Checker, cache):
                          f"{c.args['k_scale'].ty.ndim}-D and {c.args['v_scale'].ty.ndim}-D")
 
 
+_PACKED_Q = ("total_q", "Hq", "D")
+
+
+def _varlen_qkv(c: _Checker):
+    """Checks flash_attn_varlen's q, k, v, cu_seqlens (+ alibi, sinks, config); returns q's type."""
+    q = c.tensor("q", layout=_PACKED_Q, dtypes=FLOAT_DTYPES)
+    k = c.tensor("k", layout=("total_k", "Hkv", "D"), dtypes=FLOAT_DTYPES)
+    v = c.tensor("v", layout=("total_k", "Hkv", "D"), dtypes=FLOAT_DTYPES)
+    c.same_dtype("k", k, "q", q)
+    c.same_dtype("v", v, "q", q)
+    cu_q = c.tensor("cu_seqlens_q", layout=("B + 1",), dtypes=INDEX_DTYPES)
+    cu_k = c.tensor("cu_seqlens_k", layout=("B + 1",), dtypes=INDEX_DTYPES)
+    c.positive()
+    qd, kd, vd = c.dims(q), c.dims(k), c.dims(v)
+    if qd is not None and kd is not None:
+        c.expect_dim("head dim D", "k", kd[2], "q", qd[2])
+        c.gqa(qd[1], kd[1], "k")
+    if kd is not None:
+        c.expect_shape("v", v, kd, "[total_k, Hkv, D] of k")
+    elif qd is not None and vd is not None:
+        c.expect_dim("head dim D", "v", vd[2], "q", qd[2])
+    cd = c.dims(cu_q)
+    if cd is not None:
+        c.expect_shape("cu_seqlens_k", cu_k, cd, "[B + 1] of cu_seqlens_q")
+    c.config()
+    c.alibi(qd[1] if qd is not None else None)
+    c.sinks(qd[1] if qd is not None else None)
+    return q
+
+
+def _packed_lse(qd):
+    return _tensor([qd[1], qd[0]] if qd is not None else None, "float32", 2)
+
+
+def _infer_flash_attn_varlen(call, ctx):
+    c = _Checker(SPECS["flash_attn_varlen"], call)
+    q = _varlen_qkv(c)
+    out = _tensor(c.dims(q), q.dtype, 3)
+    return TupleType([out, _packed_lse(c.dims(q))]) if bool(call.attrs["return_lse"]) else out
+
+
+def _infer_flash_attn_varlen_backward(call, ctx):
+    c = _Checker(SPECS["flash_attn_varlen_backward"], call)
+    q = _varlen_qkv(c)
+    qd = c.dims(q)
+    for name in ("do", "out"):
+        ty = c.tensor(name, layout=_PACKED_Q, dtypes=FLOAT_DTYPES)
+        c.same_dtype(name, ty, "q", q)
+        if ty is not None and qd is not None:
+            c.expect_shape(name, ty, qd, "[total_q, Hq, D] of q")
+    lse = c.tensor("lse", layout=("Hq", "total_q"), dtypes=("float32",))
+    if lse is not None and qd is not None:
+        c.expect_shape("lse", lse, [qd[1], qd[0]], "[Hq, total_q] of q")
+    return TupleType([_tensor(c.dims(c.args[n].ty), q.dtype, 3) for n in ("q", "k", "v")])
+
+
 def _infer_softmax_backward(call, ctx):
     c = _Checker(SPECS["softmax_backward"], call)
     p = c.tensor("probs", layout=None, dtypes=FLOAT_DTYPES)
@@ -352,6 +408,8 @@ INFER = {
     "softmax_backward": _infer_softmax_backward,
     "flash_attn_jvp": _infer_flash_attn_jvp,
     "flash_attn_double_backward": _infer_flash_attn_double_backward,
+    "flash_attn_varlen": _infer_flash_attn_varlen,
+    "flash_attn_varlen_backward": _infer_flash_attn_varlen_backward,
     "layer_norm_backward": _norm_backward_infer("layer_norm_backward"),
     "rms_norm_backward": _norm_backward_infer("rms_norm_backward"),
 }

@@ -7,12 +7,13 @@ before every kernel alike, so bad input raises instead of reading out of bounds:
 - the dims that must agree (``tvm_fuel.op.dims``) but that type inference could not prove equal
   (symbolic ones) are compared when the module runs;
 - paged attention's block table and context lengths are validated on CPU targets (a bad live
-  block id or an oversized context).
+  block id or an oversized context), and so are varlen's cu_seqlens.
 
 Contents:
     LEGALIZE     -- op name -> legalization function ``(bb, call) -> relax.Expr`` (the floor)
     emit_kernel  -- call a performance-path kernel in place of the floor
     checked_dims -- the run-time check of the dims type inference could not prove equal
+    checked_cu_seqlens -- varlen's cu_seqlens validated (CPU targets)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
-from . import decompose
+from . import decompose, ragged
 from .config import AttnConfig
 from .dims import DimRule, dim_rules, positive_dims
 from .spec import SPECS
@@ -173,6 +174,88 @@ def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                       primfunc_name_hint="fuel_paged_attn")
 
 
+@functools.lru_cache(maxsize=None)
+def _varlen_check_func(q_dtype: str, cu_dtype: str, max_seqlen_q: int, max_seqlen_k: int) -> tvm.tirx.PrimFunc:
+    """A host PrimFunc that validates both cu_seqlens (start at 0, never decrease, end within the
+    packed rows, each sequence within max_seqlen where given) and returns them."""
+    order = "fuel.flash_attn_varlen: {} must start at 0, never decrease and end at most at {}.shape[0]"
+    order_q, order_k = order.format("cu_seqlens_q", "q"), order.format("cu_seqlens_k", "k")
+    bound_q = "fuel.flash_attn_varlen: a sequence of cu_seqlens_q is longer than max_seqlen_q"
+    bound_k = "fuel.flash_attn_varlen: a sequence of cu_seqlens_k is longer than max_seqlen_k"
+    limit_q, limit_k = max_seqlen_q if max_seqlen_q > 0 else 2 ** 62, max_seqlen_k if max_seqlen_k > 0 else 2 ** 62
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_varlen_check(q: T.handle, k: T.handle, cu_q: T.handle, cu_k: T.handle, cu_q_out: T.handle,
+                                     cu_k_out: T.handle):
+        total_q, hq, d, n = T.int64(), T.int64(), T.int64(), T.int64()
+        total_k, hkv, dk = T.int64(), T.int64(), T.int64()
+        T.match_buffer(q, (total_q, hq, d), q_dtype)
+        T.match_buffer(k, (total_k, hkv, dk), q_dtype)
+        offsets_q = T.match_buffer(cu_q, (n,), cu_dtype)
+        offsets_k = T.match_buffer(cu_k, (n,), cu_dtype)
+        checked_q = T.match_buffer(cu_q_out, (n,), cu_dtype)
+        checked_k = T.match_buffer(cu_k_out, (n,), cu_dtype)
+        assert T.Cast("int64", offsets_q[0]) == T.int64(0) and T.Cast("int64", offsets_q[n - 1]) <= total_q, order_q
+        assert T.Cast("int64", offsets_k[0]) == T.int64(0) and T.Cast("int64", offsets_k[n - 1]) <= total_k, order_k
+        for b in range(n - 1):
+            len_q: T.int64 = T.Cast("int64", offsets_q[b + 1]) - T.Cast("int64", offsets_q[b])
+            len_k: T.int64 = T.Cast("int64", offsets_k[b + 1]) - T.Cast("int64", offsets_k[b])
+            assert len_q >= T.int64(0), order_q
+            assert len_k >= T.int64(0), order_k
+            assert len_q <= T.int64(limit_q), bound_q
+            assert len_k <= T.int64(limit_k), bound_k
+        for b in range(n):
+            checked_q[b] = offsets_q[b]
+            checked_k[b] = offsets_k[b]
+    # fmt: on
+
+    return fuel_flash_attn_varlen_check
+
+
+def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict) -> dict:
+    """``args`` with both cu_seqlens validated first on CPU targets (device kernels cannot
+    assert; there the floor and the kernels clamp every index they read from them)."""
+    if _on_gpu():
+        return args
+    cu_q, cu_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
+    if str(cu_q.ty.dtype) != str(cu_k.ty.dtype):
+        cu_k = bb.emit(relax.op.astype(cu_k, str(cu_q.ty.dtype)))
+    check = _varlen_check_func(str(args["q"].ty.dtype), str(cu_q.ty.dtype), int(call.attrs["max_seqlen_q"]),
+                               int(call.attrs["max_seqlen_k"]))
+    gvar = bb.add_func(check, "fuel_flash_attn_varlen_check")
+    both = bb.emit(relax.call_tir(gvar, [args["q"], args["k"], cu_q, cu_k], out_ty=[cu_q.ty, cu_q.ty]))
+    return {**args, "cu_seqlens_q": bb.emit(relax.TupleGetItem(both, 0)),
+            "cu_seqlens_k": bb.emit(relax.TupleGetItem(both, 1))}
+
+
+def _varlen_live_lens(bb: relax.BlockBuilder, args: dict) -> tuple[tirx.Var, tirx.Var]:
+    """Variables bound at run time to the longest query and key sequences (``ragged.varlen_live_lens``)."""
+    longest = bb.emit(bb.call_te(ragged.varlen_live_lens, args["q"], args["k"], args["cu_seqlens_q"],
+                                 args["cu_seqlens_k"], primfunc_name_hint="fuel_flash_attn_varlen_live_lens"))
+    max_q, max_k = tirx.Var("max_q", "int64"), tirx.Var("max_k", "int64")
+    bb.match_cast(bb.emit(relax.op.tensor_to_shape(longest)), relax.ShapeType([max_q, max_k]))
+    return max_q, max_k
+
+
+def _flash_attn_varlen(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    a = checked_cu_seqlens(bb, call, checked_dims(bb, "flash_attn_varlen", SPECS["flash_attn_varlen"].split_args(call)))
+    _, max_k = _varlen_live_lens(bb, a)
+    fn = functools.partial(ragged.flash_attn_varlen, cfg=_config("flash_attn_varlen", call),
+                           return_lse=bool(call.attrs["return_lse"]))
+    return bb.call_te(fn, a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["alibi_slopes"],
+                      a["sinks"], max_k=max_k, primfunc_name_hint="fuel_flash_attn_varlen")
+
+
+def _flash_attn_varlen_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    name = "flash_attn_varlen_backward"
+    a = checked_cu_seqlens(bb, call, checked_dims(bb, name, SPECS[name].split_args(call)))
+    max_q, max_k = _varlen_live_lens(bb, a)
+    fn = functools.partial(ragged.flash_attn_varlen_backward, cfg=_config(name, call))
+    return bb.call_te(fn, *(a[n] for n in SPECS[name].required + SPECS[name].optional), max_q=max_q, max_k=max_k,
+                      primfunc_name_hint=f"fuel_{name}")
+
+
 def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,
                 args: dict | None = None) -> relax.Expr:
     """Call a performance-path PrimFunc whose parameters are the op's present arguments, in
@@ -181,6 +264,8 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
     args = checked_dims(bb, name, dict(args) if args is not None else spec.split_args(call))
     if name == "paged_attn":
         args["context_lens"] = _checked_context_lens(bb, args)
+    if name == "flash_attn_varlen":
+        args = checked_cu_seqlens(bb, call, args)
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
     out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
     # the kernel's symbol is its (unique) global var's name: two instances of one template in a
@@ -244,6 +329,8 @@ LEGALIZE = {
     "flash_attn_backward_k": _backward("flash_attn_backward_k"),
     "flash_attn_backward_v": _backward("flash_attn_backward_v"),
     "paged_attn": _paged_attn,
+    "flash_attn_varlen": _flash_attn_varlen,
+    "flash_attn_varlen_backward": _flash_attn_varlen_backward,
     "softmax_backward": _softmax_backward,
     "flash_attn_jvp": _flash_attn_jvp,
     "flash_attn_double_backward": _flash_attn_double_backward,

@@ -58,15 +58,20 @@ def rescale_by_sinks(bb: relax.BlockBuilder, out0: relax.Expr, lse0: relax.Expr,
     return out, lse
 
 
-def sinks_grad(out: relax.Expr, lse: relax.Expr, do: relax.Expr, sinks: relax.Expr) -> relax.Expr:
+def sinks_grad(out: relax.Expr, lse: relax.Expr, do: relax.Expr, sinks: relax.Expr, *,
+               packed: bool = False) -> relax.Expr:
     """The gradient of ``flash_attn``'s sinks for the output gradient ``do``.
 
     out, do: [B, Hq, Sq, D] (as q); lse: [B, Hq, Sq] float32 (the forward's, sinks included);
     sinks: [Hq] float32. Returns dsinks [Hq] float32:
     ``-sum_{b, i} exp(sinks[h] - lse[b, h, i]) * rowsum(do * out)[b, h, i]``.
+    ``packed``: ``flash_attn_varlen``'s layout, out, do [total_q, Hq, D] and lse [Hq, total_q].
     """
-    row = R.sum(R.multiply(_f32(do), _f32(out)), axis=[3])  # D = rowsum(dO * O) [B, Hq, Sq]
+    row = R.sum(R.multiply(_f32(do), _f32(out)), axis=[2 if packed else 3])  # D = rowsum(dO * O)
+    if packed:
+        row = R.permute_dims(row, [1, 0])  # [Hq, total_q], as lse
+    sink = R.expand_dims(sinks, [1]) if packed else _per_row(sinks)
     # the sink column's probability; 0 where lse is -inf (a -inf sink and no key: no -inf - -inf)
     weight = R.where(R.equal(lse, relax.const(float("-inf"), F32)), relax.const(0.0, F32),
-                     R.exp(R.subtract(_per_row(sinks), lse)))
-    return R.negative(R.sum(R.multiply(weight, row), axis=[0, 2]))
+                     R.exp(R.subtract(sink, lse)))
+    return R.negative(R.sum(R.multiply(weight, row), axis=[1] if packed else [0, 2]))

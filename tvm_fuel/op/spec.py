@@ -95,6 +95,10 @@ SPECS: dict[str, OpSpec] = {
         OpSpec("flash_attn_backward_v", **_BWD_ARGS),
         OpSpec("paged_attn", ("q", "k_cache", "v_cache", "block_table", "context_lens"),
                ("alibi_slopes", "sinks", "k_scale", "v_scale")),
+        # FlashAttention's packed variable-length layout (q [total_q, Hq, D], cu_seqlens [B + 1])
+        OpSpec("flash_attn_varlen", ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), ("alibi_slopes", "sinks")),
+        OpSpec("flash_attn_varlen_backward", ("q", "k", "v", "do", "cu_seqlens_q", "cu_seqlens_k"),
+               ("alibi_slopes", "out", "lse", "sinks")),
         OpSpec("softmax_backward", ("probs", "dprobs"), attention=False),
         # kernels take the present arguments in exactly this order, then the outputs
         OpSpec("flash_attn_jvp", ("q", "k", "v"), ("q_dot", "k_dot", "v_dot", "alibi_slopes", "attn_mask")),

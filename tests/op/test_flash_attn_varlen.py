@@ -1,0 +1,254 @@
+"""flash_attn_varlen (FlashAttention's packed variable-length layout) and its backward: against the
+float64 reference, against PyTorch's SDPA run per sequence, through ``tvm_fuel.transform.gradient``,
+with symbolic sizes, and the errors bad offsets and shapes get."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from helpers import assert_close, build, has_torch, randn, Runner, run
+from tvm import relax
+
+import tvm_fuel
+from tvm_fuel import op
+from tvm_fuel import reference as ref
+
+pytestmark = pytest.mark.numerics
+
+# lengths 0, 1, 17, 97 and 513 in one batch; queries and keys differ per sequence (Sq > Sk too)
+LENS_Q = [17, 0, 97, 1, 513, 3]
+LENS_K = [33, 5, 97, 1, 513, 0]
+OPTIONS = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(32, 0)),
+    "two_sided_softcap": dict(window_size=(16, 8), softcap=5.0),
+    "sink_tokens": dict(window_size=(8, 0), sink_tokens=4),
+    "alibi_causal": dict(causal=True, alibi=True),
+}
+
+
+def _cu(lens) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _inputs(rng, Hq, Hkv, D, dtype="float32", *, lens_q=LENS_Q, lens_k=LENS_K, extra_rows=2, alibi=False):
+    """Packed q (with ``extra_rows`` past the last sequence), k, v, both offsets (and ALiBi slopes)."""
+    inputs = dict(q=randn(rng, (sum(lens_q) + extra_rows, Hq, D), dtype), k=randn(rng, (sum(lens_k), Hkv, D), dtype),
+                  v=randn(rng, (sum(lens_k), Hkv, D), dtype), cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k))
+    if alibi:
+        inputs["alibi_slopes"] = np.linspace(0.05, 0.5, Hq).astype(np.float32)
+    return inputs
+
+
+def _split(options: dict) -> tuple[bool, dict]:
+    options = dict(options)
+    return options.pop("alibi", False), options
+
+
+def _assert_lse(lse, want):
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want), err_msg="lse: rows without keys")
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(lse[finite], want[finite], atol=2e-5, rtol=2e-5, err_msg="lse")
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("group", [1, 3, 7])
+def test_forward_against_reference(options, group):
+    alibi, opts = _split(OPTIONS[options])
+    rng = np.random.default_rng(group * 31 + len(options))
+    inputs = _inputs(rng, group, 1, 40, alibi=alibi)
+    out, lse = run(lambda **a: op.flash_attn_varlen(**a, return_lse=True, **opts), inputs)
+    want_out, want_lse = ref.flash_attn_varlen(*inputs.values(), return_lse=True, **opts)
+    assert_close(out, want_out, "float32", what="out")
+    _assert_lse(lse, want_lse)
+    tail = sum(LENS_Q)
+    assert not out[tail:].any() and np.isneginf(lse[:, tail:]).all()  # rows of no sequence: 0 and -inf
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision(dtype):
+    rng = np.random.default_rng(7)
+    inputs = _inputs(rng, 6, 2, 64, dtype, lens_q=[17, 1, 97], lens_k=[97, 1, 97], alibi=True)
+    out = run(lambda **a: op.flash_attn_varlen(**a, causal=True, softcap=8.0), inputs)[0]
+    want = ref.flash_attn_varlen(*inputs.values(), causal=True, softcap=8.0)
+    assert out.dtype == inputs["q"].dtype
+    assert_close(out, want, dtype, what="out")
+
+
+@pytest.mark.skipif(not has_torch(), reason="PyTorch is the peer (the test extra installs it)")
+@pytest.mark.parametrize("options", ["full", "causal", "window", "alibi_causal"])
+def test_against_torch_sdpa_per_sequence(options):
+    """PyTorch's SDPA on each sequence alone (bottom-right masks and ALiBi as a float mask)."""
+    import torch
+    import torch.nn.functional as F
+
+    alibi, opts = _split(OPTIONS[options])
+    rng = np.random.default_rng(11)
+    inputs = _inputs(rng, 6, 2, 40, alibi=alibi, extra_rows=0)
+    out = run(lambda **a: op.flash_attn_varlen(**a, **opts), inputs)[0]
+    cu_q, cu_k = inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]
+    for b, (sq, sk) in enumerate(zip(LENS_Q, LENS_K)):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        if sk == 0:
+            assert not out[rows].any()
+            continue
+        keep = ref.visible_keys(sq, sk, causal=opts.get("causal", False), window_size=opts.get("window_size", (-1, -1)))
+        bias = np.where(keep, 0.0, -np.inf)[None]
+        if alibi:
+            distance = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
+            bias = bias - inputs["alibi_slopes"][:, None, None].astype(np.float64) * distance
+        q, k, v = (torch.from_numpy(x).double().transpose(0, 1)[None] for x in
+                   (inputs["q"][rows], inputs["k"][cu_k[b]:cu_k[b + 1]], inputs["v"][cu_k[b]:cu_k[b + 1]]))
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(bias), enable_gqa=True)
+        want = torch.nan_to_num(want, nan=0.0)[0].transpose(0, 1).numpy()  # a row without keys: 0 here
+        assert_close(out[rows], want, "float32", what=f"sequence {b}")
+
+
+def _loss_module(Hq, Hkv, D, total_q, total_k, n, *, alibi=False, sinks=False, **opts):
+    """main(q, k, v, [sinks], w, cu_q, cu_k, [alibi]) -> sum(flash_attn_varlen(...) * w), differentiated
+    for q, k, v (and the sinks)."""
+    params = dict(q=((total_q, Hq, D), "float32"), k=((total_k, Hkv, D), "float32"),
+                  v=((total_k, Hkv, D), "float32"))
+    if sinks:
+        params["sinks"] = ((Hq,), "float32")
+    params.update(w=((total_q, Hq, D), "float32"), cu_q=((n,), "int32"), cu_k=((n,), "int32"))
+    if alibi:
+        params["alibi"] = ((Hq,), "float32")
+
+    def loss(q, k, v, w, cu_q, cu_k, sinks=None, alibi=None):
+        out = op.flash_attn_varlen(q, k, v, cu_q, cu_k, alibi, sinks=sinks, **opts)
+        return relax.op.sum(relax.op.multiply(out, w))
+
+    mod = build(loss, params)
+    return tvm_fuel.transform.gradient(mod, require_grads=list(mod["main"].params[:4 if sinks else 3]))
+
+
+@pytest.mark.parametrize("options", ["causal", "two_sided_softcap", "alibi_causal", "sinks"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_gradient(options, group):
+    """Gradient through flash_attn_varlen gives the reference's dq, dk, dv (and dsinks)."""
+    with_sinks = options == "sinks"
+    alibi, opts = _split(OPTIONS.get(options, dict(causal=True)))
+    rng = np.random.default_rng(group + 3 * len(options))
+    Hq, lens_q, lens_k = 2 * group, [17, 0, 97, 1, 3], [33, 5, 97, 1, 0]
+    inputs = _inputs(rng, Hq, 2, 40, lens_q=lens_q, lens_k=lens_k, extra_rows=1, alibi=alibi)
+    sinks = (rng.standard_normal(Hq) * 2).astype(np.float32) if with_sinks else None
+    w = rng.standard_normal(inputs["q"].shape).astype(np.float32)
+    mod = _loss_module(Hq, 2, 40, inputs["q"].shape[0], inputs["k"].shape[0], len(lens_q) + 1, alibi=alibi,
+                       sinks=with_sinks, **opts)
+    args = [inputs["q"], inputs["k"], inputs["v"]] + ([sinks] if with_sinks else [])
+    args += [w, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]] + ([inputs["alibi_slopes"]] if alibi else [])
+    _, *grads = _adjoint(mod, args)
+    want = ref.flash_attn_varlen_backward(inputs["q"], inputs["k"], inputs["v"], w, inputs["cu_seqlens_q"],
+                                          inputs["cu_seqlens_k"], inputs.get("alibi_slopes"), sinks=sinks, **opts)
+    for name, got, expected in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+        assert_close(got, expected, "float32", scale=4, what=name)
+
+
+def _adjoint(mod, args):
+    vm = relax.VirtualMachine(tvm.compile(tvm_fuel.transform.legalize(mod, "llvm"), target="llvm"), tvm.cpu())
+    loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
+    return [loss.numpy()] + [g.numpy() for g in grads]
+
+
+@pytest.mark.parametrize("state", ["recomputed", "given"])
+def test_backward_op(state):
+    """The backward op alone, recomputing the softmax state or given the forward's out and lse."""
+    rng = np.random.default_rng(5)
+    inputs = _inputs(rng, 6, 2, 40, lens_q=[17, 1, 0, 97], lens_k=[97, 0, 3, 33], alibi=True)
+    inputs["do"] = randn(rng, inputs["q"].shape)
+    opts = dict(window_size=(24, 4), softcap=6.0)
+    fwd = {k: v for k, v in inputs.items() if k != "do"}
+    if state == "given":
+        inputs["out"], inputs["lse"] = (x.astype(np.float32) for x in ref.flash_attn_varlen(
+            *fwd.values(), return_lse=True, **opts))
+    grads = run(lambda q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **state_args:
+                op.flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **state_args,
+                                              **opts), inputs)
+    want = ref.flash_attn_varlen_backward(fwd["q"], fwd["k"], fwd["v"], inputs["do"], fwd["cu_seqlens_q"],
+                                          fwd["cu_seqlens_k"], fwd["alibi_slopes"], **opts)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(got, expected, "float32", scale=4, what=name)
+
+
+def _symbolic_module(**opts):
+    total_q, total_k, n = (tvm.tirx.Var(name, "int64") for name in ("total_q", "total_k", "n"))
+    return build(lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k, return_lse=True, **opts),
+                 dict(q=((total_q, 6, 40), "float32"), k=((total_k, 2, 40), "float32"),
+                      v=((total_k, 2, 40), "float32"), cu_q=((n,), "int32"), cu_k=((n,), "int32")))
+
+
+def test_symbolic_sizes_serve_any_batch():
+    """One module (symbolic total_q, total_k, B) serves batches of any lengths, B = 1 and empty ones too."""
+    runner = Runner(_symbolic_module(causal=True))
+    rng = np.random.default_rng(2)
+    for lens_q, lens_k in ([[5], [9]], [[97, 17, 1], [97, 40, 1]], [[0, 0], [0, 0]], [[4, 2], [0, 7]]):
+        inputs = _inputs(rng, 6, 2, 40, lens_q=lens_q, lens_k=lens_k, extra_rows=0)
+        out, lse = runner(*inputs.values())
+        want_out, want_lse = ref.flash_attn_varlen(*inputs.values(), causal=True, return_lse=True)
+        assert_close(out, want_out, "float32", what=f"{lens_q} / {lens_k}")
+        _assert_lse(lse, want_lse)
+
+
+@pytest.mark.parametrize("cu_q,cu_k,match", [
+    ([1, 3, 5], [0, 2, 4], "cu_seqlens_q must start at 0"),
+    ([0, 4, 3], [0, 2, 4], "cu_seqlens_q must start at 0, never decrease"),
+    ([0, 3, 6], [0, 2, 4], "end at most at q.shape"),
+    ([0, 3, 5], [0, 5, 4], "cu_seqlens_k must start at 0, never decrease"),
+    ([0, 3, 5], [0, 2, 9], "end at most at k.shape"),
+])
+def test_bad_offsets_raise(cu_q, cu_k, match):
+    runner = Runner(_symbolic_module())
+    rng = np.random.default_rng(0)
+    args = [randn(rng, (5, 6, 40)), randn(rng, (4, 2, 40)), randn(rng, (4, 2, 40)), np.array(cu_q, np.int32),
+            np.array(cu_k, np.int32)]
+    with pytest.raises(Exception, match=match):
+        runner(*args)
+
+
+def test_max_seqlen_is_enforced():
+    mod = build(lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=3, max_seqlen_k=4),
+                dict(q=((6, 2, 8), "float32"), k=((6, 2, 8), "float32"), v=((6, 2, 8), "float32"),
+                     cu_q=((3,), "int32"), cu_k=((3,), "int32")))
+    runner = Runner(mod)
+    rng = np.random.default_rng(0)
+    q = randn(rng, (6, 2, 8))
+    assert runner(q, q, q, np.array([0, 3, 6], np.int32), np.array([0, 4, 6], np.int32))[0].shape == (6, 2, 8)
+    with pytest.raises(Exception, match="longer than max_seqlen_k"):
+        runner(q, q, q, np.array([0, 3, 6], np.int32), np.array([0, 1, 6], np.int32))
+
+
+def _var(name, shape, dtype="float32"):
+    return relax.Var(name, relax.TensorType(shape, dtype))
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: op.flash_attn_varlen(_var("q", (5, 6, 40, 1)), _var("k", (4, 2, 40)), _var("v", (4, 2, 40)),
+                                  _var("a", (3,), "int32"), _var("b", (3,), "int32")), ValueError,
+     "argument 'q' must be 3-D"),
+    (lambda: op.flash_attn_varlen(_var("q", (5, 6, 40)), _var("k", (4, 2, 40), "float16"), _var("v", (4, 2, 40)),
+                                  _var("a", (3,), "int32"), _var("b", (3,), "int32")), TypeError, "dtype of 'q'"),
+    (lambda: op.flash_attn_varlen(_var("q", (5, 6, 40)), _var("k", (4, 4, 40)), _var("v", (4, 4, 40)),
+                                  _var("a", (3,), "int32"), _var("b", (3,), "int32")), ValueError, "multiple of Hkv"),
+    (lambda: op.flash_attn_varlen(_var("q", (5, 6, 40)), _var("k", (4, 2, 40)), _var("v", (4, 2, 40)),
+                                  _var("a", (3,), "int32"), _var("b", (4,), "int32")), ValueError, "cu_seqlens_k"),
+    (lambda: op.flash_attn_varlen(_var("q", (5, 6, 40)), _var("k", (4, 2, 40)), _var("v", (4, 2, 40)),
+                                  _var("a", (3,), "float32"), _var("b", (3,), "int32")), TypeError, "cu_seqlens_q"),
+    (lambda: op.flash_attn_varlen_backward(_var("q", (5, 6, 40)), _var("k", (4, 2, 40)), _var("v", (4, 2, 40)),
+                                           _var("do", (5, 6, 40)), _var("a", (3,), "int32"), _var("b", (3,), "int32"),
+                                           lse=_var("lse", (5, 6))), ValueError, "lse"),
+    (lambda: op.flash_attn_varlen(_var("q", (5, 6, 40)), _var("k", (4, 2, 40)), _var("v", (4, 2, 40)),
+                                  _var("a", (3,), "int32"), _var("b", (3,), "int32"), max_seqlen_k=0), ValueError,
+     "max_seqlen_k must be a positive int"),
+])
+def test_bad_calls_name_the_argument(make, error, match):
+    with pytest.raises(error, match=match):
+        relax.BlockBuilder().normalize(make())
+
+
+def test_tvmscript_round_trip():
+    mod = _symbolic_module(causal=True, softcap=3.0)
+    parsed = tvm.script.from_source(mod.script())
+    tvm.ir.assert_structural_equal(parsed, mod)
