@@ -1,10 +1,11 @@
 """The fuel ops as ``tvm.relax.frontend.nn`` modules, used the way TVM's built-in layers are.
 
-Both modules are stateless (no parameters): projections, RoPE and the cache belong to the model.
+The modules are stateless (no parameters): projections, RoPE and the cache belong to the model.
 
 Contents:
     FlashAttention -- ``flash_attn`` over [B, Hq, Sq, D] / [B, Hkv, Sk, D] tensors
     PagedAttention -- ``paged_attn`` over a paged KV cache and its block table
+    VarlenAttention -- ``flash_attn_varlen`` over a packed batch of variable-length sequences
 
 Example
 -------
@@ -91,3 +92,33 @@ class PagedAttention(nn.Module):
                              _expr(alibi_slopes), sinks=_expr(sinks), k_scale=_expr(k_scale), v_scale=_expr(v_scale),
                              **self.options)
         return nn.wrap_nested(call, name="paged_attn")
+
+
+class VarlenAttention(nn.Module):
+    """``out = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, [alibi_slopes], [sinks])``
+    (``return_lse``: ``(out, lse)``): FlashAttention's ``flash_attn_varlen_func``.
+
+    Parameters (keyword-only): softmax_scale, causal, window_size, softcap, sink_tokens,
+    max_seqlen_q, max_seqlen_k as ``tvm_fuel.op.flash_attn_varlen``; return_lse also returns
+    lse [Hq, total_q] (float32).
+
+    Inputs: q [total_q, Hq, D], k and v [total_k, Hkv, D] (float32, float16 or bfloat16),
+    cu_seqlens_q and cu_seqlens_k [B + 1] (int32), alibi_slopes [Hq] and sinks [Hq] (float32)
+    optional. Returns out [total_q, Hq, D].
+    """
+
+    def __init__(self, *, softmax_scale: float | None = None, causal: bool = False,
+                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sink_tokens: int = 0,
+                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, return_lse: bool = False):
+        self.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                            softcap=softcap, sink_tokens=sink_tokens)
+        AttnConfig.create("tvm_fuel.nn.VarlenAttention", **self.options)
+        self.lengths = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        self.return_lse = return_lse
+
+    def forward(self, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, cu_seqlens_q: nn.Tensor, cu_seqlens_k: nn.Tensor,
+                alibi_slopes: nn.Tensor | None = None, *, sinks: nn.Tensor | None = None):
+        call = op.flash_attn_varlen(_expr(q), _expr(k), _expr(v), _expr(cu_seqlens_q), _expr(cu_seqlens_k),
+                                    _expr(alibi_slopes), sinks=_expr(sinks), return_lse=self.return_lse,
+                                    **self.lengths, **self.options)
+        return nn.wrap_nested(call, name="flash_attn_varlen")

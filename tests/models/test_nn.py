@@ -58,6 +58,14 @@ class _QuantizedDecode(nn.Module):
         return self.attn(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale)
 
 
+class _Varlen(nn.Module):
+    def __init__(self, **options):
+        self.attn = tvm_fuel.nn.VarlenAttention(**options)
+
+    def forward(self, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, cu_q: nn.Tensor, cu_k: nn.Tensor, slopes: nn.Tensor):
+        return self.attn(q, k, v, cu_q, cu_k, slopes)
+
+
 def _run(model: nn.Module, arrays: dict, kernels: str) -> list[np.ndarray]:
     mod, _ = model.export_tvm({"forward": {n: nn.spec.Tensor(a.shape, str(a.dtype)) for n, a in arrays.items()}})
     vm = relax.VirtualMachine(tvm.compile(legalize_checked(mod, HOST, kernels), target=HOST), tvm.cpu())
@@ -134,6 +142,21 @@ def test_modules_take_sink_tokens(kernels):
                  table=table, lens=np.array([30, 64], "int32"))
     (out,) = _run(_Decode(**options), paged, kernels)
     np.testing.assert_allclose(out, reference.paged_attn(*paged.values(), **options), atol=2e-5, rtol=2e-5)
+
+
+def test_varlen_attention_module(kernels):
+    """A packed batch (lengths 17, 0, 40) through the module, lse in FlashAttention's [Hq, total_q]."""
+    rng = np.random.default_rng(5)
+    cu_q, cu_k = np.array([0, 17, 17, 57], "int32"), np.array([0, 23, 30, 70], "int32")
+    arrays = dict(q=rng.standard_normal((57, 6, 40)), k=rng.standard_normal((70, 2, 40)),
+                  v=rng.standard_normal((70, 2, 40)))
+    arrays = {**{n: a.astype("float32") for n, a in arrays.items()}, "cu_q": cu_q, "cu_k": cu_k,
+              "slopes": rng.uniform(0, 0.2, 6).astype("float32")}
+    options = dict(causal=True, softcap=5.0)
+    out, lse = _run(_Varlen(return_lse=True, max_seqlen_q=40, max_seqlen_k=40, **options), arrays, kernels)
+    want, want_lse = reference.flash_attn_varlen(*arrays.values(), return_lse=True, **options)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
 
 
 def test_bad_options_fail_at_construction_by_name():
