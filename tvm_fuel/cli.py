@@ -159,6 +159,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import quantized as bench_quantized
 
         _bench_rows(args.out, "quantized.json", bench_quantized.quantized_rows(), bench_quantized.print_rows)
+    if not args.higher_order_only and not args.no_varlen:
+        from .bench import varlen as bench_varlen
+
+        _bench_rows(args.out, "varlen.json", bench_varlen.varlen_rows(), bench_varlen.print_rows)
     if not args.no_higher_order:
         from .bench import higher_order as bench_higher_order
 
@@ -469,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-quantized", action="store_true",
                        help="skip the quantized-cache rows: paged decode over bfloat16, fp8 and int8 caches "
                             "(quantized.json)")
+    bench.add_argument("--no-varlen", action="store_true",
+                       help="skip the varlen row: a packed batch of prompts against padding and PyTorch's SDPA per "
+                            "prompt (varlen.json)")
     bench.add_argument("--no-sinks", action="store_true",
                        help="skip the attention sinks rows: with and without sinks, PyTorch's eager gpt-oss "
                             "attention (sinks.json)")

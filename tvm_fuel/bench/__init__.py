@@ -6,6 +6,7 @@ Contents:
     decoder      -- the demo decoder against PyTorch
     higher_order -- forward mode and the double backward
     norm         -- the norms' backward, fused or not
+    varlen       -- a packed batch of prompts (flash_attn_varlen) against padding and PyTorch per prompt
     models       -- an exported Hugging Face model against PyTorch eager and torch.compile (--models)
     timing       -- how the end-to-end rows alternate their contenders
 """

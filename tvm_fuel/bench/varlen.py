@@ -1,0 +1,151 @@
+"""The benchmark's varlen row (``python -m tvm_fuel bench``): a packed batch of prompts of very
+different lengths, attended without padding.
+
+Side by side in one process, on the same packed batch (causal, float32):
+
+* ``fuel_varlen``: ``flash_attn_varlen`` through fuel's kernels (the floor where no kernel serves it);
+* ``fuel_padded``: fuel's dense ``flash_attn`` over the batch padded to the longest prompt, a
+  bool mask dropping the padding (what a model without varlen runs);
+* ``torch_per_sequence``: PyTorch's SDPA called once per prompt (FlashAttention's own varlen
+  reference does this);
+* ``torch_padded``: PyTorch's SDPA over the padded batch with the same mask.
+
+Contents:
+    VARLEN_ROW  -- the row: prompt lengths, heads and head dim
+    varlen_rows -- run it, return its report
+    print_rows  -- the report as text
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    lens: tuple[int, ...]
+    Hq: int
+    Hkv: int
+    D: int
+
+    @property
+    def name(self) -> str:
+        return f"varlen causal B{len(self.lens)} S{'/'.join(map(str, self.lens))} Hq{self.Hq} Hkv{self.Hkv} D{self.D}"
+
+    @property
+    def flops(self) -> float:
+        """The causal work of the packed batch: 4 D per visible (query, key) pair and head."""
+        return sum(4.0 * self.D * self.Hq * s * (s + 1) / 2 for s in self.lens)
+
+
+VARLEN_ROW = VarlenCase((1536, 512, 96, 17, 1024, 1), 8, 2, 64)
+
+
+def _modules(case: VarlenCase):
+    from tvm import relax
+
+    from .. import op
+
+    total, longest, B = sum(case.lens), max(case.lens), len(case.lens)
+
+    def function(params, call):
+        bb = relax.BlockBuilder()
+        variables = [relax.Var(n, relax.TensorType(*s)) for n, s in params.items()]
+        with bb.function("main", variables):
+            bb.emit_func_output(bb.emit(call(*variables)))
+        return bb.get()
+
+    packed = function(dict(q=((total, case.Hq, case.D), "float32"), k=((total, case.Hkv, case.D), "float32"),
+                           v=((total, case.Hkv, case.D), "float32"), cu_q=((B + 1,), "int32"),
+                           cu_k=((B + 1,), "int32")),
+                      lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True))
+    padded = function(dict(q=((B, case.Hq, longest, case.D), "float32"), k=((B, case.Hkv, longest, case.D), "float32"),
+                           v=((B, case.Hkv, longest, case.D), "float32"), mask=((B, 1, longest, longest), "bool")),
+                      lambda q, k, v, mask: op.flash_attn(q, k, v, attn_mask=mask))
+    return packed, padded
+
+
+def _padded(case: VarlenCase, packed: np.ndarray, heads: int) -> np.ndarray:
+    """[total, H, D] -> [B, H, longest, D], zeros past each prompt."""
+    out = np.zeros((len(case.lens), heads, max(case.lens), case.D), packed.dtype)
+    start = 0
+    for b, n in enumerate(case.lens):
+        out[b, :, :n] = np.swapaxes(packed[start:start + n], 0, 1)
+        start += n
+    return out
+
+
+def _mask(case: VarlenCase) -> np.ndarray:
+    """[B, 1, longest, longest] bool: causal within each prompt; a padding row keeps its own key
+    (a row of padding is then finite for every peer; its output is dropped)."""
+    longest = max(case.lens)
+    i, j = np.arange(longest)[:, None], np.arange(longest)[None, :]
+    mask = np.stack([(j <= i) & ((j < n) | (j == i)) for n in case.lens])
+    return mask[:, None]
+
+
+def _row(case: VarlenCase, target) -> dict:
+    import tvm
+
+    from .attention import build_vm, measure_side_by_side, torch_with_our_threads
+
+    rng = np.random.default_rng(0)
+    total = sum(case.lens)
+    q = rng.standard_normal((total, case.Hq, case.D)).astype("float32")
+    k, v = (rng.standard_normal((total, case.Hkv, case.D)).astype("float32") for _ in range(2))
+    cu = np.concatenate([[0], np.cumsum(case.lens)]).astype("int32")
+    padded = dict(q=_padded(case, q, case.Hq), k=_padded(case, k, case.Hkv), v=_padded(case, v, case.Hkv),
+                  mask=_mask(case))
+    packed_mod, padded_mod = _modules(case)
+    packed_vm, padded_vm = build_vm(packed_mod, target, "tuned"), build_vm(padded_mod, target, "tuned")
+    packed_args = [tvm.runtime.tensor(a) for a in (q, k, v, cu, cu)]
+    padded_args = [tvm.runtime.tensor(a) for a in padded.values()]
+    fns = {"fuel_varlen": lambda: packed_vm["main"](*packed_args),
+           "fuel_padded": lambda: padded_vm["main"](*padded_args)}
+    torch = torch_with_our_threads()
+    if torch is not None:
+        import torch.nn.functional as F
+
+        group = case.Hq // case.Hkv
+        tq, tk, tv = (torch.from_numpy(x).transpose(0, 1) for x in (q, k, v))  # [H, total, D]
+        bounds = list(zip(cu[:-1], cu[1:]))
+
+        def per_sequence():
+            return [F.scaled_dot_product_attention(tq[:, a:b], tk[:, a:b], tv[:, a:b], is_causal=True,
+                                                   enable_gqa=group > 1) for a, b in bounds]
+
+        pq, pk, pv, pmask = (torch.from_numpy(a) for a in padded.values())
+        fns["torch_per_sequence"] = per_sequence
+        fns["torch_padded"] = lambda: F.scaled_dot_product_attention(pq, pk, pv, attn_mask=pmask, enable_gqa=group > 1)
+    with torch.no_grad() if torch is not None else contextlib.nullcontext():
+        timed = measure_side_by_side(fns)
+    results = {name: {"ms": seconds * 1e3, "runs": runs, "gflops": case.flops / seconds / 1e9}
+               for name, (seconds, runs) in timed.items()}
+    row = {"name": case.name, "results": results}
+    for peer in ("fuel_padded", "torch_per_sequence", "torch_padded"):
+        if peer in results:
+            row[f"varlen_over_{peer}"] = results["fuel_varlen"]["ms"] / results[peer]["ms"]
+    return row
+
+
+def varlen_rows() -> dict:
+    """The varlen row on this CPU (fuel's tuned build, its shipped logs)."""
+    from ..target import host_target
+
+    return {"rows": [_row(VARLEN_ROW, host_target())]}
+
+
+def print_rows(report: dict) -> None:
+    names = ("fuel_varlen", "fuel_padded", "torch_per_sequence", "torch_padded")
+    print(f"\n{'varlen row':<62}" + "".join(f"{n:>20}" for n in names))
+    for row in report["rows"]:
+        r = row["results"]
+        cells = "".join(f"{r[n]['ms']:11.2f} ms {r[n]['gflops']:4.0f}GF" if n in r else f"{'skipped':>20}"
+                        for n in names)
+        print(f"{row['name']:<62}{cells}")
+        ratios = ", ".join(f"{key[len('varlen_over_'):]} {value:.2f}" for key, value in row.items()
+                           if key.startswith("varlen_over_"))
+        print(f"  fuel_varlen over: {ratios} (side by side in one process; < 1: the packed batch is faster)")
