@@ -127,6 +127,21 @@ def paged_workload(call: relax.Call) -> Workload | None:
     return Workload("paged_attn", spec, _runtime_dims(B=q[0], Sq=q[2], num_blocks=cache[0], max_blocks=table[1]))
 
 
+def varlen_workload(call: relax.Call) -> Workload | None:
+    """The workload of a flash_attn_varlen call (dims total_q, total_k, B + 1); None where its
+    heads or head dim are symbolic, its offsets are not int32, or it has sinks (the floor serves those)."""
+    args = SPECS["flash_attn_varlen"].split_args(call)
+    q, k, cu = static_dims(args["q"]), static_dims(args["k"]), static_dims(args["cu_seqlens_q"])
+    if q is None or k is None or cu is None or None in (q[1], q[2], k[1]) or args["sinks"] is not None:
+        return None
+    if {str(args[n].ty.dtype) for n in ("cu_seqlens_q", "cu_seqlens_k")} != {"int32"}:
+        return None
+    spec = KernelSpec(dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=k[1], head_dim=q[2],
+                      cfg=AttnConfig.from_attrs(SPECS["flash_attn_varlen"].label, call.attrs),
+                      has_alibi=args["alibi_slopes"] is not None, return_lse=bool(call.attrs["return_lse"]))
+    return Workload("flash_attn_varlen", spec, _runtime_dims(total_q=q[0], total_k=k[0], B1=cu[0]))
+
+
 def dense_workload(op: str, call: relax.Call, *, return_lse: bool = False, grads: tuple[str, ...] = ()
                    ) -> Workload | None:
     """The workload of a dense attention call (forward or backward): dims B, Sq, Sk."""

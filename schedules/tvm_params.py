@@ -41,7 +41,8 @@ FORMS = ("decode", "paged", "ragged", "tree", "tree_paged")
 @dataclass(frozen=True)
 class TvmArgs:
     """One kernel's parameter buffers (None where its form has none) and its batch size ``B``;
-    sequence b's keys as a layout (``keys(b)``) and their count (``kv_len(b)``)."""
+    sequence b's keys as a layout (``keys(b)``) and their count (``kv_len(b)``). The ragged form's
+    fields alone (no rotary positions) describe FlashAttention's packed batch (``cpu.varlen``)."""
 
     B: Any
     q: Any
@@ -73,7 +74,8 @@ class TvmArgs:
                                    self.k_rope_pos_offset, b, self.sliding_window, self.page_size)
         if self.positions:
             return RaggedKeys(self.k, self.v, self.kv_indptr[b], positions=self.q_rope_position)
-        return RaggedKeys(self.k, self.v, self.kv_indptr[b], self.k_rope_pos_offset[b])
+        offset = 0 if self.k_rope_pos_offset is None else self.k_rope_pos_offset[b]  # None: never rotated
+        return RaggedKeys(self.k, self.v, self.kv_indptr[b], offset)
 
     def kv_len(self, b):
         """Sequence b's keys, int64."""

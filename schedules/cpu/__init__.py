@@ -6,7 +6,9 @@ Modules:
     micro           -- register-tiled GEMMs, online softmax, lane reductions (TVMScript macros)
     tasks           -- the task skeletons the kernels share (split partials)
     forward         -- flash_attn and paged_attn
+    ragged          -- the ragged-batch tasks and prefill phases tvm_cache and varlen share
     tvm_cache       -- the attention slots of TVM's own paged KV cache (relax.frontend.nn.llm)
+    varlen          -- flash_attn_varlen's packed variable-length forward (varlen_forward)
     backward        -- flash_attn_backward (dq, dk, dv)
     tangent         -- the tangent pass, and flash_attn_jvp on it
     double_backward -- flash_attn_double_backward

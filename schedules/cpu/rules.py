@@ -15,7 +15,7 @@ record left at its machine's hand-picked value outside the candidates (e.g. deco
 derived from the KV heads per task) takes this machine's hand-picked value.
 
 Contents:
-    FlashForward, FlashBackward, PagedAttention, FlashJvp, FlashDoubleBackward, NormBackward --
+    FlashForward, FlashBackward, PagedAttention, VarlenForward, FlashJvp, FlashDoubleBackward, NormBackward --
         one rule per kernel pattern (dlight style)
 """
 
@@ -27,11 +27,12 @@ import tvm
 from tvm import relax, tirx
 
 from ...op import SPECS
-from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims
+from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims, varlen_workload
 from ..workload import NormSpec, Workload
 from .backward import flash_backward
 from .forward import dense_forward, paged_forward
 from .double_backward import flash_double_backward
+from .varlen import varlen_forward
 from .tangent import COTANGENTS, JVP_TANGENTS, flash_jvp
 from .norm import NormTiles, norm_backward, norm_tiles
 from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
@@ -178,6 +179,27 @@ class PagedAttention(_CpuRule):
         return paged_forward(workload.spec, CpuTiles(**knobs), dims=workload.dim if static else None)
 
 
+class VarlenForward(_CpuRule):
+    """flash_attn_varlen on llvm: the ragged prefill's two phases (every sequence's key tiles packed
+    once per KV head, then (sequence, KV head, row tile) tasks over the tiles they see). Not tuned
+    yet: its hand-picked knobs are the dense forward's at rows unknown."""
+
+    op = "flash_attn_varlen"
+    tunable = False
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return varlen_workload(call) if self.is_target_available(target) else None
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        return asdict(tiles_for(target, head_dim=workload.spec.head_dim, rows=None))
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return tile_space(target, rows=None)
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return varlen_forward(workload.spec, CpuTiles(**knobs))
+
+
 def _present(call: relax.Call, op: str, names: tuple[str, ...]) -> tuple[str, ...]:
     """Which of the optional arguments ``names`` (tangents or cotangents) the call passes."""
     args = SPECS[op].split_args(call)
@@ -262,6 +284,6 @@ class NormBackward(KernelRule):
         return norm_backward(self.kind, workload.spec.dtype, workload.spec.features, NormTiles(**knobs), rows=rows)
 
 
-RULES = (FlashForward(), PagedAttention(), *(FlashBackward(op) for op in (
+RULES = (FlashForward(), PagedAttention(), VarlenForward(), *(FlashBackward(op) for op in (
     "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")),
     FlashJvp(), FlashDoubleBackward(), NormBackward("layer_norm_backward"), NormBackward("rms_norm_backward"))

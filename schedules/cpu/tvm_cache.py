@@ -16,7 +16,9 @@ too, ``schedules.cuda.tvm_cache``). Its semantics:
 
 A decode task is one (sequence, KV head): its GQA group's query rows, the keys packed a tile at a
 time into registers-friendly [D, block_k] and [block_k, D] tiles (through the page table, rotated
-where asked) and run through the forward kernels' online-softmax macros (``ForwardMacros``).
+where asked) and run through the forward kernels' online-softmax macros (``ForwardMacros``). A
+prefill task is one (sequence, KV head, row tile) over key tiles packed once per (sequence, KV
+head). Both are ``ragged``'s (``RaggedTask``, ``prefill_phases``), which ``varlen`` shares.
 
 Contents:
     decode       -- PrimFunc batch_decode_paged_kv_cpu (and ``_sliding_window``)
@@ -28,164 +30,18 @@ Contents:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from tvm import tirx
-from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
 from ...op.config import AttnConfig
-from ..common import F32, finish, KernelSpec, row_position
-from ..layouts import EMPTY_LSE
+from ..common import finish, KernelSpec
 from ..tvm_params import merge_kernel, prefill_causal_rule, tvm_kernel
-from .forward import ForwardBuffers, ForwardMacros, PagedTile, RowTile, Scratch
+from .forward import ForwardBuffers, RowTile
+from .ragged import prefill_phases, RaggedTask, task_scratch
 from .tiles import CpuTiles, STREAMING_ROWS
-
-
-
-def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, rope_scaling: dict[str, Any]):
-    """Element d of a row rotated at ``position`` (TVM's ``_rope`` over the whole head dim):
-    ``load(i)`` reads element i of the row."""
-    cos_freq, sin_freq, bindings = switch_rope_freq_func(rope_scaling)(position * rope_scale, d, head_dim,
-                                                                       rope_theta, "float32")
-    half = head_dim // 2
-    partner = tirx.if_then_else(d < half, -load(d + half), load(d - half))
-    value = (cos_freq * load(d).astype(F32) + sin_freq * partner.astype(F32)).astype(dtype)
-    for var, bound in bindings.items():
-        value = tirx.Let(var, bound, value)
-    return value
-
-
-class _Task:
-    """The macros of one (sequence, KV head, row tile) task over TVM's tokens, for one attention
-    config (causal or not): queries loaded (rotated where asked) and scaled by the run-time
-    sm_scale, key tiles packed (``packed_tile``, rotated where asked) or streamed (``paged``), the
-    output and TVM's log2 lse stored. Rows pack (query position, head of the group) as fuel's
-    forward kernels do."""
-
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_scaling: dict[str, Any], *,
-                 queries_after_keys: bool = False):
-        # queries_after_keys: the rows are the tokens after all of the keys (the sliding-window
-        # prefill over cached keys only), not its last tokens
-        D, group, dtype = spec.head_dim, spec.group, spec.dtype
-        BQ, BK = tiles.block_q, tiles.block_k
-        body = ForwardMacros(spec, tiles)
-        paged = PagedTile(spec, tiles, body)
-        self.body, self.paged = body, paged
-        log2e = T.float32(sem.LOG2E)
-
-        def rotated(load, d, position, rope_scale, rope_theta):
-            return _rope(load, d, position, D, rope_scale, rope_theta, dtype, rope_scaling).astype(F32)
-
-        @T.macro
-        def load_queries(Qs, q, q_row, q_position, tile, rotary_mode, rope_scale, rope_theta, sm_scale):
-            # row r: query head tile.row_head(r) of token q_row(position), rotated at q_position(position)
-            for r, d in T.grid(BQ, D):
-                Qs[r, d] = T.float32(0)
-            for r in range(BQ):
-                if tile.r0 + r < tile.head_rows:
-                    for d in range(D):
-                        if rotary_mode == 1:
-                            Qs[r, d] = rotated(lambda i: q[q_row(tile.row_position(r)), tile.row_head(r), i], d,
-                                               q_position(tile.row_position(r)), rope_scale, rope_theta)
-                        else:
-                            Qs[r, d] = q[q_row(tile.row_position(r)), tile.row_head(r), d].astype(F32)
-                        Qs[r, d] = Qs[r, d] * sm_scale * log2e
-
-        @T.macro
-        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, rope_scale, rope_theta):
-            # the paged kernels' packing (PagedTile.pack_tile), then the keys rotated in place where
-            # rotary_mode is 1: key j at cache.rope_position(j), rounded to the cache dtype as TVM rounds
-            paged.pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt)
-            if rotary_mode == 1:
-                row = T.alloc_buffer((D,), F32, scope="local")
-                for c in range(BK):
-                    j: T.int64 = kt * BK + c  # (bound first: LLVM codegen fails on the loop vars in RoPE's Lets)
-                    if j < kv_len:
-                        for d in range(D):
-                            row[d] = Kt[d, c]
-                        for d in range(D):
-                            Kt[d, c] = rotated(lambda i: row[i], d, cache.rope_position(j), rope_scale, rope_theta)
-
-        @T.macro
-        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta):
-            # key tile kt packed, then both GEMMs over it
-            nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, rope_scale, rope_theta)
-            body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
-
-        @T.macro
-        def store(scratch, output, lse, q_row, tile):
-            for r in range(BQ):
-                if tile.r0 + r < tile.head_rows:
-                    for d in range(D):
-                        output[q_row(tile.row_position(r)), tile.row_head(r), d] = sem.normalize(
-                            scratch.O[r, d], scratch.l[r]).astype(dtype)
-                    lse[q_row(tile.row_position(r)), tile.row_head(r)] = T.Select(
-                        scratch.l[r] == T.float32(0), T.float32(EMPTY_LSE),
-                        sem.safe_row_max(scratch.m[r]) + T.log2(scratch.l[r]))
-
-        @T.macro
-        def attend_rows(q, output, lse, params, packed, b, g, t, kv_len, qo_len, q_start, q_rope_position,
-                        rotary_mode, rope_scale, rope_theta, sm_scale):
-            # row tile t of (sequence b, KV head g): its rows' queries against the sequence's key
-            # tiles, packed beforehand (``packed.tile(kt)``: Kt, Vt and Vt's non-finite count)
-            rows: T.int64 = qo_len * group
-            if t * BQ < rows:
-                scratch = T.meta_var(_scratch(tiles, D, packed=False)[0].view(0))
-                tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len,
-                                          delta=kv_len if queries_after_keys else kv_len - qo_len,
-                                          first_pos=row_position(t * BQ, group),
-                                          last_pos=row_position(T.min(t * BQ + BQ, rows) - 1, group)))
-                load_queries(scratch.Qs, q, lambda position: q_start + position,
-                             lambda position: q_rope_position[q_start + position], tile, rotary_mode, rope_scale,
-                             rope_theta, sm_scale)
-                body.init_state(scratch.O, scratch.m, scratch.l)
-                lo, hi = T.meta_var(tile.key_tiles(spec.cfg, BK))
-                for kt in range(lo, hi):
-                    Kt, Vt, nonfinite = T.meta_var(packed.tile(kt))
-                    body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
-                store(scratch, output, lse, lambda position: q_start + position, tile)
-
-        self.load_queries, self.pack_tile, self.packed_tile, self.store = load_queries, pack_tile, packed_tile, store
-        self.attend_rows = attend_rows
-
-
-def _scratch(tiles: CpuTiles, D: int, packed: bool = True):
-    """A task's buffers, allocated where it is called in a prim_func: the [1, ...] scratch
-    (``PagedTile`` indexes per head) and, with ``packed``, a packed K and V tile."""
-    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-    scratch = Scratch(T.alloc_buffer((1, BQ, D), F32), T.alloc_buffer((1, BQ, BK), F32),
-                      T.alloc_buffer((1, BQ, DP), F32), T.alloc_buffer((1, BQ), F32), T.alloc_buffer((1, BQ), F32),
-                      T.alloc_buffer((1, BQ), F32))
-    if not packed:
-        return scratch, None, None
-    return scratch, T.alloc_buffer((D, BK), F32), T.alloc_buffer((BK, DP), F32)
-
-
-@dataclass(frozen=True)
-class _PackedKeys:
-    """Every (key tile, KV head) of a prefill's sequences, packed once into flat workspaces: sequence
-    b's key tile kt of head g at index ``(first_tile + kt) * Hkv + g`` (``first_tile``: the key
-    tiles of the sequences before b). ``tile(kt)`` gives its Kt [D, BK], Vt [BK, DP] and Vt's
-    non-finite count [1] as views."""
-
-    k_tiles: tirx.Buffer
-    v_tiles: tirx.Buffer
-    nonfinite: tirx.Buffer
-    first_tile: tirx.PrimExpr
-    g: tirx.PrimExpr
-    num_kv_heads: int
-    dims: tuple[int, int, int]  # D, BK, DP
-
-    def tile(self, kt):
-        D, BK, DP = self.dims
-        index = (self.first_tile + kt) * self.num_kv_heads + self.g
-        return (T.decl_buffer((D, BK), F32, data=self.k_tiles.data, elem_offset=index * (D * BK)),
-                T.decl_buffer((BK, DP), F32, data=self.v_tiles.data, elem_offset=index * (BK * DP)),
-                T.decl_buffer((1,), F32, data=self.nonfinite.data, elem_offset=index))
 
 
 def _check(where: str, spec: KernelSpec, tiles: CpuTiles):
@@ -206,7 +62,7 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BK = tiles.block_k
     streaming = tiles.block_q <= STREAMING_ROWS
-    task = _Task(spec, tiles, rope_scaling or {})
+    task = RaggedTask(spec, tiles, rope_scaling)
 
     @T.macro
     def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
@@ -216,7 +72,7 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
             b: T.int64 = T.Cast("int64", task_id // Hkv)
             g: T.int64 = T.Cast("int64", task_id % Hkv)
             kv_len: T.int64 = a.kv_len(b)
-            heads, Kt, Vt = T.meta_var(_scratch(tiles, D))
+            heads, Kt, Vt = T.meta_var(task_scratch(tiles, D))
             scratch = T.meta_var(heads.view(0))
             tile = T.meta_var(RowTile(group, b, g, T.int64(0), T.int64(group), kv_len=kv_len, delta=kv_len - 1,
                                       first_pos=T.int64(0), last_pos=T.int64(0)))
@@ -234,58 +90,6 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
 
     name = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
     return finish(tvm_kernel("decode", spec, body, name=name, page_size=page_size, sliding_window=sliding_window))
-
-
-def _prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: _Task, causal_task: _Task | None):
-    """The macro of every prefill kernel: key tiles packed once per (sequence, KV head), then the
-    (sequence, KV head, row tile) tasks over them (``causal_task`` where the run-time ``causal`` is
-    non-zero; None: ``plain`` always)."""
-    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-
-    @T.macro
-    def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
-        # a (TvmArgs): the kernel's parameters; max_tiles: a bound on the key tiles of all sequences,
-        # from the parameters' shapes (the workspaces are allocated with the function, before any
-        # statement runs): each sequence's keys fill its pages (its rows of k) but the last
-        B = T.meta_var(a.B)
-        max_tiles = T.meta_var((T.Cast("int64", a.nnz_pages) * a.page_size if a.pages is not None
-                                else T.Cast("int64", a.total_kv)) // BK + B)
-        # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
-        first_tile = T.alloc_buffer((B + 1,), "int64")
-        most_rows = T.alloc_buffer((1,), "int64")
-        first_tile[0] = T.int64(0)
-        most_rows[0] = T.int64(0)
-        for b in range(B):
-            first_tile[b + 1] = first_tile[b] + (a.kv_len(b) + BK - 1) // BK
-            most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
-        assert first_tile[B] <= max_tiles, "tvm_cache.prefill: the sequences' keys exceed their pages (indptr)"
-        n_row_tiles: T.int64 = most_rows[0]
-        k_tiles = T.alloc_buffer((max_tiles * Hkv * D * BK,), F32)
-        v_tiles = T.alloc_buffer((max_tiles * Hkv * BK * DP,), F32)
-        nonfinite = T.alloc_buffer((max_tiles * Hkv,), F32)
-        for pack in T.parallel(T.Cast("int64", B) * Hkv):
-            pb: T.int64 = pack // Hkv
-            pg: T.int64 = pack % Hkv
-            tiles_of = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
-            for kt in range(first_tile[pb + 1] - first_tile[pb]):
-                Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
-                plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale, rope_theta)
-        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
-            b: T.int64 = task_id // (Hkv * n_row_tiles)
-            g: T.int64 = task_id // n_row_tiles % Hkv
-            packed = T.meta_var(_PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
-            args = T.meta_var((a.q, a.output, a.lse, params, packed, b, g, task_id % n_row_tiles, a.kv_len(b),
-                               a.q_len(b), a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta,
-                               sm_scale))
-            if causal_task is None:
-                plain.attend_rows(*args)
-            elif causal > 0:
-                causal_task.attend_rows(*args)
-            else:
-                plain.attend_rows(*args)
-
-    return run
 
 
 def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16, sliding_window: bool = False,
@@ -307,10 +111,10 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
     if sliding_window and keys != "paged":
         raise ValueError("tvm_cache.prefill: sliding_window reads paged keys (keys='paged')")
     _check("prefill", spec, tiles)
-    plain = _Task(replace(spec, cfg=AttnConfig()), tiles, rope_scaling or {})
+    plain = RaggedTask(replace(spec, cfg=AttnConfig()), tiles, rope_scaling)
     causal_cfg, after_keys = prefill_causal_rule(sliding_window, sliding_window_size)
-    causal_task = _Task(replace(spec, cfg=causal_cfg), tiles, rope_scaling or {}, queries_after_keys=after_keys)
-    run = _prefill_phases(spec, tiles, plain, causal_task)
+    causal_task = RaggedTask(replace(spec, cfg=causal_cfg), tiles, rope_scaling, queries_after_keys=after_keys)
+    run = prefill_phases(spec, tiles, plain, causal_task)
 
     @T.macro
     def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
@@ -340,8 +144,8 @@ def tree_attention(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: i
     if keys not in ("paged", "ragged"):
         raise ValueError(f"tvm_cache.tree_attention: keys must be 'paged' or 'ragged', got {keys!r}")
     _check("tree_attention", spec, tiles)
-    masked = _Task(replace(spec, cfg=AttnConfig(), mask_dtype="bool"), tiles, rope_scaling or {})
-    run = _prefill_phases(spec, tiles, masked, None)
+    masked = RaggedTask(replace(spec, cfg=AttnConfig(), mask_dtype="bool"), tiles, rope_scaling)
+    run = prefill_phases(spec, tiles, masked, None)
 
     @T.macro
     def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):

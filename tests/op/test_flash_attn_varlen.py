@@ -1,6 +1,8 @@
-"""flash_attn_varlen (FlashAttention's packed variable-length layout) and its backward: against the
-float64 reference, against PyTorch's SDPA run per sequence, through ``tvm_fuel.transform.gradient``,
-with symbolic sizes, and the errors bad offsets and shapes get."""
+"""flash_attn_varlen (FlashAttention's packed variable-length layout) and its backward: the floor,
+the CPU kernel and the CUDA kernel's emulation (the ``kernels`` fixture; ``legalize_checked``
+asserts a kernel path ran its kernel) against the float64 reference and PyTorch's SDPA run per
+sequence, through ``tvm_fuel.transform.gradient``, with symbolic sizes, and the errors bad offsets
+and shapes get."""
 
 from __future__ import annotations
 
@@ -55,11 +57,11 @@ def _assert_lse(lse, want):
 
 @pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("group", [1, 3, 7])
-def test_forward_against_reference(options, group):
+def test_forward_against_reference(options, group, kernels):
     alibi, opts = _split(OPTIONS[options])
     rng = np.random.default_rng(group * 31 + len(options))
     inputs = _inputs(rng, group, 1, 40, alibi=alibi)
-    out, lse = run(lambda **a: op.flash_attn_varlen(**a, return_lse=True, **opts), inputs)
+    out, lse = run(lambda **a: op.flash_attn_varlen(**a, return_lse=True, **opts), inputs, kernels=kernels)
     want_out, want_lse = ref.flash_attn_varlen(*inputs.values(), return_lse=True, **opts)
     assert_close(out, want_out, "float32", what="out")
     _assert_lse(lse, want_lse)
@@ -68,10 +70,10 @@ def test_forward_against_reference(options, group):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision(dtype):
+def test_half_precision(dtype, kernels):
     rng = np.random.default_rng(7)
     inputs = _inputs(rng, 6, 2, 64, dtype, lens_q=[17, 1, 97], lens_k=[97, 1, 97], alibi=True)
-    out = run(lambda **a: op.flash_attn_varlen(**a, causal=True, softcap=8.0), inputs)[0]
+    out = run(lambda **a: op.flash_attn_varlen(**a, causal=True, softcap=8.0), inputs, kernels=kernels)[0]
     want = ref.flash_attn_varlen(*inputs.values(), causal=True, softcap=8.0)
     assert out.dtype == inputs["q"].dtype
     assert_close(out, want, dtype, what="out")
@@ -79,7 +81,7 @@ def test_half_precision(dtype):
 
 @pytest.mark.skipif(not has_torch(), reason="PyTorch is the peer (the test extra installs it)")
 @pytest.mark.parametrize("options", ["full", "causal", "window", "alibi_causal"])
-def test_against_torch_sdpa_per_sequence(options):
+def test_against_torch_sdpa_per_sequence(options, kernels):
     """PyTorch's SDPA on each sequence alone (bottom-right masks and ALiBi as a float mask)."""
     import torch
     import torch.nn.functional as F
@@ -87,7 +89,7 @@ def test_against_torch_sdpa_per_sequence(options):
     alibi, opts = _split(OPTIONS[options])
     rng = np.random.default_rng(11)
     inputs = _inputs(rng, 6, 2, 40, alibi=alibi, extra_rows=0)
-    out = run(lambda **a: op.flash_attn_varlen(**a, **opts), inputs)[0]
+    out = run(lambda **a: op.flash_attn_varlen(**a, **opts), inputs, kernels=kernels)[0]
     cu_q, cu_k = inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]
     for b, (sq, sk) in enumerate(zip(LENS_Q, LENS_K)):
         rows = slice(cu_q[b], cu_q[b + 1])
@@ -180,9 +182,9 @@ def _symbolic_module(**opts):
                       v=((total_k, 2, 40), "float32"), cu_q=((n,), "int32"), cu_k=((n,), "int32")))
 
 
-def test_symbolic_sizes_serve_any_batch():
+def test_symbolic_sizes_serve_any_batch(kernels):
     """One module (symbolic total_q, total_k, B) serves batches of any lengths, B = 1 and empty ones too."""
-    runner = Runner(_symbolic_module(causal=True))
+    runner = Runner(_symbolic_module(causal=True), kernels=kernels)
     rng = np.random.default_rng(2)
     for lens_q, lens_k in ([[5], [9]], [[97, 17, 1], [97, 40, 1]], [[0, 0], [0, 0]], [[4, 2], [0, 7]]):
         inputs = _inputs(rng, 6, 2, 40, lens_q=lens_q, lens_k=lens_k, extra_rows=0)
@@ -199,8 +201,9 @@ def test_symbolic_sizes_serve_any_batch():
     ([0, 3, 5], [0, 5, 4], "cu_seqlens_k must start at 0, never decrease"),
     ([0, 3, 5], [0, 2, 9], "end at most at k.shape"),
 ])
-def test_bad_offsets_raise(cu_q, cu_k, match):
-    runner = Runner(_symbolic_module())
+@pytest.mark.parametrize("path", ["decomposed", "tuned"])
+def test_bad_offsets_raise(cu_q, cu_k, match, path):
+    runner = Runner(_symbolic_module(), kernels=path)
     rng = np.random.default_rng(0)
     args = [randn(rng, (5, 6, 40)), randn(rng, (4, 2, 40)), randn(rng, (4, 2, 40)), np.array(cu_q, np.int32),
             np.array(cu_k, np.int32)]

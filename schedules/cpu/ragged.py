@@ -1,0 +1,271 @@
+"""The ragged-batch machinery the CPU kernels over packed sequences share: TVM's KV-cache slots
+(``tvm_cache``) and FlashAttention's packed variable-length forward (``varlen``). Sequence b owns
+rows ``q_start(b) ..`` of q [total_q, Hq, D] and its keys come from a layout (``schedules.layouts``:
+TVM's pages, or rows of k, v [total_kv, Hkv, D]), both read through a ``tvm_params.TvmArgs``.
+
+A task is one (sequence, KV head, row tile): its rows pack (query position, head of the group) as
+fuel's dense forward packs them, its key tiles are packed once per (sequence, KV head) into flat
+workspaces of O(total keys * D) and run through the dense forward's online-softmax macros
+(``ForwardMacros``), so the cost follows each sequence's own Sq * Sk.
+
+The lse conventions (``LSE_LOG2``, ``LSE_NATURAL``): TVM's log2 units, lse [total_q, Hq] and -5e4
+for a row without keys (``layouts.EMPTY_LSE``); FlashAttention's natural log, lse [Hq, total_q] and
+-inf. Either way such a row's output is 0.
+
+Contents:
+    RaggedTask     -- the macros of one task: queries loaded (rotated where asked), key tiles packed,
+                      the rows attended over the packed tiles, output and lse stored
+    task_scratch   -- a task's scratch buffers (and a packed K and V tile)
+    PackedKeys     -- the packed key tiles of every (sequence, KV head), as views
+    prefill_phases -- the macro of a ragged prefill: pack every sequence's keys, then run the tasks
+    LSE_LOG2, LSE_NATURAL
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tvm import tirx
+from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
+from tvm.script import tirx as T
+
+from ...op import semantics as sem
+from ..common import F32, KernelSpec, row_position
+from ..layouts import EMPTY_LSE
+from .forward import ForwardMacros, PagedTile, RowTile, Scratch
+from .tiles import CpuTiles
+
+LSE_LOG2 = "log2"  # TVM's: lse[row, head] = m + log2(sum), EMPTY_LSE without keys
+LSE_NATURAL = "natural"  # FlashAttention's: lse[head, row] in natural log, -inf without keys
+LSE_RULES = (LSE_LOG2, LSE_NATURAL, None)  # None: the kernel has no lse
+
+
+def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, rope_scaling: dict[str, Any]):
+    """Element d of a row rotated at ``position`` (TVM's ``_rope`` over the whole head dim):
+    ``load(i)`` reads element i of the row."""
+    cos_freq, sin_freq, bindings = switch_rope_freq_func(rope_scaling)(position * rope_scale, d, head_dim,
+                                                                       rope_theta, "float32")
+    half = head_dim // 2
+    partner = tirx.if_then_else(d < half, -load(d + half), load(d - half))
+    value = (cos_freq * load(d).astype(F32) + sin_freq * partner.astype(F32)).astype(dtype)
+    for var, bound in bindings.items():
+        value = tirx.Let(var, bound, value)
+    return value
+
+
+class RaggedTask:
+    """The macros of one (sequence, KV head, row tile) task over a ragged batch, for one attention
+    config (``spec.cfg``): queries loaded (rotated where asked) and scaled by ``sm_scale`` (scores
+    then in log2 units, as ``ForwardMacros`` takes them), key tiles packed (``packed_tile``,
+    rotated where asked) or streamed (``paged``), the output and the lse stored (``lse``: one of
+    ``LSE_RULES``). Rows pack (query position, head of the group) as fuel's forward kernels do.
+
+    ``queries_after_keys``: the rows are the tokens after all of the keys (TVM's sliding-window
+    prefill over cached keys only), not its last tokens. ``rotary_mode`` is a run-time value or a
+    Python int (0: the rotation is not built)."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_scaling: dict[str, Any] | None = None, *,
+                 queries_after_keys: bool = False, lse: str | None = LSE_LOG2):
+        if lse not in LSE_RULES:
+            raise ValueError(f"RaggedTask: lse must be one of {LSE_RULES}, got {lse!r}")
+        rope_scaling, lse_rule = rope_scaling or {}, lse
+        D, group, dtype, cfg = spec.head_dim, spec.group, spec.dtype, spec.cfg
+        BQ, BK = tiles.block_q, tiles.block_k
+        body = ForwardMacros(spec, tiles)
+        paged = PagedTile(spec, tiles, body)
+        self.body, self.paged = body, paged
+        log2e = T.float32(sem.LOG2E)
+
+        def rotated(load, d, position, rope_scale, rope_theta):
+            return _rope(load, d, position, D, rope_scale, rope_theta, dtype, rope_scaling).astype(F32)
+
+        @T.macro
+        def load_queries(Qs, q, q_row, q_position, tile, rotary_mode, rope_scale, rope_theta, sm_scale):
+            # row r: query head tile.row_head(r) of token q_row(position), rotated at q_position(position)
+            for r, d in T.grid(BQ, D):
+                Qs[r, d] = T.float32(0)
+            for r in range(BQ):
+                if tile.r0 + r < tile.head_rows:
+                    for d in range(D):
+                        if rotary_mode == 1:
+                            Qs[r, d] = rotated(lambda i: q[q_row(tile.row_position(r)), tile.row_head(r), i], d,
+                                               q_position(tile.row_position(r)), rope_scale, rope_theta)
+                        else:
+                            Qs[r, d] = q[q_row(tile.row_position(r)), tile.row_head(r), d].astype(F32)
+                        Qs[r, d] = Qs[r, d] * sm_scale * log2e
+
+        @T.macro
+        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, rope_scale, rope_theta):
+            # the paged kernels' packing (PagedTile.pack_tile), then the keys rotated in place where
+            # rotary_mode is 1: key j at cache.rope_position(j), rounded to the cache dtype as TVM rounds
+            paged.pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt)
+            if rotary_mode == 1:
+                row = T.alloc_buffer((D,), F32, scope="local")
+                for c in range(BK):
+                    j: T.int64 = kt * BK + c  # (bound first: LLVM codegen fails on the loop vars in RoPE's Lets)
+                    if j < kv_len:
+                        for d in range(D):
+                            row[d] = Kt[d, c]
+                        for d in range(D):
+                            Kt[d, c] = rotated(lambda i: row[i], d, cache.rope_position(j), rope_scale, rope_theta)
+
+        @T.macro
+        def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta):
+            # key tile kt packed, then both GEMMs over it
+            nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, rope_scale, rope_theta)
+            body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+
+        @T.macro
+        def store(scratch, output, lse_out, q_row, tile):
+            for r in range(BQ):
+                if tile.r0 + r < tile.head_rows:
+                    for d in range(D):
+                        output[q_row(tile.row_position(r)), tile.row_head(r), d] = sem.normalize(
+                            scratch.O[r, d], scratch.l[r]).astype(dtype)
+                    if lse_rule == LSE_LOG2:
+                        lse_out[q_row(tile.row_position(r)), tile.row_head(r)] = T.Select(
+                            scratch.l[r] == T.float32(0), T.float32(EMPTY_LSE),
+                            sem.safe_row_max(scratch.m[r]) + T.log2(scratch.l[r]))
+                    elif lse_rule == LSE_NATURAL:
+                        lse_out[tile.row_head(r), q_row(tile.row_position(r))] = sem.log_sum_exp(
+                            sem.safe_row_max(scratch.m[r]) * T.float32(sem.LN2), scratch.l[r])
+
+        @T.macro
+        def attend_packed(scratch, params, packed, tile, kt):
+            Kt, Vt, nonfinite = T.meta_var(packed.tile(kt))
+            body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+
+        @T.macro
+        def attend_rows(q, output, lse_out, params, packed, b, g, t, kv_len, qo_len, q_start, q_rope_position,
+                        rotary_mode, rope_scale, rope_theta, sm_scale):
+            # row tile t of (sequence b, KV head g): its rows' queries against the sequence's key
+            # tiles, packed beforehand (``packed.tile(kt)``: Kt, Vt and Vt's non-finite count)
+            rows: T.int64 = qo_len * group
+            if t * BQ < rows:
+                scratch = T.meta_var(task_scratch(tiles, D, packed=False)[0].view(0))
+                tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len,
+                                          delta=kv_len if queries_after_keys else kv_len - qo_len,
+                                          first_pos=row_position(t * BQ, group),
+                                          last_pos=row_position(T.min(t * BQ + BQ, rows) - 1, group)))
+                load_queries(scratch.Qs, q, lambda position: q_start + position,
+                             lambda position: q_rope_position[q_start + position], tile, rotary_mode, rope_scale,
+                             rope_theta, sm_scale)
+                body.init_state(scratch.O, scratch.m, scratch.l)
+                if cfg.sink_tokens > 0:  # the sink tokens' tiles left of the window, then the window's
+                    walk = T.meta_var(tile.key_walk(cfg, BK))
+                    for step in range(walk.count):
+                        kt: T.int64 = walk.tile(step)
+                        attend_packed(scratch, params, packed, tile, kt)
+                else:
+                    lo, hi = T.meta_var(tile.key_tiles(cfg, BK))
+                    for kt in range(lo, hi):
+                        attend_packed(scratch, params, packed, tile, kt)
+                store(scratch, output, lse_out, lambda position: q_start + position, tile)
+
+        self.load_queries, self.pack_tile, self.packed_tile, self.store = load_queries, pack_tile, packed_tile, store
+        self.attend_rows = attend_rows
+
+
+def task_scratch(tiles: CpuTiles, D: int, packed: bool = True):
+    """A task's buffers, allocated where it is called in a prim_func: the [1, ...] scratch
+    (``PagedTile`` indexes per head) and, with ``packed``, a packed K and V tile."""
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    scratch = Scratch(T.alloc_buffer((1, BQ, D), F32), T.alloc_buffer((1, BQ, BK), F32),
+                      T.alloc_buffer((1, BQ, DP), F32), T.alloc_buffer((1, BQ), F32), T.alloc_buffer((1, BQ), F32),
+                      T.alloc_buffer((1, BQ), F32))
+    if not packed:
+        return scratch, None, None
+    return scratch, T.alloc_buffer((D, BK), F32), T.alloc_buffer((BK, DP), F32)
+
+
+@dataclass(frozen=True)
+class PackedKeys:
+    """Every (key tile, KV head) of a prefill's sequences, packed once into flat workspaces: sequence
+    b's key tile kt of head g at index ``(first_tile + kt) * Hkv + g`` (``first_tile``: the key
+    tiles of the sequences before b). ``tile(kt)`` gives its Kt [D, BK], Vt [BK, DP] and Vt's
+    non-finite count [1] as views."""
+
+    k_tiles: tirx.Buffer
+    v_tiles: tirx.Buffer
+    nonfinite: tirx.Buffer
+    first_tile: tirx.PrimExpr
+    g: tirx.PrimExpr
+    num_kv_heads: int
+    dims: tuple[int, int, int]  # D, BK, DP
+
+    def tile(self, kt):
+        D, BK, DP = self.dims
+        index = (self.first_tile + kt) * self.num_kv_heads + self.g
+        return (T.decl_buffer((D, BK), F32, data=self.k_tiles.data, elem_offset=index * (D * BK)),
+                T.decl_buffer((BK, DP), F32, data=self.v_tiles.data, elem_offset=index * (BK * DP)),
+                T.decl_buffer((1,), F32, data=self.nonfinite.data, elem_offset=index))
+
+
+def _tvm_key_tiles(a, BK: int):
+    # each sequence's keys fill its pages (its rows of k) but the last
+    return (T.Cast("int64", a.nnz_pages) * a.page_size if a.pages is not None
+            else T.Cast("int64", a.total_kv)) // BK + a.B
+
+
+def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_task: RaggedTask | None, *,
+                   where: str = "tvm_cache.prefill", key_tiles: Callable | None = None):
+    """The macro of every ragged prefill, ``run(a, params, causal, rotary_mode, rope_scale,
+    rope_theta, sm_scale)`` (``a``: the kernel's ``TvmArgs``; ``params``: its ``ForwardBuffers``):
+    key tiles packed once per (sequence, KV head), then the (sequence, KV head, row tile) tasks
+    over them (``causal_task`` where the run-time ``causal`` is non-zero; None: ``plain`` always).
+
+    ``key_tiles(a, block_k)``: a bound on the key tiles of all sequences from the parameters'
+    shapes alone, never negative whatever their values (the workspaces are allocated with the
+    function, before any statement runs); by default TVM's, each sequence's keys filling its pages
+    (its rows of k) but the last. ``where`` names the kernel in the message of the check that the
+    sequences' tiles fit it."""
+    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    overflow = f"{where}: the sequences' keys exceed their pages (indptr)"
+    bound = key_tiles or _tvm_key_tiles
+
+    @T.macro
+    def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        # a (TvmArgs): the kernel's parameters
+        B = T.meta_var(a.B)
+        max_tiles = T.meta_var(bound(a, BK))
+        # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
+        first_tile = T.alloc_buffer((B + 1,), "int64")
+        most_rows = T.alloc_buffer((1,), "int64")
+        first_tile[0] = T.int64(0)
+        most_rows[0] = T.int64(0)
+        for b in range(B):
+            first_tile[b + 1] = first_tile[b] + (a.kv_len(b) + BK - 1) // BK
+            most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
+        assert first_tile[B] <= max_tiles, overflow
+        n_row_tiles: T.int64 = most_rows[0]
+        k_tiles = T.alloc_buffer((max_tiles * Hkv * D * BK,), F32)
+        v_tiles = T.alloc_buffer((max_tiles * Hkv * BK * DP,), F32)
+        nonfinite = T.alloc_buffer((max_tiles * Hkv,), F32)
+        for pack in T.parallel(T.Cast("int64", B) * Hkv):
+            pb: T.int64 = pack // Hkv
+            pg: T.int64 = pack % Hkv
+            tiles_of = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
+            for kt in range(first_tile[pb + 1] - first_tile[pb]):
+                Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
+                plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale, rope_theta)
+        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
+            b: T.int64 = task_id // (Hkv * n_row_tiles)
+            g: T.int64 = task_id // n_row_tiles % Hkv
+            packed = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
+            args = T.meta_var((a.q, a.output, a.lse, params, packed, b, g, task_id % n_row_tiles, a.kv_len(b),
+                               a.q_len(b), a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta,
+                               sm_scale))
+            if causal_task is None:
+                plain.attend_rows(*args)
+            elif causal > 0:
+                causal_task.attend_rows(*args)
+            else:
+                plain.attend_rows(*args)
+
+    return run
+
+
+__all__ = ["RaggedTask", "task_scratch", "PackedKeys", "prefill_phases", "LSE_LOG2", "LSE_NATURAL", "LSE_RULES"]

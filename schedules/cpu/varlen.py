@@ -1,0 +1,111 @@
+"""CPU kernel of FlashAttention's packed variable-length forward (``flash_attn_varlen_func``'s
+layout): q [total_q, Hq, D], k, v [total_k, Hkv, D], sequence b at q rows
+``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and k, v rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
+
+Every option of the spec's config applies per sequence (bottom-right causal: query i of a sequence
+of Sq_b queries and Sk_b keys at position i + Sk_b - Sq_b; window, softcap, sink tokens, ALiBi
+``-slope_h * |i + Sk_b - Sq_b - j|``); the lse is natural-log [Hq, total_q], and a row without a
+visible key gets an output of 0 and an lse of -inf (as ``reference.flash_attn_varlen``), and so
+does a row past the last sequence.
+
+It is TVM's ragged prefill (``ragged.prefill_phases``) with FlashAttention's conventions: every
+(sequence, KV head) packs its key tiles once into workspaces of O(total_k * D), then every
+(sequence, KV head, tile of block_q rows) runs the dense forward's register-tiled online softmax
+over the key tiles its rows can see, so the cost follows sum_b Sq_b * Sk_b, not B * max^2.
+
+cu_seqlens are validated in the kernel before anything else is read (start at 0, never
+decrease, end at most at the packed length): a bad one raises, naming the argument.
+
+Contents:
+    varlen_forward -- PrimFunc fuel_flash_attn_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                      [alibi_slopes], out, [lse])
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..common import drop_params, finish, KernelSpec
+from ..tvm_params import TvmArgs
+from .forward import ForwardBuffers
+from .ragged import LSE_NATURAL, prefill_phases, RaggedTask
+from .tiles import CpuTiles
+
+OP = "fuel.flash_attn_varlen"
+
+
+def _offsets_message(name: str, packed: str) -> str:
+    return f"{OP}: {name} must start at 0, never decrease and end at most at {packed}.shape[0]"
+
+
+def _check(spec: KernelSpec):
+    if spec.num_q_heads % spec.num_kv_heads:
+        raise ValueError(f"varlen_forward: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
+                         f"{spec.num_kv_heads}")
+    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
+        raise ValueError("varlen_forward: the packed forward takes no attn_mask, paged cache or sinks")
+
+
+def varlen_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+    """``fuel_flash_attn_varlen_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens_q
+    [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq] float32 (``spec.has_alibi``),
+    out [total_q, Hq, D], lse [Hq, total_q] float32 (``spec.return_lse``))``: total_q, total_k
+    and B symbolic (module docstring). Any ``tiles`` serve (one KV head a task: ``kv_heads`` is
+    not read)."""
+    _check(spec)
+    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    task = RaggedTask(spec, tiles, lse=LSE_NATURAL if spec.return_lse else None)
+    total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
+    # the workspaces (allocated before the checks run) hold every sequence's key tiles: at most
+    # total_k // block_k plus one partial tile per sequence with keys, of which there are at most
+    # min(B, total_k); never negative, even where cu_seqlens are empty ([]: B1 = 0)
+    run = prefill_phases(spec, tiles, task, None, where=OP,
+                         key_tiles=lambda a, block_k: total_k // block_k + tirx.min(B1, total_k))
+    unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
+    q_message, k_message = _offsets_message("cu_seqlens_q", "q"), _offsets_message("cu_seqlens_k", "k")
+    batch_message = f"{OP}: cu_seqlens_q and cu_seqlens_k must hold B + 1 >= 1 offsets"
+
+    @T.macro
+    def check_offsets(offsets, packed_rows, message):
+        # offsets[0] == 0, offsets[b] <= offsets[b + 1], offsets[B] <= packed_rows: every sequence's
+        # rows lie in [0, packed_rows)
+        assert offsets[0] == 0 and T.Cast("int64", offsets[B1 - 1]) <= packed_rows, message
+        for b in range(B1 - 1):
+            assert offsets[b] <= offsets[b + 1], message
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_varlen_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, cu_seqlens_q_h: T.handle,
+                                   cu_seqlens_k_h: T.handle, alibi_slopes_h: T.handle, out_h: T.handle,
+                                   lse_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
+        k = T.match_buffer(k_h, (total_k, Hkv, D), dtype)
+        v = T.match_buffer(v_h, (total_k, Hkv, D), dtype)
+        cu_seqlens_q = T.match_buffer(cu_seqlens_q_h, (B1,), "int32")
+        cu_seqlens_k = T.match_buffer(cu_seqlens_k_h, (B1,), "int32")
+        alibi_slopes = T.match_buffer(alibi_slopes_h, (Hq,), "float32")
+        out = T.match_buffer(out_h, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_h, (Hq, total_q), "float32")
+        assert B1 >= T.int64(1), batch_message
+        check_offsets(cu_seqlens_q, total_q, q_message)
+        check_offsets(cu_seqlens_k, total_k, k_message)
+        args = T.meta_var(TvmArgs(B=B1 - 1, q=q, output=out, lse=lse if spec.return_lse else None, total_q=total_q,
+                                  q_indptr=cu_seqlens_q, k=k, v=v, kv_indptr=cu_seqlens_k, total_kv=total_k))
+        params = T.meta_var(ForwardBuffers(q=q, out=out, alibi=alibi_slopes if spec.has_alibi else None))
+        # no run-time causal flag (the config is the spec's), no rotary embedding (rotary_mode 0)
+        run(args, params, 0, 0, T.float32(1), T.float32(1), T.float32(spec.scale))
+        # rows past the last sequence belong to none: 0 and -inf, as rows without a visible key
+        for row in T.parallel(total_q - T.Cast("int64", cu_seqlens_q[B1 - 1])):
+            for h, d in T.grid(Hq, D):
+                out[T.Cast("int64", cu_seqlens_q[B1 - 1]) + row, h, d] = T.cast(0, dtype)
+            if spec.return_lse:
+                for h in range(Hq):
+                    lse[h, T.Cast("int64", cu_seqlens_q[B1 - 1]) + row] = T.float32(float("-inf"))
+    # fmt: on
+
+    return finish(drop_params(fuel_flash_attn_varlen_cpu, unused))
+
+
+__all__ = ["varlen_forward"]
