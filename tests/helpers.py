@@ -85,7 +85,7 @@ HOST = tvm_fuel.host_target()
 # the floor's PrimFunc names of the ops the CPU rules serve (softmax_backward has no kernel)
 FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_attn_backward",
                            "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v",
-                           "fuel_flash_attn_jvp", "fuel_flash_attn_double_backward",
+                           "fuel_flash_attn_jvp", "fuel_flash_attn_double_backward", "fuel_flash_attn_varlen",
                            "fuel_layer_norm_backward_dx", "fuel_rms_norm_backward_dx"}
 
 

@@ -6,6 +6,7 @@ Contents:
     tiles    -- CudaTiles, WarpLayout and shared-memory sizes
     forward  -- dense flash attention forward and paged attention (split-KV); forward_registers: its
                 register-tile (mma.sync) path for float16/bfloat16
+    varlen   -- FlashAttention's packed variable-length forward (cu_seqlens) over the forward's blocks
     backward -- flash attention backward (FlashAttention-2 structure); backward_registers: its
                 register-tile path
     rules    -- the rules that put them in place of the floor on cuda targets

@@ -17,6 +17,7 @@ combines them (split-KV, for long contexts with few (batch, head) tasks). No buf
 Sq * Sk.
 
 Contents:
+    ForwardMacros, RowBlock, ForwardBuffers -- one block's macros, what it works on, its buffers
     dense_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse])
     paged_forward -- PrimFunc(q, k_cache, v_cache, block_table, context_lens, [alibi_slopes], [sinks],
                      [k_scale, v_scale], out)
@@ -74,10 +75,11 @@ class ForwardBuffers:
 
 
 @dataclass(frozen=True)
-class _Block:
+class RowBlock:
     """What one thread block works on: batch ``b``, KV head ``g``, the task rows from ``r0`` (of
     ``rows`` = Sq * group), key split ``split``; ``Sq`` queries, the last of ``kv_len`` keys (or,
-    ``after_keys``, the ones after them)."""
+    ``after_keys``, the ones after them). Grids other than this module's build their blocks from it
+    and call ``ForwardMacros.attend`` (``varlen``)."""
 
     b: Any
     g: Any
@@ -157,11 +159,12 @@ class ForwardMacros(RegisterTiles):
         self._emits()
         # float16/bfloat16: register tiles (mma.sync), on the device and, lane by lane, in the emulation
         attend = self._attend_registers() if spec.dtype in HALF_TYPES else self._attend_simt()
+        self.attend = attend  # macro attend(prm, blk, tx): one block's rows (a RowBlock), for other grids
         self.launch_grid = self._grid(attend)
 
     # ---- what every block does: key tiles to walk, loads, logits, results ----
 
-    def key_walk(self, blk: _Block):
+    def key_walk(self, blk: RowBlock):
         """(tile, count): the key tiles this block's split walks (those its rows can see, the sink
         tokens' included: ``KeyTiles``), its step t's tile ``tile(t)``."""
         SPLITS = self.tiles.splits
@@ -176,7 +179,7 @@ class ForwardMacros(RegisterTiles):
             count = T.Select(blk.r0 < blk.rows, count, T.int64(0))
         return (lambda t: walk.tile(first + t)), count
 
-    def needs_mask(self, blk: _Block, kt):
+    def needs_mask(self, blk: RowBlock, kt):
         """Whether key tile kt masks any element of the block's rows (interior tiles skip it)."""
         if self.spec.elementwise_logits:
             return T.bool(True)
@@ -184,7 +187,7 @@ class ForwardMacros(RegisterTiles):
         return tirx.Not(tile_is_interior(self.spec.cfg, key_start=kt * self.BK, first_pos=first_pos,
                                          last_pos=last_pos, kv_len=blk.kv_len, delta=blk.delta, block_k=self.BK))
 
-    def logit(self, score, prm: ForwardBuffers, blk: _Block, r, key, check):
+    def logit(self, score, prm: ForwardBuffers, blk: RowBlock, r, key, check):
         """The logit of row r and key ``key`` from the raw score: softcapped, then biased and masked
         where ``check`` holds (everywhere with a per-element transform)."""
         spec = self.spec
@@ -194,14 +197,14 @@ class ForwardMacros(RegisterTiles):
                              blk.delta)
         return logit if spec.elementwise_logits else T.Select(check, logit, capped)
 
-    def folded_scale(self, prm: ForwardBuffers, blk: _Block, kind: str, x):
+    def folded_scale(self, prm: ForwardBuffers, blk: RowBlock, kind: str, x):
         """``x`` times the block's K or V (``kind``) scale of an fp8 cache (see ``__init__``)."""
         if not self.folded:
             return x
         scale = prm.keys(blk.b).scale(kind, 0, 0, blk.g)  # per KV head or cache: no page or slot
         return x if scale is None else x * scale
 
-    def kv_at(self, prm: ForwardBuffers, kind: str, pages, blk: _Block, st, r, key, c):
+    def kv_at(self, prm: ForwardBuffers, kind: str, pages, blk: RowBlock, st, r, key, c):
         """Column c of key ``key`` of K or V (``kind``), row r of the tile in stage st: paged,
         through the page ids the stage holds and the layout's slots."""
         if self.paged:
@@ -457,9 +460,9 @@ class ForwardMacros(RegisterTiles):
                             # unrolled loops stay loops with #pragma unroll: nvcc unrolls them (registers
                             # indexed by constants), and the CUDA C is ~10x shorter than TVM's expansion
                             with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
-                                attend(prm, _Block(b=T.Cast("int64", by), g=T.Cast("int64", bz // SPLITS),
-                                                 r0=T.Cast("int64", bx) * BQ, rows=Sq * group, split=bz % SPLITS,
-                                                 Sq=Sq, kv_len=kv_len(by), group=group), tx)
+                                attend(prm, RowBlock(b=T.Cast("int64", by), g=T.Cast("int64", bz // SPLITS),
+                                                   r0=T.Cast("int64", bx) * BQ, rows=Sq * group, split=bz % SPLITS,
+                                                   Sq=Sq, kv_len=kv_len(by), group=group), tx)
             if SPLITS > 1:
                 for bx in launch.grid((B * Hq * Sq * D + NT - 1) // NT, "x"):
                     for tx in launch.block():
@@ -476,10 +479,10 @@ class ForwardMacros(RegisterTiles):
                     for bz in launch.grid(spec.num_kv_heads, "z"):
                         for tx in launch.block():
                             with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
-                                attend(prm, _Block(b=T.Cast("int64", by), g=T.Cast("int64", bz),
-                                                 r0=T.Cast("int64", bx) * BQ, rows=q_len(by) * group,
-                                                 split=T.int64(0), Sq=q_len(by), kv_len=kv_len(by), group=group,
-                                                 q_start=q_start(by), after_keys=self.queries_after_keys), tx)
+                                attend(prm, RowBlock(b=T.Cast("int64", by), g=T.Cast("int64", bz),
+                                                   r0=T.Cast("int64", bx) * BQ, rows=q_len(by) * group,
+                                                   split=T.int64(0), Sq=q_len(by), kv_len=kv_len(by), group=group,
+                                                   q_start=q_start(by), after_keys=self.queries_after_keys), tx)
 
         self.launch_ragged = launch_ragged
         return launch_grid

@@ -8,7 +8,7 @@ one-thread emulation (``Launch.emulated``): how the tests check the CUDA kernels
 machines without a GPU.
 
 Contents:
-    CudaFlashForward, CudaFlashBackward, CudaPagedAttention -- one rule per kernel pattern
+    CudaFlashForward, CudaFlashBackward, CudaPagedAttention, CudaVarlenForward -- one rule per kernel pattern
     cuda_rules(emulated=False)
     arch_of, shared_memory_fits
 """
@@ -26,10 +26,11 @@ from tvm import relax, tirx
 
 from ...diagnostics import FloorWarning
 from ...op import SPECS
-from ..base import KernelRule, Knobs, dense_workload, paged_workload
+from ..base import KernelRule, Knobs, dense_workload, paged_workload, varlen_workload
 from ..workload import Workload
 from .device import HALF_TYPES, Launch, padded_dim, shared_memory_per_block
 from .forward import dense_forward, paged_forward
+from .varlen import varlen_forward
 from .tiles import (CudaTiles, WarpLayout, backward_registers, backward_smem, backward_strips, forward_smem,
                     streaming_multiprocessors)
 
@@ -260,6 +261,27 @@ class CudaPagedAttention(_CudaRule):
                              dims=workload.dim if static else None)
 
 
+class CudaVarlenForward(_CudaRule):
+    """flash_attn_varlen on cuda: the dense forward's blocks over each sequence's rows (a block
+    finds its sequence by a search over the offsets), no split-KV. Hand-picked tiles: the dense
+    forward's; not tuned yet."""
+
+    op = "flash_attn_varlen"
+    tunable = False
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return self._serves(varlen_workload(call), target) if self.is_target_available(target) else None
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return {**super().knob_space(workload, target), "splits": (1,)}
+
+    def _blocks(self, workload: Workload, tiles: CudaTiles) -> int | None:
+        return None  # the rows per sequence are known at run time only
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return varlen_forward(workload.spec, CudaTiles(**knobs), launch=self.launch(knobs))
+
+
 class CudaFlashBackward(_CudaRule):
     """flash_attn_backward (and single-gradient forms) on cuda: FlashAttention-2 backward with a
     separate deterministic dQ pass. Takes the forward's out and lse (``needs_forward_state``)."""
@@ -310,6 +332,7 @@ class CudaFlashBackward(_CudaRule):
 def cuda_rules(*, emulated: bool = False) -> tuple[KernelRule, ...]:
     """The CUDA rules in priority order (``emulated``: their llvm emulation, for tests)."""
     return (CudaFlashForward(emulated=emulated), CudaPagedAttention(emulated=emulated),
+            CudaVarlenForward(emulated=emulated),
             *(CudaFlashBackward(op, emulated=emulated) for op in (
                 "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")))
 

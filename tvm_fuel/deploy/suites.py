@@ -16,6 +16,7 @@ Contents:
     Case, tensor       -- a case and one input of it
     SlotCase           -- TVM-cache slot kernels, fuel's and TVM's, on one batch
     cases              -- the cases of a suite for a target kind
+    varlen_cases       -- flash_attn_varlen's check cases (packed batches)
     case_module        -- the Relax module of a case (``SlotCase.module``: a slot case's PrimFuncs)
     tune_workloads     -- the static kernel workloads the tune stage measures
     SUITES
@@ -23,6 +24,7 @@ Contents:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import tvm
@@ -36,7 +38,8 @@ from ..bench.cases import (FLOOR_MAX_SCORES, FlashCase, PagedCase, attention_flo
 SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
           "all": ("smoke", "check", "bench", "tune")}
 OUTPUTS = {"flash_attn": ("out", "lse"), "flash_attn_backward": ("dq", "dk", "dv"), "flash_attn_backward_q": ("dq",),
-           "flash_attn_backward_k": ("dk",), "flash_attn_backward_v": ("dv",), "paged_attn": ("out",)}
+           "flash_attn_backward_k": ("dk",), "flash_attn_backward_v": ("dv",), "paged_attn": ("out",),
+           "flash_attn_varlen": ("out", "lse")}
 
 
 def tensor(name: str, shape, dtype: str, fill: str = "normal", **extra) -> dict:
@@ -64,7 +67,8 @@ class Case:
     @property
     def outputs(self) -> tuple[str, ...]:
         names = OUTPUTS[self.op]
-        return names if self.op != "flash_attn" or self.options.get("return_lse") else names[:1]
+        returns_lse = self.op not in ("flash_attn", "flash_attn_varlen") or self.options.get("return_lse")
+        return names if returns_lse else names[:1]
 
     def spec(self) -> dict:
         """The case as the manifest holds it (modules are added by the bundle)."""
@@ -311,6 +315,38 @@ def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
     return found
 
 
+# packed batches: lengths 0, 1, 17, 97 (queries and keys differ; a sequence without keys, rows past the last)
+_VARLEN = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True),
+           ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 7, 1, 128, dict(window_size=(16, 8), softcap=5.0), False),
+           ((97, 1), (97, 40), 6, 6, 40, dict(window_size=(8, 0), sink_tokens=4), False))
+
+
+def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool) -> tuple:
+    total_q, total_k = sum(lens_q) + 2, sum(lens_k)
+    offsets = [[0, *itertools.accumulate(lens)] for lens in (lens_q, lens_k)]
+    inputs = [tensor("q", (total_q, Hq, D), dtype), tensor("k", (total_k, Hkv, D), dtype),
+              tensor("v", (total_k, Hkv, D), dtype),
+              tensor("cu_seqlens_q", (len(lens_q) + 1,), "int32", "values", values=offsets[0]),
+              tensor("cu_seqlens_k", (len(lens_k) + 1,), "int32", "values", values=offsets[1])]
+    if alibi:
+        inputs.append(tensor("alibi_slopes", (Hq,), "float32", "slopes"))
+    return tuple(inputs)
+
+
+def varlen_cases(dtypes: tuple[str, ...], seed: int = 400) -> list[Case]:
+    """flash_attn_varlen on packed batches (``_VARLEN``) against the float64 reference."""
+    found = []
+    for dtype in dtypes:
+        for lens_q, lens_k, Hq, Hkv, D, options, alibi in _VARLEN:
+            seed += 1
+            name = (f"check/flash_attn_varlen/{dtype}/Hq{Hq}-Hkv{Hkv}-D{D}/q{'_'.join(map(str, lens_q))}"
+                    f"-k{'_'.join(map(str, lens_k))}/{_label(options)}{'-alibi' if alibi else ''}")
+            found.append(Case("check", name, "flash_attn_varlen", dtype,
+                              _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, alibi=alibi),
+                              dict(options, return_lse=True), seed=seed))
+    return found
+
+
 def large_cases(dtype: str) -> list[Case]:
     """Shapes too large for the reference on the node's CPU: against the floor and PyTorch."""
     return [
@@ -370,6 +406,7 @@ def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case | S
     found = smoke_cases("float16" if gpu else "float32")
     if "check" in stages:
         found += check_cases(dtypes, small=small)
+        found += varlen_cases(dtypes[:1] if small else dtypes)
         if not small:
             found += large_cases("bfloat16" if gpu else "float32")
         found += slot_check_cases(gpu, small=small)
