@@ -16,7 +16,7 @@ Contents:
     Case, tensor       -- a case and one input of it
     SlotCase           -- TVM-cache slot kernels, fuel's and TVM's, on one batch
     cases              -- the cases of a suite for a target kind
-    varlen_cases       -- flash_attn_varlen's check cases (packed batches)
+    varlen_cases, varlen_bench_cases -- flash_attn_varlen's check and bench cases (packed batches)
     case_module        -- the Relax module of a case (``SlotCase.module``: a slot case's PrimFuncs)
     tune_workloads     -- the static kernel workloads the tune stage measures
     SUITES
@@ -347,6 +347,22 @@ def varlen_cases(dtypes: tuple[str, ...], seed: int = 400) -> list[Case]:
     return found
 
 
+def varlen_bench_cases(gpu: bool, *, small: bool = False) -> list[Case]:
+    """A packed batch of prompts of very different lengths, causal: fuel's varlen kernel timed
+    beside PyTorch's SDPA run per prompt (FlashAttention's varlen reference)."""
+    if small:
+        lens, Hq, Hkv, D, dtype = (100, 17, 60), 4, 2, 64, "float32"
+    elif gpu:
+        lens, Hq, Hkv, D, dtype = (2048, 1024, 512, 1536, 256, 3072, 128, 768), 32, 8, 128, "bfloat16"
+    else:
+        lens, Hq, Hkv, D, dtype = (1536, 512, 96, 17, 1024, 1), 8, 2, 64, "float32"
+    flops = sum(4.0 * D * Hq * s * (s + 1) / 2 for s in lens)
+    inputs = _varlen(lens, lens, Hq, Hkv, D, dtype, alibi=False)
+    name = f"bench/flash_attn_varlen/{dtype}/Hq{Hq}-Hkv{Hkv}-D{D}/B{len(lens)}-total{sum(lens)}-max{max(lens)}/causal"
+    return [Case("bench", name, "flash_attn_varlen", dtype, inputs, dict(causal=True), expect=("torch",),
+                 torch=dict(kind="varlen", causal=True), timed=True, flops=flops, seed=450)]
+
+
 def large_cases(dtype: str) -> list[Case]:
     """Shapes too large for the reference on the node's CPU: against the floor and PyTorch."""
     return [
@@ -414,6 +430,7 @@ def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case | S
         flash, paged = small_bench_shapes() if small else cuda_suite() if gpu else default_suite()
         found += bench_cases(flash, paged, floor_everywhere=gpu or small)
         found += slot_bench_cases(gpu, small=small)
+        found += varlen_bench_cases(gpu, small=small)
     return found
 
 

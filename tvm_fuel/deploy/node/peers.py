@@ -5,6 +5,7 @@ takes the ``torch`` module and torch tensors (any device) and returns a function
 
 Contents:
     sdpa_forward, sdpa_backward, paged_gather_sdpa
+    sdpa_per_sequence -- a packed (varlen) batch, one SDPA call per sequence
     peer_for      -- the peer of a bundle case (its kind, dtype and device)
     milliseconds  -- time a peer
 """
@@ -56,6 +57,34 @@ def paged_gather_sdpa(torch, q, k_cache, v_cache, table, context: int, attend=No
     return run
 
 
+def sdpa_per_sequence(torch, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool):
+    """A packed batch (q [total_q, Hq, D], k, v [total_k, Hkv, D]) as FlashAttention's own varlen
+    reference runs it: SDPA on each sequence alone (bottom-right causal), the rows joined; rows of
+    no sequence 0."""
+    bounds = list(zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:], cu_seqlens_k.tolist()[:-1],
+                      cu_seqlens_k.tolist()[1:]))
+    gqa = q.shape[1] != k.shape[1]
+
+    def attend(a, b, c, d):
+        mask = None
+        if causal and b - a != d - c:  # bottom-right: query i sees keys j <= i + Sk - Sq
+            rows = torch.arange(b - a, device=q.device)[:, None] + (d - c) - (b - a)
+            mask = torch.arange(d - c, device=q.device)[None, :] <= rows
+        heads_first = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *heads_first, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+
+    def run():
+        out = torch.zeros_like(q)
+        for a, b, c, d in bounds:
+            if b > a and d > c:
+                out[a:b] = attend(a, b, c, d)
+        return out
+
+    return run
+
+
 def peer_for(case: dict, named: dict, gpu: bool):
     """(function to run, its output names) of PyTorch's side of a bundle case, on the inputs
     ``named`` (numpy arrays by name); or a reason there is none here."""
@@ -79,6 +108,9 @@ def peer_for(case: dict, named: dict, gpu: bool):
         run = paged_gather_sdpa(torch, tensor("q"), tensor("k_cache"), tensor("v_cache"), tensor("block_table"),
                                 spec["context"])
         return run, ["out"]
+    if spec["kind"] == "varlen":
+        return sdpa_per_sequence(torch, *map(tensor, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")),
+                                 causal=spec["causal"]), ["out"]
     if spec["kind"] == "flash_backward":
         return sdpa_backward(torch, *map(tensor, ("q", "k", "v", "do")), causal=spec["causal"]), ["dq", "dk", "dv"]
     return sdpa_forward(torch, *map(tensor, ("q", "k", "v")), causal=spec["causal"]), ["out"]
