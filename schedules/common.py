@@ -201,11 +201,18 @@ _KEY_LIKE = ("k", "v", "dk", "dv", "k_dot", "v_dot", "dk_bar", "dv_bar", "k_grad
 def kernel_params(spec: KernelSpec, sizes: dict, *handles) -> tuple:
     """A kernel's prologue: declares its parameters non-aliasing and returns the buffers of its
     ``handles``, in their order, each laid out by its name (the handle's name less ``_h``: ``q_h``
-    holds ``q``) for the runtime ``sizes`` (B, Sq and Sk; paged: B, Sq, num_blocks, max_blocks).
+    holds ``q``) for the runtime ``sizes`` (B, Sq and Sk; paged: B, Sq, num_blocks, max_blocks;
+    packed (varlen): total_q, total_k and B1, the offsets' length).
     Called first in a ``@T.prim_func`` body: every target's kernels of an op share one signature,
     and the signature alone names the parameters."""
     T.func_attr({"tirx.noalias": True})
     dtype, Hq, Hkv, D = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+    if "total_q" in sizes:
+        total_q, total_k = sizes["total_q"], sizes["total_k"]
+        packed = dict(q=((total_q, Hq, D), dtype), out=((total_q, Hq, D), dtype), k=((total_k, Hkv, D), dtype),
+                      v=((total_k, Hkv, D), dtype), cu_seqlens_q=((sizes["B1"],), "int32"),
+                      cu_seqlens_k=((sizes["B1"],), "int32"), alibi_slopes=((Hq,), F32), lse=((Hq, total_q), F32))
+        return tuple(T.match_buffer(handle, *packed[handle.name.removesuffix("_h")]) for handle in handles)
     B, Sq = sizes["B"], sizes["Sq"]
     has_mask = len(spec.mask_broadcast) > 0
     query_like = ((B, Hq, Sq, D), dtype)

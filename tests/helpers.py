@@ -145,6 +145,26 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, *, scale:
     np.testing.assert_allclose(actual, expected, atol=atol * scale, rtol=rtol * scale, err_msg=what)
 
 
+def assert_varlen_matches(spec, out: np.ndarray, lse: np.ndarray | None, inputs: Mapping[str, np.ndarray]):
+    """A varlen kernel's out (and lse [Hq, total_q], None without) against ``reference.flash_attn_varlen``
+    for ``spec``'s options: rows without keys exactly -inf."""
+    from tvm_fuel import reference
+    from tvm_fuel.deploy.node.compare import LSE_TOLERANCE
+
+    cfg = spec.cfg
+    q, k, v = (np.asarray(inputs[n]).astype(np.float64) for n in "qkv")
+    want_out, want_lse = reference.flash_attn_varlen(
+        q, k, v, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], inputs.get("alibi_slopes"),
+        softmax_scale=cfg.softmax_scale, causal=cfg.causal, window_size=cfg.window_size, softcap=cfg.softcap,
+        sink_tokens=cfg.sink_tokens, return_lse=True)
+    assert_close(out, want_out, spec.dtype, what="out")
+    if lse is not None:
+        empty = np.isneginf(want_lse)
+        np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse: the rows without keys")
+        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=4 * LSE_TOLERANCE[0],
+                                   rtol=4 * LSE_TOLERANCE[1], err_msg="lse")
+
+
 def buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:
     """Buffers allocated or declared inside ``func`` whose size depends on both variables ``a`` and ``b``
     (names compared case-insensitively: the kernels call their dims Sq, Sk, the floor keeps sq, sk)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import drop_params, finish, KernelSpec
+from ..common import drop_params, finish, kernel_params, KernelSpec
 from ..tvm_params import TvmArgs
 from .forward import ForwardBuffers
 from .ragged import LSE_NATURAL, prefill_phases, RaggedTask
@@ -54,9 +54,10 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     and B symbolic (module docstring). Any ``tiles`` serve (one KV head a task: ``kv_heads`` is
     not read)."""
     _check(spec)
-    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    Hq, D, dtype = spec.num_q_heads, spec.head_dim, spec.dtype
     task = RaggedTask(spec, tiles, lse=LSE_NATURAL if spec.return_lse else None)
     total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
+    sizes = dict(total_q=total_q, total_k=total_k, B1=B1)
     # the workspaces (allocated before the checks run) hold every sequence's key tiles: at most
     # total_k // block_k plus one partial tile per sequence with keys, of which there are at most
     # min(B, total_k); never negative, even where cu_seqlens are empty ([]: B1 = 0)
@@ -79,15 +80,8 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     def fuel_flash_attn_varlen_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, cu_seqlens_q_h: T.handle,
                                    cu_seqlens_k_h: T.handle, alibi_slopes_h: T.handle, out_h: T.handle,
                                    lse_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
-        k = T.match_buffer(k_h, (total_k, Hkv, D), dtype)
-        v = T.match_buffer(v_h, (total_k, Hkv, D), dtype)
-        cu_seqlens_q = T.match_buffer(cu_seqlens_q_h, (B1,), "int32")
-        cu_seqlens_k = T.match_buffer(cu_seqlens_k_h, (B1,), "int32")
-        alibi_slopes = T.match_buffer(alibi_slopes_h, (Hq,), "float32")
-        out = T.match_buffer(out_h, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (Hq, total_q), "float32")
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse = kernel_params(
+            spec, sizes, q_h, k_h, v_h, cu_seqlens_q_h, cu_seqlens_k_h, alibi_slopes_h, out_h, lse_h)
         assert B1 >= T.int64(1), batch_message
         check_offsets(cu_seqlens_q, total_q, q_message)
         check_offsets(cu_seqlens_k, total_k, k_message)

@@ -47,7 +47,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import drop_params, finish, KernelSpec
+from ..common import drop_params, finish, kernel_params, KernelSpec
 from .device import F32, HALF_TYPES, Launch
 from .forward import ForwardBuffers, ForwardMacros, RowBlock
 from .tiles import CudaTiles, WarpLayout
@@ -164,9 +164,9 @@ def varlen_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None 
     and head dim, with ``splits`` 1; ``launch`` defaults to ``tiles.threads`` threads a block."""
     _check(spec, tiles)
     launch = launch or Launch(tiles.threads)
-    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     grid = _grid(spec, tiles, launch)
     total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
+    sizes = dict(total_q=total_q, total_k=total_k, B1=B1)
     unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
 
     # fmt: off
@@ -174,19 +174,12 @@ def varlen_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None 
     def fuel_flash_attn_varlen_cuda(q_h: T.handle, k_h: T.handle, v_h: T.handle, cu_seqlens_q_h: T.handle,
                                     cu_seqlens_k_h: T.handle, alibi_slopes_h: T.handle, out_h: T.handle,
                                     lse_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (total_q, Hq, D), dtype)
-        k = T.match_buffer(k_h, (total_k, Hkv, D), dtype)
-        v = T.match_buffer(v_h, (total_k, Hkv, D), dtype)
-        cu_seqlens_q = T.match_buffer(cu_seqlens_q_h, (B1,), "int32")
-        cu_seqlens_k = T.match_buffer(cu_seqlens_k_h, (B1,), "int32")
-        alibi_slopes = T.match_buffer(alibi_slopes_h, (Hq,), "float32")
-        out = T.match_buffer(out_h, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_h, (Hq, total_q), "float32")
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse = kernel_params(
+            spec, sizes, q_h, k_h, v_h, cu_seqlens_q_h, cu_seqlens_k_h, alibi_slopes_h, out_h, lse_h)
         alibi = T.meta_var(alibi_slopes if spec.has_alibi else None)
         if spec.return_lse:
             # the forward stores lse[row, head]: a [total_q, Hq] view of lse [Hq, total_q]
-            lse_rows = T.decl_buffer((total_q, Hq), "float32", data=lse.data, strides=(1, total_q))
+            lse_rows = T.decl_buffer((total_q, spec.num_q_heads), "float32", data=lse.data, strides=(1, total_q))
             grid(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, out, lse_rows, total_q, total_k, B1)
         else:
             grid(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, out, None, total_q, total_k, B1)

@@ -8,10 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import assert_close, buffers_growing_with, HOST, randn
+from helpers import assert_varlen_matches, buffers_growing_with, HOST, randn
 
-from tvm_fuel import reference
-from tvm_fuel.deploy.node.compare import LSE_TOLERANCE
 from tvm_fuel.op.config import AttnConfig
 from tvm_fuel.schedules.cpu.tiles import CpuTiles, tiles_for
 from tvm_fuel.schedules.cpu.varlen import varlen_forward
@@ -55,35 +53,6 @@ def _run(lib, spec: KernelSpec, inputs: dict):
     return out.numpy().astype(np.float64), (lse.numpy().astype(np.float64) if spec.return_lse else None)
 
 
-def _reference(spec: KernelSpec, inputs: dict):
-    """``reference.flash_attn_varlen``; with sink tokens (which it does not take), the same per
-    sequence through ``reference.flash_attn``."""
-    cfg = spec.cfg
-    q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
-    cu_q, cu_k, slopes = inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], inputs.get("alibi_slopes")
-    options = dict(softmax_scale=cfg.softmax_scale, causal=cfg.causal, window_size=cfg.window_size,
-                   softcap=cfg.softcap)
-    if not cfg.sink_tokens:
-        return reference.flash_attn_varlen(q, k, v, cu_q, cu_k, slopes, return_lse=True, **options)
-    out, lse = np.zeros(q.shape), np.full((q.shape[1], q.shape[0]), -np.inf)
-    for b in range(len(cu_q) - 1):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        o, l_ = reference.flash_attn(*(x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys])), slopes,
-                                     return_lse=True, sink_tokens=cfg.sink_tokens, **options)
-        out[rows], lse[:, rows] = o[0].transpose(1, 0, 2), l_[0]
-    return out, lse
-
-
-def _assert_matches(spec: KernelSpec, out, lse, inputs):
-    want_out, want_lse = _reference(spec, inputs)
-    assert_close(out, want_out, spec.dtype, what="out")
-    if lse is not None:
-        empty = np.isneginf(want_lse)
-        np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse: the rows without keys")
-        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=4 * LSE_TOLERANCE[0],
-                                   rtol=4 * LSE_TOLERANCE[1], err_msg="lse")
-
-
 CASES = {
     "group1_D64": _spec(Hq=2, Hkv=2, D=64),
     "group3_D40_causal": _spec(Hq=3, Hkv=1, D=40, causal=True),
@@ -104,7 +73,7 @@ def test_matches_the_reference(name):
     spec = CASES[name]
     inputs = _inputs(spec, Q_LENS, K_LENS)
     out, lse = _run(_kernel(spec), spec, inputs)
-    _assert_matches(spec, out, lse, inputs)
+    assert_varlen_matches(spec, out, lse, inputs)
 
 
 def test_any_tiles_serve():
@@ -114,7 +83,7 @@ def test_any_tiles_serve():
     tiles = CpuTiles(block_q=4, block_k=16, micro_rows=4, key_vecs=2, dim_vecs=1, lanes=8, kv_heads=2)
     inputs = _inputs(spec, Q_LENS, K_LENS, seed=2)
     out, lse = _run(_kernel(spec, tiles), spec, inputs)
-    _assert_matches(spec, out, lse, inputs)
+    assert_varlen_matches(spec, out, lse, inputs)
 
 
 def test_signature_follows_the_spec():
@@ -136,7 +105,7 @@ def test_rows_without_keys_are_exactly_zero_and_minus_inf(dtype):
     spec = _spec(dtype, Hq=3, Hkv=1, D=64, causal=True)
     inputs = _inputs(spec, [40, 3, 9, 0], [8, 0, 9, 4], seed=1)
     out, lse = _run(_kernel(spec), spec, inputs)
-    _assert_matches(spec, out, lse, inputs)
+    assert_varlen_matches(spec, out, lse, inputs)
     empty_rows = np.r_[0:32, 40:43]  # sequence 0's rows before its 8 keys, sequence 1's without keys
     assert (out[empty_rows] == 0).all() and np.isneginf(lse[:, empty_rows]).all()
     assert np.isfinite(lse[:, 32:40]).all() and np.isfinite(lse[:, 43:]).all()

@@ -14,11 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import assert_close, buffers_growing_with, launchable, randn
+from helpers import assert_varlen_matches, buffers_growing_with, launchable, randn
 
-from tvm_fuel import reference
 from tvm_fuel.deploy import nvcc as cuda
-from tvm_fuel.deploy.node.compare import LSE_TOLERANCE
 from tvm_fuel.op.config import AttnConfig
 from tvm_fuel.schedules.cuda.device import Launch
 from tvm_fuel.schedules.cuda.rules import CudaFlashForward
@@ -74,21 +72,6 @@ def _run(lib, spec: KernelSpec, inputs: dict):
     return out.numpy().astype(np.float64), (lse.numpy().astype(np.float64) if spec.return_lse else None)
 
 
-def _assert_matches(spec: KernelSpec, out, lse, inputs):
-    cfg = spec.cfg
-    q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
-    want_out, want_lse = reference.flash_attn_varlen(
-        q, k, v, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], inputs.get("alibi_slopes"),
-        softmax_scale=cfg.softmax_scale, causal=cfg.causal, window_size=cfg.window_size, softcap=cfg.softcap,
-        sink_tokens=cfg.sink_tokens, return_lse=True)
-    assert_close(out, want_out, spec.dtype, what="out")
-    if lse is not None:
-        empty = np.isneginf(want_lse)
-        np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse: the rows without keys")
-        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=4 * LSE_TOLERANCE[0],
-                                   rtol=4 * LSE_TOLERANCE[1], err_msg="lse")
-
-
 CASES = {
     "group1_D64": _spec(Hq=2, Hkv=2, D=64),
     "group3_D40_causal": _spec(Hq=3, Hkv=1, D=40, causal=True),
@@ -109,7 +92,7 @@ def test_emulation_matches_the_reference(name):
     """The tiles the dense forward's rule picks (float16: 64 x 64 register tiles on four warps)."""
     spec = CASES[name]
     inputs = _inputs(spec)
-    _assert_matches(spec, *_run(_emulated(spec), spec, inputs), inputs)
+    assert_varlen_matches(spec, *_run(_emulated(spec), spec, inputs), inputs)
 
 
 # small tiles: many row and key tiles per sequence, a key-split warp layout, every pipeline depth
@@ -125,7 +108,7 @@ TILES = {
 def test_small_tiles_match_the_reference(tiles, dtype):
     spec = _spec(dtype, Hq=3, Hkv=1, D=40, causal=True, window_size=(32, 0), sink_tokens=2, softcap=6.0)
     inputs = _inputs(spec, seed=1)
-    _assert_matches(spec, *_run(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
+    assert_varlen_matches(spec, *_run(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
 
 
 @pytest.mark.slow
@@ -135,13 +118,13 @@ def test_small_tiles_match_the_reference(tiles, dtype):
 def test_every_tile_shape_matches_the_reference(tiles, name):
     spec = CASES[name]
     inputs = _inputs(spec, seed=2)
-    _assert_matches(spec, *_run(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
+    assert_varlen_matches(spec, *_run(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
 
 
 def test_longer_sequences_and_no_extra_rows():
     spec = _spec("float16", Hq=4, Hkv=2, D=64, causal=True)
     inputs = _inputs(spec, q_lens=[130, 64, 2], k_lens=[200, 64, 1], extra=0, seed=3)
-    _assert_matches(spec, *_run(_emulated(spec), spec, inputs), inputs)
+    assert_varlen_matches(spec, *_run(_emulated(spec), spec, inputs), inputs)
 
 
 def test_the_grid_covers_every_row_tile_once():

@@ -35,21 +35,30 @@ def _is_zeros(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:
         "relax.zeros", "relax.zeros_like")
 
 
-def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
-                         ctx: relax.BlockBuilder) -> list[relax.Expr]:
-    args = SPECS["flash_attn"].split_args(orig_call)
+def _forward_state(name: str, orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                   ctx: relax.BlockBuilder) -> tuple[relax.Expr, relax.Expr | None, relax.Expr]:
+    """(out, lse or None, the adjoint of out) of a forward call (``flash_attn`` or its varlen
+    form): the lse only where the call returns it, which a call with sinks must."""
+    label = SPECS[name].label
     if bool(orig_call.attrs["return_lse"]):
         out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
         dout, dlse = tuple_adjoints(ctx, output_grad, 2)
         if not _is_zeros(ctx, dlse):
-            raise ValueError("fuel.flash_attn: the gradient through lse is not supported: the loss may use "
-                             "out, not lse")
+            raise ValueError(f"{label}: the gradient through lse is not supported: the loss may use out, not lse")
     else:
         out, lse, dout = orig_var, None, output_grad
-    sinks = args["sinks"]
-    if sinks is not None and lse is None:  # the sinks' gradient needs the forward's lse
-        raise ValueError("fuel.flash_attn: the gradient of a call with sinks needs its lse: run "
+    if SPECS[name].split_args(orig_call)["sinks"] is not None and lse is None:
+        # the sinks' gradient needs the forward's lse
+        raise ValueError(f"{label}: the gradient of a call with sinks needs its lse: run "
                          "tvm_fuel.transform.ShareForwardState() before Gradient (tvm_fuel.transform.gradient does)")
+    return out, lse, dout
+
+
+def _flash_attn_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                         ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    args = SPECS["flash_attn"].split_args(orig_call)
+    out, lse, dout = _forward_state("flash_attn", orig_var, orig_call, output_grad, ctx)
+    sinks = args["sinks"]
     grads = ctx.emit(op.flash_attn_backward(args["q"], args["k"], args["v"], dout, args["alibi_slopes"],
                                             args["attn_mask"], out=out, lse=lse, sinks=sinks,
                                             **op.options_of(orig_call)))
@@ -65,18 +74,8 @@ def _flash_attn_varlen_gradient(orig_var: relax.Var, orig_call: relax.Call, outp
     """``flash_attn_varlen_backward`` with the forward's out (and lse where it returns it); the
     offsets and ALiBi get no gradient, the sinks theirs (``op.sinks_grad(packed=True)``)."""
     args = SPECS["flash_attn_varlen"].split_args(orig_call)
-    if bool(orig_call.attrs["return_lse"]):
-        out, lse = relax.TupleGetItem(orig_var, 0), relax.TupleGetItem(orig_var, 1)
-        dout, dlse = tuple_adjoints(ctx, output_grad, 2)
-        if not _is_zeros(ctx, dlse):
-            raise ValueError("fuel.flash_attn_varlen: the gradient through lse is not supported: the loss may use "
-                             "out, not lse")
-    else:
-        out, lse, dout = orig_var, None, output_grad
+    out, lse, dout = _forward_state("flash_attn_varlen", orig_var, orig_call, output_grad, ctx)
     sinks = args["sinks"]
-    if sinks is not None and lse is None:
-        raise ValueError("fuel.flash_attn_varlen: the gradient of a call with sinks needs its lse: run "
-                         "tvm_fuel.transform.ShareForwardState() before Gradient (tvm_fuel.transform.gradient does)")
     lengths = {name: int(orig_call.attrs[name]) or None for name in ("max_seqlen_q", "max_seqlen_k")}
     grads = ctx.emit(op.flash_attn_varlen_backward(
         args["q"], args["k"], args["v"], dout, args["cu_seqlens_q"], args["cu_seqlens_k"], args["alibi_slopes"],
