@@ -210,7 +210,7 @@ def _tvm_key_tiles(a, BK: int):
 
 
 def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_task: RaggedTask | None, *,
-                   where: str = "tvm_cache.prefill", key_tiles: Callable | None = None):
+                   where: str = "tvm_cache.prefill", key_tiles: Callable | None = None, workers: int = 0):
     """The macro of every ragged prefill, ``run(a, params, causal, rotary_mode, rope_scale,
     rope_theta, sm_scale)`` (``a``: the kernel's ``TvmArgs``; ``params``: its ``ForwardBuffers``):
     key tiles packed once per (sequence, KV head), then the (sequence, KV head, row tile) tasks
@@ -220,11 +220,32 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
     shapes alone, never negative whatever their values (the workspaces are allocated with the
     function, before any statement runs); by default TVM's, each sequence's keys filling its pages
     (its rows of k) but the last. ``where`` names the kernel in the message of the check that the
-    sequences' tiles fit it."""
+    sequences' tiles fit it.
+
+    ``workers`` (0: off): the tasks are the sequences' real row tiles only, dealt to ``workers``
+    parallel workers in turn (worker w runs tasks w, w + workers, ...), so sequences of very
+    different lengths spread over every thread (a parallel loop hands each thread a contiguous
+    chunk: over (sequence, KV head, the most row tiles) a thread may get the long sequences and
+    another the empty tasks of the short ones). Each task finds its sequence by a binary search
+    over the row tiles' prefix sums."""
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     overflow = f"{where}: the sequences' keys exceed their pages (indptr)"
     bound = key_tiles or _tvm_key_tiles
+
+    @T.macro
+    def attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles, nonfinite,
+                    first_tile, b, g, t):
+        # row tile t of (sequence b, KV head g) over the sequence's packed key tiles
+        packed = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
+        args = T.meta_var((a.q, a.output, a.lse, params, packed, b, g, t, a.kv_len(b), a.q_len(b), a.q_start(b),
+                           a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
+        if causal_task is None:
+            plain.attend_rows(*args)
+        elif causal > 0:
+            causal_task.attend_rows(*args)
+        else:
+            plain.attend_rows(*args)
 
     @T.macro
     def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
@@ -233,11 +254,14 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
         max_tiles = T.meta_var(bound(a, BK))
         # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
         first_tile = T.alloc_buffer((B + 1,), "int64")
+        first_row_tile = T.alloc_buffer((B + 1,), "int64")
         most_rows = T.alloc_buffer((1,), "int64")
         first_tile[0] = T.int64(0)
+        first_row_tile[0] = T.int64(0)
         most_rows[0] = T.int64(0)
         for b in range(B):
             first_tile[b + 1] = first_tile[b] + (a.kv_len(b) + BK - 1) // BK
+            first_row_tile[b + 1] = first_row_tile[b] + (a.q_len(b) * group + BQ - 1) // BQ
             most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
         assert first_tile[B] <= max_tiles, overflow
         n_row_tiles: T.int64 = most_rows[0]
@@ -251,19 +275,30 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
             for kt in range(first_tile[pb + 1] - first_tile[pb]):
                 Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
                 plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale, rope_theta)
-        for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
-            b: T.int64 = task_id // (Hkv * n_row_tiles)
-            g: T.int64 = task_id // n_row_tiles % Hkv
-            packed = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
-            args = T.meta_var((a.q, a.output, a.lse, params, packed, b, g, task_id % n_row_tiles, a.kv_len(b),
-                               a.q_len(b), a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta,
-                               sm_scale))
-            if causal_task is None:
-                plain.attend_rows(*args)
-            elif causal > 0:
-                causal_task.attend_rows(*args)
-            else:
-                plain.attend_rows(*args)
+        if workers > 0:
+            n_tasks: T.int64 = first_row_tile[B] * Hkv
+            for worker in T.parallel(workers):
+                for step in range(T.max(n_tasks - worker + workers - 1, T.int64(0)) // workers):
+                    task_id: T.int64 = worker + step * workers
+                    flat: T.int64 = task_id // Hkv
+                    # the sequence b whose row tiles hold tile ``flat``: the last b < B with
+                    # first_row_tile[b] <= flat (an empty sequence shares its successor's start)
+                    bounds = T.alloc_buffer((2,), "int64", scope="local")
+                    bounds[0] = T.int64(0)
+                    bounds[1] = T.Cast("int64", B)
+                    for _ in range(64):
+                        if bounds[1] - bounds[0] > 1:
+                            if first_row_tile[(bounds[0] + bounds[1]) // 2] <= flat:
+                                bounds[0] = (bounds[0] + bounds[1]) // 2
+                            else:
+                                bounds[1] = (bounds[0] + bounds[1]) // 2
+                    attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
+                                nonfinite, first_tile, bounds[0], task_id % Hkv, flat - first_row_tile[bounds[0]])
+        else:
+            for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
+                attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
+                            nonfinite, first_tile, task_id // (Hkv * n_row_tiles), task_id // n_row_tiles % Hkv,
+                            task_id % n_row_tiles)
 
     return run
 

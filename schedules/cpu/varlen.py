@@ -47,12 +47,14 @@ def _check(spec: KernelSpec):
         raise ValueError("varlen_forward: the packed forward takes no attn_mask, paged cache or sinks")
 
 
-def varlen_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
+def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> tirx.PrimFunc:
     """``fuel_flash_attn_varlen_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens_q
     [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq] float32 (``spec.has_alibi``),
     out [total_q, Hq, D], lse [Hq, total_q] float32 (``spec.return_lse``))``: total_q, total_k
     and B symbolic (module docstring). Any ``tiles`` serve (one KV head a task: ``kv_heads`` is
-    not read)."""
+    not read). ``workers``: the parallel workers the row tiles are dealt to in turn
+    (``ragged.prefill_phases``): a thread's share of 64 is every 64th tile in runs of 64 / threads,
+    even on 2 threads fine enough that neighbouring tiles, of like cost, balance."""
     _check(spec)
     Hq, D, dtype = spec.num_q_heads, spec.head_dim, spec.dtype
     task = RaggedTask(spec, tiles, lse=LSE_NATURAL if spec.return_lse else None)
@@ -61,7 +63,7 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles) -> tirx.PrimFunc:
     # the workspaces (allocated before the checks run) hold every sequence's key tiles: at most
     # total_k // block_k plus one partial tile per sequence with keys, of which there are at most
     # min(B, total_k); never negative, even where cu_seqlens are empty ([]: B1 = 0)
-    run = prefill_phases(spec, tiles, task, None, where=OP,
+    run = prefill_phases(spec, tiles, task, None, where=OP, workers=workers,
                          key_tiles=lambda a, block_k: total_k // block_k + tirx.min(B1, total_k))
     unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
     q_message, k_message = _offsets_message("cu_seqlens_q", "q"), _offsets_message("cu_seqlens_k", "k")

@@ -60,26 +60,28 @@ def paged_gather_sdpa(torch, q, k_cache, v_cache, table, context: int, attend=No
 def sdpa_per_sequence(torch, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool):
     """A packed batch (q [total_q, Hq, D], k, v [total_k, Hkv, D]) as FlashAttention's own varlen
     reference runs it: SDPA on each sequence alone (bottom-right causal), the rows joined; rows of
-    no sequence 0."""
+    no sequence 0. Each sequence's tensors are made contiguous [1, H, S, D] before the run is
+    timed (PyTorch's best case)."""
     bounds = list(zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:], cu_seqlens_k.tolist()[:-1],
                       cu_seqlens_k.tolist()[1:]))
     gqa = q.shape[1] != k.shape[1]
 
-    def attend(a, b, c, d):
+    def prepared(a, b, c, d):
         mask = None
         if causal and b - a != d - c:  # bottom-right: query i sees keys j <= i + Sk - Sq
             rows = torch.arange(b - a, device=q.device)[:, None] + (d - c) - (b - a)
             mask = torch.arange(d - c, device=q.device)[None, :] <= rows
-        heads_first = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            *heads_first, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
-        return out[0].transpose(0, 1)
+        heads_first = [x.transpose(0, 1)[None].contiguous() for x in (q[a:b], k[c:d], v[c:d])]
+        return a, b, heads_first, mask
+
+    work = [prepared(*bound) for bound in bounds if bound[1] > bound[0] and bound[3] > bound[2]]
 
     def run():
         out = torch.zeros_like(q)
-        for a, b, c, d in bounds:
-            if b > a and d > c:
-                out[a:b] = attend(a, b, c, d)
+        for a, b, heads_first, mask in work:
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                *heads_first, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
+            out[a:b] = attended[0].transpose(0, 1)
         return out
 
     return run
