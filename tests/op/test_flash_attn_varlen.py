@@ -211,6 +211,41 @@ def test_bad_offsets_raise(cu_q, cu_k, match, path):
         runner(*args)
 
 
+@pytest.mark.parametrize("dtypes", [("int64", "int64"), ("uint32", "uint32"), ("int32", "int64"), ("int64", "uint32")])
+def test_offset_dtypes(dtypes):
+    """int64 and uint32 offsets, alike or mixed (the floor serves them; the kernels take int32)."""
+    rng = np.random.default_rng(8)
+    inputs = _inputs(rng, 6, 2, 40, lens_q=[17, 0, 5], lens_k=[9, 3, 5])
+    want = ref.flash_attn_varlen(*inputs.values(), causal=True)
+    inputs["cu_seqlens_q"] = inputs["cu_seqlens_q"].astype(dtypes[0])
+    inputs["cu_seqlens_k"] = inputs["cu_seqlens_k"].astype(dtypes[1])
+    assert_close(run(lambda **a: op.flash_attn_varlen(**a, causal=True), inputs)[0], want, "float32", what="out")
+
+
+def test_mixed_offset_dtypes_cannot_wrap_past_the_check():
+    """An int64 offset past total_k must raise, not wrap into range through a cast to int32."""
+    rng = np.random.default_rng(0)
+    mod = build(lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k),
+                dict(q=((7, 2, 8), "float32"), k=((6, 2, 8), "float32"), v=((6, 2, 8), "float32"),
+                     cu_q=((3,), "int32"), cu_k=((3,), "int64")))
+    q, k = randn(rng, (7, 2, 8)), randn(rng, (6, 2, 8))
+    with pytest.raises(Exception, match="cu_seqlens_k must start at 0"):
+        Runner(mod)(q, k, k, np.array([0, 3, 5], np.int32), np.array([0, 2, 2 ** 32 + 6], np.int64))
+
+
+def test_sinks_forward_and_rows_past_the_last_sequence():
+    """lse with sinks: sinks[h] for a sequence's row without keys, -inf for a row of no sequence."""
+    rng = np.random.default_rng(9)
+    inputs = _inputs(rng, 6, 2, 40, lens_q=[17, 3, 5], lens_k=[9, 0, 5], extra_rows=2)
+    inputs["sinks"] = (rng.standard_normal(6) * 2).astype(np.float32)
+    out, lse = run(lambda sinks, **a: op.flash_attn_varlen(**a, sinks=sinks, causal=True, return_lse=True), inputs)
+    args = {k: v for k, v in inputs.items() if k != "sinks"}
+    want_out, want_lse = ref.flash_attn_varlen(*args.values(), sinks=inputs["sinks"], causal=True, return_lse=True)
+    assert_close(out, want_out, "float32", what="out")
+    _assert_lse(lse, want_lse)
+    assert np.isneginf(lse[:, -2:]).all() and np.allclose(lse[:, 17:20], inputs["sinks"][:, None])
+
+
 def test_max_seqlen_is_enforced():
     mod = build(lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=3, max_seqlen_k=4),
                 dict(q=((6, 2, 8), "float32"), k=((6, 2, 8), "float32"), v=((6, 2, 8), "float32"),
@@ -221,6 +256,8 @@ def test_max_seqlen_is_enforced():
     assert runner(q, q, q, np.array([0, 3, 6], np.int32), np.array([0, 4, 6], np.int32))[0].shape == (6, 2, 8)
     with pytest.raises(Exception, match="longer than max_seqlen_k"):
         runner(q, q, q, np.array([0, 3, 6], np.int32), np.array([0, 1, 6], np.int32))
+    with pytest.raises(Exception, match="longer than max_seqlen_q"):
+        runner(q, q, q, np.array([0, 2, 6], np.int32), np.array([0, 3, 6], np.int32))
 
 
 def _var(name, shape, dtype="float32"):
@@ -255,3 +292,34 @@ def test_tvmscript_round_trip():
     mod = _symbolic_module(causal=True, softcap=3.0)
     parsed = tvm.script.from_source(mod.script())
     tvm.ir.assert_structural_equal(parsed, mod)
+
+
+@pytest.mark.parametrize("cu_q,cu_k", [([0, 3], [2, 2]), ([2, 1], [0, 4]), ([0, 9], [3, 1]), ([5, 5], [0, 0])])
+def test_floor_reads_in_bounds_on_malformed_offsets(cu_q, cu_k):
+    """GPU builds run the floor without the offsets' check: every index it reads from them is clamped,
+    so malformed offsets give finite values (the backward's dk, dv of a key row outside its
+    sequence's columns 0), never a read outside a tensor (here: of an empty score tensor)."""
+    from tvm import te
+
+    from tvm_fuel.op import ragged
+    from tvm_fuel.op.config import AttnConfig
+
+    TQ, TK, Hq, Hkv, D = 4, 2, 2, 1, 8
+    max_q, max_k = tvm.tirx.Var("max_q", "int64"), tvm.tirx.Var("max_k", "int64")
+    q, do = te.placeholder((TQ, Hq, D), name="q"), te.placeholder((TQ, Hq, D), name="do")
+    k, v = te.placeholder((TK, Hkv, D), name="k"), te.placeholder((TK, Hkv, D), name="v")
+    cq, ck = te.placeholder((2,), "int32", name="cq"), te.placeholder((2,), "int32", name="ck")
+    grads = ragged.flash_attn_varlen_backward(q, k, v, do, cq, ck, cfg=AttnConfig(), max_q=max_q, max_k=max_k)
+    func = te.create_prim_func([q, k, v, do, cq, ck, *grads, max_q, max_k])
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    rng = np.random.default_rng(0)
+    arrays = [randn(rng, (TQ, Hq, D)), randn(rng, (TK, Hkv, D)), randn(rng, (TK, Hkv, D)), randn(rng, (TQ, Hq, D)),
+              np.array(cu_q, np.int32), np.array(cu_k, np.int32)]
+    outs = [np.full(s, np.nan, np.float32) for s in ((TQ, Hq, D), (TK, Hkv, D), (TK, Hkv, D))]
+    longest = [min(max(b - a, 0), total) for (a, b), total in ((cu_q, TQ), (cu_k, TK))]
+    tensors = [tvm.runtime.tensor(a) for a in arrays + outs]
+    lib["main"](*tensors, *longest)
+    for t in tensors[-3:]:
+        assert np.isfinite(t.numpy()).all()
+    if cu_k[1] <= cu_k[0]:  # no sequence has a key: no key row gets a gradient (none is read)
+        assert not tensors[-2].numpy().any() and not tensors[-1].numpy().any()

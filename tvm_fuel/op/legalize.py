@@ -175,13 +175,14 @@ def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 @functools.lru_cache(maxsize=None)
-def _varlen_check_func(q_dtype: str, cu_dtype: str, max_seqlen_q: int, max_seqlen_k: int) -> tvm.tirx.PrimFunc:
+def _varlen_check_func(op: str, q_dtype: str, cu_dtype: str, max_seqlen_q: int, max_seqlen_k: int
+                       ) -> tvm.tirx.PrimFunc:
     """A host PrimFunc that validates both cu_seqlens (start at 0, never decrease, end within the
     packed rows, each sequence within max_seqlen where given) and returns them."""
-    order = "fuel.flash_attn_varlen: {} must start at 0, never decrease and end at most at {}.shape[0]"
+    order = op + ": {} must start at 0, never decrease and end at most at {}.shape[0]"
     order_q, order_k = order.format("cu_seqlens_q", "q"), order.format("cu_seqlens_k", "k")
-    bound_q = "fuel.flash_attn_varlen: a sequence of cu_seqlens_q is longer than max_seqlen_q"
-    bound_k = "fuel.flash_attn_varlen: a sequence of cu_seqlens_k is longer than max_seqlen_k"
+    bound_q = f"{op}: a sequence of cu_seqlens_q is longer than max_seqlen_q"
+    bound_k = f"{op}: a sequence of cu_seqlens_k is longer than max_seqlen_k"
     limit_q, limit_k = max_seqlen_q if max_seqlen_q > 0 else 2 ** 62, max_seqlen_k if max_seqlen_k > 0 else 2 ** 62
 
     # fmt: off
@@ -219,11 +220,13 @@ def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict) -> 
     if _on_gpu():
         return args
     cu_q, cu_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
-    if str(cu_q.ty.dtype) != str(cu_k.ty.dtype):
-        cu_k = bb.emit(relax.op.astype(cu_k, str(cu_q.ty.dtype)))
-    check = _varlen_check_func(str(args["q"].ty.dtype), str(cu_q.ty.dtype), int(call.attrs["max_seqlen_q"]),
-                               int(call.attrs["max_seqlen_k"]))
-    gvar = bb.add_func(check, "fuel_flash_attn_varlen_check")
+    if str(cu_q.ty.dtype) != str(cu_k.ty.dtype):  # both widened to int64: a narrowing cast could wrap a bad offset
+        cu_q, cu_k = (bb.emit(relax.op.astype(cu, "int64")) for cu in (cu_q, cu_k))
+    check = _varlen_check_func(call.op.name.replace("relax.", ""), str(args["q"].ty.dtype), str(cu_q.ty.dtype),
+                               int(call.attrs["max_seqlen_q"]), int(call.attrs["max_seqlen_k"]))
+    # the forward's and the backward's checks differ in their messages: each keeps its own symbol
+    gvar = bb.add_func(check.without_attr("global_symbol"), "fuel_flash_attn_varlen_check")
+    bb.update_func(gvar, check.with_attr("global_symbol", gvar.name_hint))
     both = bb.emit(relax.call_tir(gvar, [args["q"], args["k"], cu_q, cu_k], out_ty=[cu_q.ty, cu_q.ty]))
     return {**args, "cu_seqlens_q": bb.emit(relax.TupleGetItem(both, 0)),
             "cu_seqlens_k": bb.emit(relax.TupleGetItem(both, 1))}

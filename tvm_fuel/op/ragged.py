@@ -105,6 +105,7 @@ def _logits(q, k, cu_q, cu_k, alibi_slopes, cfg: AttnConfig, max_k):
     def logit(_, h, i, j):
         valid, q0, sq, _k0, sk = rows.at(i)
         position, delta = sem.as_int64(i) - q0, sk - sq
+        valid = tirx.all(valid, position >= 0)  # malformed offsets (GPU builds: unchecked) drop the row
         s = capped[0, h, i, j]
         if alibi_slopes is not None:
             s = s + sem.alibi_bias(alibi_slopes[h], position, j, delta=delta)
@@ -140,7 +141,13 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, si
                      name="out")
     if not return_lse:
         return out
-    return [out, te.compute((q.shape[1], q.shape[0]), lambda h, i: lse[0, h, i], name="lse_packed")]
+
+    def packed_lse(h, i):
+        # a row of no sequence is -inf even with sinks (the sink column weighs rows of a sequence)
+        valid, q0 = rows.at(i)[:2]
+        return tirx.Select(tirx.all(valid, sem.as_int64(i) >= q0), lse[0, h, i], sem.NEG_INF)
+
+    return [out, te.compute((q.shape[1], q.shape[0]), packed_lse, name="lse_packed")]
 
 
 def flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, out=None, lse=None,
@@ -176,12 +183,14 @@ def flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_sl
         i = te.reduce_axis((0, max_q), name=f"i_{name}")
 
         def body(t, g, e):
-            valid, q0, sq, k0, _sk = keys.at(t)
+            valid, q0, sq, k0, sk = keys.at(t)
             row = _row_index(q0, i, TQ)
-            column = _clamped(sem.as_int64(t) - k0, tirx.const(0, I64), sem.as_int64(max_k) - 1)
+            offset = sem.as_int64(t) - k0  # the key's column in its sequence's rows of scores
+            column = _clamped(offset, tirx.const(0, I64), sem.as_int64(max_k) - 1)
             term = sem.weighted(weights[0, g * group + r, row, column], rhs[row, g * group + r, e].astype(F32))
-            return te.sum(tirx.if_then_else(tirx.all(valid, sem.as_int64(i.var) < sq), term, tirx.const(0.0, F32)),
-                          axis=[r, i])
+            # the guard holds only for columns inside [0, Sk_b) <= [0, max_k): no read of an empty tensor
+            inside = tirx.all(valid, sem.as_int64(i.var) < sq, offset >= 0, offset < sk)
+            return te.sum(tirx.if_then_else(inside, term, tirx.const(0.0, F32)), axis=[r, i])
 
         return nonempty(te.compute((TK, Hkv, D), body, name=f"{name}_sum"), max_q, 0.0, f"{name}_acc")
 

@@ -81,7 +81,8 @@ def sdpa_per_sequence(torch, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: boo
         for a, b, heads_first, mask in work:
             attended = torch.nn.functional.scaled_dot_product_attention(
                 *heads_first, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
-            out[a:b] = attended[0].transpose(0, 1)
+            # a row that sees no key (causal with Sq > Sk) is NaN in SDPA, 0 here
+            out[a:b] = (attended if mask is None else attended.nan_to_num(0.0))[0].transpose(0, 1)
         return out
 
     return run
