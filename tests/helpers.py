@@ -145,6 +145,33 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, *, scale:
     np.testing.assert_allclose(actual, expected, atol=atol * scale, rtol=rtol * scale, err_msg=what)
 
 
+def varlen_offsets(lens) -> np.ndarray:
+    """cu_seqlens [B + 1] int32 of sequences of ``lens``."""
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def varlen_kernel_inputs(spec, q_lens, k_lens, *, extra: int = 0, seed: int = 0) -> dict:
+    """A varlen kernel's inputs for ``spec``: packed q (``extra`` rows past the last sequence), k, v,
+    both offsets and, where the spec has ALiBi, slopes."""
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = varlen_offsets(q_lens), varlen_offsets(k_lens)
+    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    inputs = dict(q=randn(rng, (cu_q[-1] + extra, Hq, D), dtype), k=randn(rng, (cu_k[-1], Hkv, D), dtype),
+                  v=randn(rng, (cu_k[-1], Hkv, D), dtype), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    if spec.has_alibi:
+        inputs["alibi_slopes"] = rng.uniform(0.0, 0.5, Hq).astype(np.float32)
+    return inputs
+
+
+def run_varlen_kernel(lib, spec, inputs: Mapping[str, np.ndarray]):
+    """(out, lse or None) of a compiled varlen kernel; both start as NaN, so every element must be written."""
+    total_q, Hq, D = inputs["q"].shape
+    out = tvm.runtime.tensor(np.full((total_q, Hq, D), np.nan, inputs["q"].dtype))
+    lse = tvm.runtime.tensor(np.full((Hq, total_q), np.nan, np.float32))
+    lib(*(tvm.runtime.tensor(a) for a in inputs.values()), out, *([lse] if spec.return_lse else []))
+    return out.numpy().astype(np.float64), (lse.numpy().astype(np.float64) if spec.return_lse else None)
+
+
 def assert_varlen_matches(spec, out: np.ndarray, lse: np.ndarray | None, inputs: Mapping[str, np.ndarray]):
     """A varlen kernel's out (and lse [Hq, total_q], None without) against ``reference.flash_attn_varlen``
     for ``spec``'s options: rows without keys exactly -inf."""

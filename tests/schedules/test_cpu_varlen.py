@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import assert_varlen_matches, buffers_growing_with, HOST, randn
+from helpers import (assert_varlen_matches, buffers_growing_with, HOST, run_varlen_kernel,
+                     varlen_kernel_inputs)
 
 from tvm_fuel.op.config import AttnConfig
 from tvm_fuel.schedules.cpu.tiles import CpuTiles, tiles_for
@@ -20,8 +21,6 @@ pytestmark = pytest.mark.numerics
 Q_LENS, K_LENS = [17, 0, 97, 1, 513], [33, 5, 97, 1, 513]
 
 
-def _offsets(lens) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def _spec(dtype="float32", Hq=2, Hkv=1, D=64, *, alibi=False, return_lse=True, **options) -> KernelSpec:
@@ -33,24 +32,8 @@ def _kernel(spec: KernelSpec, tiles=None):
     return tvm.compile(varlen_forward(spec, tiles), target=HOST)
 
 
-def _inputs(spec: KernelSpec, q_lens, k_lens, seed=0) -> dict:
-    rng = np.random.default_rng(seed)
-    cu_q, cu_k = _offsets(q_lens), _offsets(k_lens)
-    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
-    inputs = dict(q=randn(rng, (cu_q[-1], Hq, D), dtype), k=randn(rng, (cu_k[-1], Hkv, D), dtype),
-                  v=randn(rng, (cu_k[-1], Hkv, D), dtype), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    if spec.has_alibi:
-        inputs["alibi_slopes"] = rng.uniform(0.0, 0.5, Hq).astype(np.float32)
-    return inputs
 
 
-def _run(lib, spec: KernelSpec, inputs: dict):
-    """(out, lse or None) of the kernel; out and lse start as NaN, so every element must be written."""
-    total_q, Hq, D = inputs["q"].shape
-    out = tvm.runtime.tensor(np.full((total_q, Hq, D), np.nan, inputs["q"].dtype))
-    lse = tvm.runtime.tensor(np.full((Hq, total_q), np.nan, np.float32))
-    lib(*(tvm.runtime.tensor(a) for a in inputs.values()), out, *([lse] if spec.return_lse else []))
-    return out.numpy().astype(np.float64), (lse.numpy().astype(np.float64) if spec.return_lse else None)
 
 
 CASES = {
@@ -71,8 +54,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_the_reference(name):
     spec = CASES[name]
-    inputs = _inputs(spec, Q_LENS, K_LENS)
-    out, lse = _run(_kernel(spec), spec, inputs)
+    inputs = varlen_kernel_inputs(spec, Q_LENS, K_LENS)
+    out, lse = run_varlen_kernel(_kernel(spec), spec, inputs)
     assert_varlen_matches(spec, out, lse, inputs)
 
 
@@ -81,8 +64,8 @@ def test_any_tiles_serve():
     sequences that share none); ``kv_heads`` is not read."""
     spec = _spec(Hq=14, Hkv=2, D=40, causal=True, window_size=(40, 0), sink_tokens=5)
     tiles = CpuTiles(block_q=4, block_k=16, micro_rows=4, key_vecs=2, dim_vecs=1, lanes=8, kv_heads=2)
-    inputs = _inputs(spec, Q_LENS, K_LENS, seed=2)
-    out, lse = _run(_kernel(spec, tiles), spec, inputs)
+    inputs = varlen_kernel_inputs(spec, Q_LENS, K_LENS, seed=2)
+    out, lse = run_varlen_kernel(_kernel(spec, tiles), spec, inputs)
     assert_varlen_matches(spec, out, lse, inputs)
 
 
@@ -103,8 +86,8 @@ def test_rows_without_keys_are_exactly_zero_and_minus_inf(dtype):
     """Bottom-right causal with more queries than keys (the first Sq - Sk rows see none), sequences
     without keys, and a window that leaves a row nothing: out exactly 0, lse exactly -inf."""
     spec = _spec(dtype, Hq=3, Hkv=1, D=64, causal=True)
-    inputs = _inputs(spec, [40, 3, 9, 0], [8, 0, 9, 4], seed=1)
-    out, lse = _run(_kernel(spec), spec, inputs)
+    inputs = varlen_kernel_inputs(spec, [40, 3, 9, 0], [8, 0, 9, 4], seed=1)
+    out, lse = run_varlen_kernel(_kernel(spec), spec, inputs)
     assert_varlen_matches(spec, out, lse, inputs)
     empty_rows = np.r_[0:32, 40:43]  # sequence 0's rows before its 8 keys, sequence 1's without keys
     assert (out[empty_rows] == 0).all() and np.isneginf(lse[:, empty_rows]).all()
@@ -127,14 +110,14 @@ def small_kernel():
 ])
 def test_bad_cu_seqlens_raise_naming_the_argument(small_kernel, cu_q, cu_k, named):
     spec, lib = small_kernel
-    inputs = _inputs(spec, [3, 2], [2, 2])
+    inputs = varlen_kernel_inputs(spec, [3, 2], [2, 2])
     inputs.update(cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int32))
     with pytest.raises(RuntimeError, match=f"fuel.flash_attn_varlen: {named}"):
-        _run(lib, spec, inputs)
+        run_varlen_kernel(lib, spec, inputs)
 
 
 def test_cu_seqlens_of_different_lengths_are_refused(small_kernel):
     spec, lib = small_kernel
-    inputs = _inputs(spec, [3, 2], [4])
+    inputs = varlen_kernel_inputs(spec, [3, 2], [4])
     with pytest.raises(ValueError, match="cu_seqlens_k.shape"):
-        _run(lib, spec, inputs)
+        run_varlen_kernel(lib, spec, inputs)

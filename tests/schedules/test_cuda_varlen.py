@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import assert_varlen_matches, buffers_growing_with, launchable, randn
+from helpers import (assert_varlen_matches, buffers_growing_with, launchable, randn, run_varlen_kernel,
+                     varlen_kernel_inputs)
 
 from tvm_fuel.deploy import nvcc as cuda
 from tvm_fuel.op.config import AttnConfig
@@ -32,8 +33,6 @@ ARCHS = ("sm_80", "sm_90")
 needs_nvcc = pytest.mark.skipif(not cuda.nvcc_available(), reason="nvcc is not installed")
 
 
-def _offsets(lens) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def _spec(dtype="float32", Hq=2, Hkv=1, D=64, *, alibi=False, return_lse=True, **options) -> KernelSpec:
@@ -52,24 +51,8 @@ def _emulated(spec: KernelSpec, tiles: CudaTiles | None = None):
     return tvm.compile(varlen_forward(spec, tiles or rule_tiles(spec), launch=Launch.emulated()), target="llvm")
 
 
-def _inputs(spec: KernelSpec, q_lens=Q_LENS, k_lens=K_LENS, extra=EXTRA_ROWS, seed=0) -> dict:
-    rng = np.random.default_rng(seed)
-    cu_q, cu_k = _offsets(q_lens), _offsets(k_lens)
-    Hq, Hkv, D, dtype = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
-    inputs = dict(q=randn(rng, (cu_q[-1] + extra, Hq, D), dtype), k=randn(rng, (cu_k[-1], Hkv, D), dtype),
-                  v=randn(rng, (cu_k[-1], Hkv, D), dtype), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    if spec.has_alibi:
-        inputs["alibi_slopes"] = rng.uniform(0.0, 0.5, Hq).astype(np.float32)
-    return inputs
 
 
-def _run(lib, spec: KernelSpec, inputs: dict):
-    """(out, lse or None); both start as NaN, so every element must be written."""
-    total_q, Hq, D = inputs["q"].shape
-    out = tvm.runtime.tensor(np.full((total_q, Hq, D), np.nan, inputs["q"].dtype))
-    lse = tvm.runtime.tensor(np.full((Hq, total_q), np.nan, np.float32))
-    lib(*(tvm.runtime.tensor(a) for a in inputs.values()), out, *([lse] if spec.return_lse else []))
-    return out.numpy().astype(np.float64), (lse.numpy().astype(np.float64) if spec.return_lse else None)
 
 
 CASES = {
@@ -91,8 +74,8 @@ CASES = {
 def test_emulation_matches_the_reference(name):
     """The tiles the dense forward's rule picks (float16: 64 x 64 register tiles on four warps)."""
     spec = CASES[name]
-    inputs = _inputs(spec)
-    assert_varlen_matches(spec, *_run(_emulated(spec), spec, inputs), inputs)
+    inputs = varlen_kernel_inputs(spec, Q_LENS, K_LENS, extra=EXTRA_ROWS)
+    assert_varlen_matches(spec, *run_varlen_kernel(_emulated(spec), spec, inputs), inputs)
 
 
 # small tiles: many row and key tiles per sequence, a key-split warp layout, every pipeline depth
@@ -107,8 +90,8 @@ TILES = {
 @pytest.mark.parametrize("tiles", list(TILES))
 def test_small_tiles_match_the_reference(tiles, dtype):
     spec = _spec(dtype, Hq=3, Hkv=1, D=40, causal=True, window_size=(32, 0), sink_tokens=2, softcap=6.0)
-    inputs = _inputs(spec, seed=1)
-    assert_varlen_matches(spec, *_run(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
+    inputs = varlen_kernel_inputs(spec, Q_LENS, K_LENS, extra=EXTRA_ROWS, seed=1)
+    assert_varlen_matches(spec, *run_varlen_kernel(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
 
 
 @pytest.mark.slow
@@ -117,14 +100,14 @@ def test_small_tiles_match_the_reference(tiles, dtype):
 @pytest.mark.parametrize("tiles", list(TILES))
 def test_every_tile_shape_matches_the_reference(tiles, name):
     spec = CASES[name]
-    inputs = _inputs(spec, seed=2)
-    assert_varlen_matches(spec, *_run(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
+    inputs = varlen_kernel_inputs(spec, Q_LENS, K_LENS, extra=EXTRA_ROWS, seed=2)
+    assert_varlen_matches(spec, *run_varlen_kernel(_emulated(spec, TILES[tiles]), spec, inputs), inputs)
 
 
 def test_longer_sequences_and_no_extra_rows():
     spec = _spec("float16", Hq=4, Hkv=2, D=64, causal=True)
-    inputs = _inputs(spec, q_lens=[130, 64, 2], k_lens=[200, 64, 1], extra=0, seed=3)
-    assert_varlen_matches(spec, *_run(_emulated(spec), spec, inputs), inputs)
+    inputs = varlen_kernel_inputs(spec, [130, 64, 2], [200, 64, 1], extra=0, seed=3)
+    assert_varlen_matches(spec, *run_varlen_kernel(_emulated(spec), spec, inputs), inputs)
 
 
 def test_the_grid_covers_every_row_tile_once():
