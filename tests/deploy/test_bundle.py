@@ -98,7 +98,7 @@ def test_llvm_bundle_passes_its_check_stage_without_apache_tvm(venv, llvm_bundle
         assert any(("vs TVM's kernel" if case["name"] in slots else "vs floor") in check["what"]
                    for check in case["checks"])
     ops = {c["op"] for c in manifest["cases"] if c["kind"] == "op"}
-    assert ops == {"flash_attn", "flash_attn_backward", "paged_attn"}
+    assert ops == {"flash_attn", "flash_attn_backward", "paged_attn", "flash_attn_varlen"}
     # every attention slot of TVM's cache, fuel's kernel beside TVM's, checked and timed (prefill, decode)
     assert {slot for name in slots for slot in specs[name]["slots"]} == set(TVM_SLOTS)
     assert {c["stage"] for c in specs.values() if c["kind"] == "tvm_slots"} == {"check", "bench"}
