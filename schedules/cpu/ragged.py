@@ -286,12 +286,11 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
                     bounds = T.alloc_buffer((2,), "int64", scope="local")
                     bounds[0] = T.int64(0)
                     bounds[1] = T.Cast("int64", B)
-                    for _ in range(64):
-                        if bounds[1] - bounds[0] > 1:
-                            if first_row_tile[(bounds[0] + bounds[1]) // 2] <= flat:
-                                bounds[0] = (bounds[0] + bounds[1]) // 2
-                            else:
-                                bounds[1] = (bounds[0] + bounds[1]) // 2
+                    while bounds[1] - bounds[0] > 1:  # log2(B) steps
+                        if first_row_tile[(bounds[0] + bounds[1]) // 2] <= flat:
+                            bounds[0] = (bounds[0] + bounds[1]) // 2
+                        else:
+                            bounds[1] = (bounds[0] + bounds[1]) // 2
                     attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
                                 nonfinite, first_tile, bounds[0], task_id % Hkv, flat - first_row_tile[bounds[0]])
         else:
