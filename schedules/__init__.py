@@ -164,9 +164,16 @@ def _with_forward_state(bb: relax.BlockBuilder, name: str, call: relax.Call, leg
     args = SPECS[name].split_args(call)
     if args["out"] is not None and args["lse"] is not None:
         return args
-    forward = bb.normalize(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"], args["attn_mask"],
-                                         sinks=args.get("sinks"), return_lse=True, **op.options_of(call)))
-    state = bb.emit(legalize_with("flash_attn")(bb, forward))
+    if name == "flash_attn_varlen_backward":  # max_seqlen as the backward's: the forward enforces them too
+        limits = {n: int(call.attrs[n]) or None for n in ("max_seqlen_q", "max_seqlen_k")}
+        forward = bb.normalize(op.flash_attn_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
+                                                    args["cu_seqlens_k"], args["alibi_slopes"], sinks=args["sinks"],
+                                                    return_lse=True, **limits, **op.options_of(call)))
+    else:
+        forward = bb.normalize(op.flash_attn(args["q"], args["k"], args["v"], args["alibi_slopes"],
+                                             args["attn_mask"], sinks=args.get("sinks"), return_lse=True,
+                                             **op.options_of(call)))
+    state = bb.emit(legalize_with(forward.op.name[len("relax.fuel."):])(bb, forward))
     if args["out"] is None:
         args["out"] = bb.emit(relax.TupleGetItem(state, 0))
     if args["lse"] is None:

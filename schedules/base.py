@@ -9,11 +9,13 @@ it); ``kernel`` builds that instance from knobs (tile sizes, vector width, split
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax, tirx
 
+from ..diagnostics import FloorWarning
 from ..op.config import AttnConfig
 from ..op import SPECS
 from .workload import KernelSpec, Workload
@@ -127,19 +129,25 @@ def paged_workload(call: relax.Call) -> Workload | None:
     return Workload("paged_attn", spec, _runtime_dims(B=q[0], Sq=q[2], num_blocks=cache[0], max_blocks=table[1]))
 
 
-def varlen_workload(call: relax.Call) -> Workload | None:
-    """The workload of a flash_attn_varlen call (dims total_q, total_k, B + 1); None where its
-    heads or head dim are symbolic, its offsets are not int32, or it has sinks (the floor serves those)."""
-    args = SPECS["flash_attn_varlen"].split_args(call)
+def varlen_workload(call: relax.Call, op: str = "flash_attn_varlen") -> Workload | None:
+    """The workload of a flash_attn_varlen (or, ``op``, flash_attn_varlen_backward) call (dims
+    total_q, total_k, B + 1; the backward's grads dq, dk, dv); None where its heads or head dim are
+    symbolic, its offsets are not int32, or it has sinks (the floor serves those)."""
+    args = SPECS[op].split_args(call)
     q, k, cu = static_dims(args["q"]), static_dims(args["k"]), static_dims(args["cu_seqlens_q"])
-    if q is None or k is None or cu is None or None in (q[1], q[2], k[1]) or args["sinks"] is not None:
+    if q is None or k is None or cu is None or None in (q[1], q[2], k[1]):
         return None
-    if {str(args[n].ty.dtype) for n in ("cu_seqlens_q", "cu_seqlens_k")} != {"int32"}:
+    if args["sinks"] is not None:
+        warnings.warn(f"tvm_fuel: fuel.{op} with sinks: no kernel takes them, the floor serves this call (its "
+                      "scores materialized over the longest sequence's keys)", FloorWarning, stacklevel=2)
         return None
+    backward = op == "flash_attn_varlen_backward"
     spec = KernelSpec(dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=k[1], head_dim=q[2],
-                      cfg=AttnConfig.from_attrs(SPECS["flash_attn_varlen"].label, call.attrs),
-                      has_alibi=args["alibi_slopes"] is not None, return_lse=bool(call.attrs["return_lse"]))
-    return Workload("flash_attn_varlen", spec, _runtime_dims(total_q=q[0], total_k=k[0], B1=cu[0]))
+                      cfg=AttnConfig.from_attrs(SPECS[op].label, call.attrs),
+                      has_alibi=args["alibi_slopes"] is not None,
+                      return_lse=False if backward else bool(call.attrs["return_lse"]))
+    return Workload(op, spec, _runtime_dims(total_q=q[0], total_k=k[0], B1=cu[0]),
+                    ("dq", "dk", "dv") if backward else ())
 
 
 def dense_workload(op: str, call: relax.Call, *, return_lse: bool = False, grads: tuple[str, ...] = ()

@@ -267,8 +267,13 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
     args = checked_dims(bb, name, dict(args) if args is not None else spec.split_args(call))
     if name == "paged_attn":
         args["context_lens"] = _checked_context_lens(bb, args)
-    if name == "flash_attn_varlen":
+    if name in ("flash_attn_varlen", "flash_attn_varlen_backward"):
         args = checked_cu_seqlens(bb, call, args)
+        # the kernels read FlashAttention's int32 offsets: wider ones passed the check above first
+        # (CPU targets); on GPUs a value that wraps is clamped by the kernels as any bad offset is
+        for n in ("cu_seqlens_q", "cu_seqlens_k"):
+            if str(args[n].ty.dtype) != "int32":
+                args[n] = bb.emit(relax.op.astype(args[n], "int32"))
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
     out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
     # the kernel's symbol is its (unique) global var's name: two instances of one template in a
