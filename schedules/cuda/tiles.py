@@ -88,7 +88,14 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
     row state static; Q, K and V tiles (``stages`` of each) dynamic. Float32 (SIMT) blocks also
     hold S, P and the rows' alpha, max and sum; register-tile (tensor-core) blocks none of them,
     but key-split warps merge their row max and sum (static) and O (float32, dynamic), and two
-    int32 flags mark V tiles that held a NaN or Inf (static)."""
+    int32 flags mark V tiles that held a NaN or Inf (static).
+
+    The dynamic bytes are what the kernel launches with: TVM merges the dynamic buffers into one
+    and lays the O-merge buffer over the tiles, dead by then, so a block needs the larger of the
+    two, not their sum. An overcount here is not safe: a block whose dynamic bytes are counted
+    past 48 KiB but are built within it cannot launch if its static bytes take it past 48 KiB
+    (``rules.shared_memory_fits``; float16 decode at D 80 did so). The static bytes are a bound
+    (TVM may lay the merge's row state over the page ids), which errs on the safe side."""
     BQ, BK, DP, e, ST = tiles.block_q, tiles.block_k, padded_dim(head_dim), _bytes(dtype), tiles.stages
     pad = TILE_PAD if dtype in HALF_TYPES else 0
     tiles_bytes = e * (BQ + 2 * BK * ST) * (DP + pad)
@@ -96,7 +103,7 @@ def forward_smem(dtype: str, head_dim: int, tiles: CudaTiles) -> tuple[int, int]
         key_warps = WarpLayout.of(tiles).key_warps
         merge = key_warps > 1
         static = 8 * BK * ST + (8 * key_warps * BQ if merge else 0) + 8
-        return static, tiles_bytes + (4 * key_warps * BQ * DP if merge else 0)
+        return static, max(tiles_bytes, 4 * key_warps * BQ * DP if merge else 0)
     return 4 * BQ * (BK + 4) + e * BQ * BK + 4 * 3 * BQ + 8 * BK * ST, tiles_bytes
 
 
