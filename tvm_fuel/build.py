@@ -80,7 +80,31 @@ def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, 
     if isinstance(base, str):
         base = default_pipeline(target, roots) if base == "default" else relax.get_pipeline(base)
     return tvm.transform.Sequential([RepairImportedProgram(), SpecializeAtTunedShapes(target, roots, lower), lower,
-                                     base], name="tvm_fuel.pipeline")
+                                     base, MarkVacuousNoAlias()], name="tvm_fuel.pipeline")
+
+
+def MarkVacuousNoAlias() -> tvm.transform.Pass:  # noqa: N802
+    """``tirx.noalias`` on every PrimFunc with at most one buffer parameter (nothing it could alias;
+    e.g. VMShapeLower's ``shape_func``). TVM 0.27's LLVM codegen declares all PrimFuncs of a module
+    (sorted by symbol) before emitting any, and ``DeclareFunctionInternal`` leaves ``is_restricted_``
+    (read while emitting) at the ``tirx.noalias`` of the one declared last: one PrimFunc without it
+    that sorts last strips ``noalias`` (and ``noinline``) from every kernel's ``_compute_`` function,
+    and the CPU attention kernels then run 3-5x slower."""
+    pointer_types = (tvm.tirx.BufferType, tvm.ir.PointerType)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_fuel.MarkVacuousNoAlias")
+    def _mark(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        updates = {gv: func.with_attr("tirx.noalias", True) for gv, func in mod.functions_items()
+                   if isinstance(func, tvm.tirx.PrimFunc) and not (func.attrs and func.attrs.get("tirx.noalias"))
+                   and sum(isinstance(p.ty, pointer_types) for p in func.params) <= 1}
+        if not updates:
+            return mod
+        mod = mod.clone()
+        for gv, func in updates.items():
+            mod.update_func(gv, func)
+        return mod
+
+    return _mark
 
 
 def default_pipeline(target: Any, roots: list | None = None) -> tvm.transform.Pass:
