@@ -212,6 +212,7 @@ def kernel_params(spec: KernelSpec, sizes: dict, *handles) -> tuple:
         packed = dict(q=((total_q, Hq, D), dtype), out=((total_q, Hq, D), dtype), k=((total_k, Hkv, D), dtype),
                       v=((total_k, Hkv, D), dtype), cu_seqlens_q=((sizes["B1"],), "int32"),
                       cu_seqlens_k=((sizes["B1"],), "int32"), alibi_slopes=((Hq,), F32), lse=((Hq, total_q), F32))
+        packed.update(do=packed["q"], dq=packed["q"], dk=packed["k"], dv=packed["k"])  # the backward's
         return tuple(T.match_buffer(handle, *packed[handle.name.removesuffix("_h")]) for handle in handles)
     B, Sq = sizes["B"], sizes["Sq"]
     has_mask = len(spec.mask_broadcast) > 0

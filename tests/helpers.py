@@ -86,6 +86,7 @@ HOST = tvm_fuel.host_target()
 FLOORS_WITH_CPU_KERNELS = {"fuel_flash_attn", "fuel_paged_attn", "fuel_flash_attn_backward",
                            "fuel_flash_attn_backward_q", "fuel_flash_attn_backward_k", "fuel_flash_attn_backward_v",
                            "fuel_flash_attn_jvp", "fuel_flash_attn_double_backward", "fuel_flash_attn_varlen",
+                           "fuel_flash_attn_varlen_backward",
                            "fuel_layer_norm_backward_dx", "fuel_rms_norm_backward_dx"}
 
 
@@ -190,6 +191,69 @@ def assert_varlen_matches(spec, out: np.ndarray, lse: np.ndarray | None, inputs:
         np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse: the rows without keys")
         np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=4 * LSE_TOLERANCE[0],
                                    rtol=4 * LSE_TOLERANCE[1], err_msg="lse")
+
+
+def varlen_backward_kernel_inputs(spec, q_lens, k_lens, *, extra: int = 0, seed: int = 0) -> dict:
+    """A varlen backward kernel's inputs for ``spec``, in its parameter order: ``varlen_kernel_inputs``
+    (q with ``extra`` rows past the last sequence), do like q (before the offsets), and the
+    reference forward's out (q's dtype) and lse [Hq, total_q] float32."""
+    from tvm_fuel import reference
+
+    forward = varlen_kernel_inputs(spec, q_lens, k_lens, extra=extra, seed=seed)
+    cfg = spec.cfg
+    out, lse = reference.flash_attn_varlen(
+        *(np.asarray(forward[n]).astype(np.float64) for n in "qkv"), forward["cu_seqlens_q"],
+        forward["cu_seqlens_k"], forward.get("alibi_slopes"), softmax_scale=cfg.softmax_scale, causal=cfg.causal,
+        window_size=cfg.window_size, softcap=cfg.softcap, sink_tokens=cfg.sink_tokens, return_lse=True)
+    inputs = dict(q=forward["q"], k=forward["k"], v=forward["v"],
+                  do=randn(np.random.default_rng(seed + 1), forward["q"].shape, spec.dtype))
+    inputs.update({name: value for name, value in forward.items() if name not in inputs})
+    inputs.update(out=out.astype(NP_DTYPE[spec.dtype]), lse=lse.astype(np.float32))
+    return inputs
+
+
+def run_varlen_backward_kernel(lib, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """[dq, dk, dv] (float64) of a compiled varlen backward kernel; they start as NaN, so every
+    element must be written."""
+    q, k = inputs["q"], inputs["k"]
+    grads = [tvm.runtime.tensor(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, k)]
+    lib(*(tvm.runtime.tensor(a) for a in inputs.values()), *grads)
+    return [g.numpy().astype(np.float64) for g in grads]
+
+
+def assert_varlen_backward_matches(spec, grads, inputs: Mapping[str, np.ndarray], *, scale: float = 4.0):
+    """A varlen backward's dq, dk, dv against ``reference.flash_attn_varlen_backward`` for ``spec``'s options."""
+    from tvm_fuel import reference
+
+    cfg = spec.cfg
+    want = reference.flash_attn_varlen_backward(
+        *(np.asarray(inputs[n]).astype(np.float64) for n in ("q", "k", "v", "do")), inputs["cu_seqlens_q"],
+        inputs["cu_seqlens_k"], inputs.get("alibi_slopes"), softmax_scale=cfg.softmax_scale, causal=cfg.causal,
+        window_size=cfg.window_size, softcap=cfg.softcap, sink_tokens=cfg.sink_tokens)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(got, expected, spec.dtype, scale=scale, what=name)
+
+
+GUARD = 16  # NaN rows around a tensor (``guarded``): a read there would turn an output NaN, a write would show
+
+
+def guarded(shape, dtype, fill) -> tuple[np.ndarray, np.ndarray]:
+    """(array with GUARD NaN rows before and after, its 64-byte aligned middle [shape], filled):
+    the middle is a kernel's tensor, the guard rows catch its reads and writes out of bounds."""
+    rows = (shape[0] + 2 * GUARD,) + tuple(shape[1:])
+    size = int(np.prod(rows))
+    raw = np.full(size + 64, np.nan, dtype)
+    skip = (-raw.ctypes.data % 64) // raw.itemsize
+    whole = raw[skip:skip + size].reshape(rows)
+    middle = whole[GUARD:GUARD + shape[0]]
+    middle[...] = fill
+    return whole, middle
+
+
+def assert_guards_intact(whole: np.ndarray, what: str = ""):
+    """The GUARD rows of a ``guarded`` array are still NaN (nothing wrote there)."""
+    assert np.isnan(whole[:GUARD].astype(np.float64)).all(), what
+    assert np.isnan(whole[-GUARD:].astype(np.float64)).all(), what
 
 
 def buffers_growing_with(func: tirx.PrimFunc, a: str, b: str) -> list[str]:

@@ -10,6 +10,7 @@ Modules:
     tvm_cache       -- the attention slots of TVM's own paged KV cache (relax.frontend.nn.llm)
     varlen          -- flash_attn_varlen's packed variable-length forward (varlen_forward)
     backward        -- flash_attn_backward (dq, dk, dv)
+    varlen_backward -- flash_attn_varlen_backward's packed variable-length backward (the backward's tasks per sequence)
     tangent         -- the tangent pass, and flash_attn_jvp on it
     double_backward -- flash_attn_double_backward
     norm            -- layer_norm_backward, rms_norm_backward

@@ -19,6 +19,8 @@ weights; the tiles are counted for non-finite elements as they are loaded, so fi
 run the plain GEMMs.
 
 Contents:
+    BackwardBuffers, DenseRows, BackwardKernel -- a task's parameters, row layout and kernel-wide buffers
+    BackwardTask   -- the task macros (shared with the packed varlen backward, ``varlen_backward``)
     flash_backward -- PrimFunc(q, k, v, do, [alibi_slopes], [attn_mask], out, lse, [dq], [dk], [dv])
 """
 
@@ -94,21 +96,55 @@ class _TaskScratch:
 
 
 @dataclass(frozen=True)
-class _Kernel:
-    """What every task reads: the grid, the parameters, D = rowsum(do * out) [B, Hq, Sq] and the
-    dq partials [splits, B, Hq, padded_sq, DP]."""
+class DenseRows:
+    """Where row i of query head h (key j of KV head g) of batch b lives in the dense layout: q, do,
+    out [B, Hq, Sq, D], k, v, dk, dv [B, Hkv, Sk, D], per-row lse and D [B, Hq, Sq]. The packed
+    varlen layout (``varlen_backward.PackedRows``) answers the same questions per sequence."""
+
+    Sq: tirx.PrimExpr
+    Sk: tirx.PrimExpr
+
+    def q_len(self, b):
+        return self.Sq
+
+    def k_len(self, b):
+        return self.Sk
+
+    def query(self, buf, b, h, i, d):
+        """q or do [.., D] element d of query (b, h, i)."""
+        return buf[b, h, i, d]
+
+    def key(self, buf, b, g, j, d):
+        """k or v element d of key (b, g, j)."""
+        return buf[b, g, j, d]
+
+    def row(self, buf, b, h, i):
+        """The per-row statistic (lse, D) of query (b, h, i)."""
+        return buf[b, h, i]
+
+    def store_key(self, buf, value, b, g, j, d):
+        """dk or dv element d of key (b, g, j) := value (a statement where called in a macro)."""
+        T.buffer_store(buf, value, [b, g, j, d])
+
+
+@dataclass(frozen=True)
+class BackwardKernel:
+    """What every task reads: the grid, the parameters, the rows' layout (``DenseRows`` or the
+    packed one), D = rowsum(do * out) (laid out as lse) and the float32 dq partials (one
+    [block_q, DP] run per (split, query head, query tile), at ``grid.pair(...).partial_start``)."""
 
     grid: KeySplitGrid
     params: BackwardBuffers
+    seq: object
     row_dot: tirx.Buffer
     dq_part: tirx.Buffer
 
 
 class _Body:
-    """The macros of a backward task, specialised to one spec, tile configuration, gradient set
-    and the kernel's dims Sq, Sk."""
+    """The macros of a backward task, specialised to one spec, tile configuration and gradient set;
+    ``seq`` (``DenseRows`` or the packed layout) says where rows live and how long the sequences are."""
 
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...], Sq, Sk):
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...]):
         dtype, D, cfg, scale = spec.dtype, spec.head_dim, spec.cfg, spec.scale
         BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
         want_dk, want_dv = "dk" in grads, "dv" in grads
@@ -117,20 +153,21 @@ class _Body:
         # LLVM takes 70 s to compile the dv kernel
         capped_stored = cfg.softcap > 0
 
-        def pair_probability(capped, lse_row, params, pair, r, c):
+        def pair_probability(capped, lse_row, params, seq, pair, r, c):
             # P = exp(logit - lse) of one score from its capped value, 0 where the key is dropped
+            Sq, Sk = seq.q_len(pair.b), seq.k_len(pair.b)
             return probability(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c,
                                Sk, Sk - Sq, lse_row, fast=True)
 
         @T.macro
-        def load_keys(keys, params, b, g, kt):
+        def load_keys(keys, params, seq, b, g, kt):
             # key tile kt of KV head g, and its dk, dv accumulators zeroed
             for c in range(BK):
-                if kt * BK + c < Sk:
+                if kt * BK + c < seq.k_len(b):
                     for d in range(D):
-                        keys.Kn[c, d] = params.k[b, g, kt * BK + c, d].astype(F32)
-                        keys.Kt[d, c] = params.k[b, g, kt * BK + c, d].astype(F32)
-                        keys.Vt[d, c] = params.v[b, g, kt * BK + c, d].astype(F32)
+                        keys.Kn[c, d] = seq.key(params.k, b, g, kt * BK + c, d).astype(F32)
+                        keys.Kt[d, c] = seq.key(params.k, b, g, kt * BK + c, d).astype(F32)
+                        keys.Vt[d, c] = seq.key(params.v, b, g, kt * BK + c, d).astype(F32)
                 else:
                     for d in range(D):
                         keys.Kn[c, d] = T.float32(0)
@@ -143,14 +180,14 @@ class _Body:
                     keys.dV[c, d] = T.float32(0)
 
         @T.macro
-        def load_rows(rows, params, row_dot, pair):
+        def load_rows(rows, params, row_dot, seq, pair):
             for r in range(BQ):
-                if pair.i0 + r < Sq:
+                if pair.i0 + r < seq.q_len(pair.b):
                     for d in range(D):
-                        rows.Qs[r, d] = params.q[pair.b, pair.h, pair.i0 + r, d].astype(F32)
-                        rows.dOs[r, d] = params.do[pair.b, pair.h, pair.i0 + r, d].astype(F32)
-                    rows.lse_r[r] = params.lse[pair.b, pair.h, pair.i0 + r]
-                    rows.D_r[r] = row_dot[pair.b, pair.h, pair.i0 + r]
+                        rows.Qs[r, d] = seq.query(params.q, pair.b, pair.h, pair.i0 + r, d).astype(F32)
+                        rows.dOs[r, d] = seq.query(params.do, pair.b, pair.h, pair.i0 + r, d).astype(F32)
+                    rows.lse_r[r] = seq.row(params.lse, pair.b, pair.h, pair.i0 + r)
+                    rows.D_r[r] = seq.row(row_dot, pair.b, pair.h, pair.i0 + r)
                 else:
                     for d in range(D):
                         rows.Qs[r, d] = T.float32(0)
@@ -162,18 +199,18 @@ class _Body:
                     rows.dOs[r, d] = T.float32(0)
 
         @T.macro
-        def probabilities(S, Cap, lse_r, params, pair):
+        def probabilities(S, Cap, lse_r, params, seq, pair):
             # S holds q.k^T; it becomes P = exp(logit - lse), 0 where the key is dropped (a vectorized
             # exp: LLVM's vector exp is 16 libm calls, which had cost the backward ~30 % of its time)
             for r in range(BQ):
-                if pair.i0 + r < Sq:
+                if pair.i0 + r < seq.q_len(pair.b):
                     for c in T.vectorized(BK):
                         if capped_stored:
                             Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
-                            S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, pair, r, c)
+                            S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, seq, pair, r, c)
                         else:
                             S[r, c] = pair_probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True),
-                                                       lse_r[r], params, pair, r, c)
+                                                       lse_r[r], params, seq, pair, r, c)
                 else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                     for c in T.vectorized(BK):
                         S[r, c] = T.float32(0)
@@ -188,17 +225,88 @@ class _Body:
                     dP[r, c] = sem.score_grad(cfg, S[r, c], dP[r, c], D_r[r], Cap[r, c], factor=T.float32(scale))
 
         @T.macro
-        def store_key_grads(keys, params, b, g, kt):
+        def store_key_grads(keys, params, seq, b, g, kt):
             for c in range(BK):
-                if kt * BK + c < Sk:
+                if kt * BK + c < seq.k_len(b):
                     for d in range(D):
                         if want_dk:
-                            params.dk[b, g, kt * BK + c, d] = keys.dK[c, d].astype(dtype)
+                            seq.store_key(params.dk, keys.dK[c, d].astype(dtype), b, g, kt * BK + c, d)
                         if want_dv:
-                            params.dv[b, g, kt * BK + c, d] = keys.dV[c, d].astype(dtype)
+                            seq.store_key(params.dv, keys.dV[c, d].astype(dtype), b, g, kt * BK + c, d)
 
         self.load_keys, self.load_rows, self.store_key_grads = load_keys, load_rows, store_key_grads
         self.probabilities, self.score_grads = probabilities, score_grads
+
+
+class BackwardTask:
+    """The macros of a key-split task, shared by the dense and the packed (varlen) backward:
+    ``pair_step(kernel, scratch, pair)`` (one query tile against the task's key tile) and
+    ``key_task(kernel, b, g, split)`` (dk, dv of each of the split's key tiles, and the split's dq
+    partials); ``kernel`` is a ``BackwardKernel`` whose grid and row layout are the task's."""
+
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...]):
+        micro = Micro(tiles)
+        body = _Body(spec, tiles, grads)
+        D = spec.head_dim
+        BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim)
+        KV, DV = tiles.key_vecs, tiles.dim_vecs
+        want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
+        want_ds = want_dq or want_dk
+
+        @T.macro
+        def pair_step(kernel, scratch, pair):
+            # S, P, dP and dS of one (query tile, key tile) pair; dv, dk and the dq partial accumulate
+            keys = T.meta_var(scratch.keys)
+            rows = T.meta_var(scratch.rows)
+            body.load_rows(rows, kernel.params, kernel.row_dot, kernel.seq, pair)
+            micro.gemm(scratch.S, rows.Qs, keys.Kt, BQ, BK, D, KV)
+            body.probabilities(scratch.S, scratch.Cap, rows.lse_r, kernel.params, kernel.seq, pair)
+            if want_dv:
+                micro.count_nonfinite(scratch.do_nonfinite, rows.dOs, BQ, DP)
+                micro.nan_safe_gemm(keys.dV, scratch.S, rows.dOs, BK, DP, BQ, DV,
+                                    scratch.do_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
+            if want_ds:
+                micro.gemm(scratch.dP, rows.dOs, keys.Vt, BQ, BK, D, KV)
+                body.score_grads(scratch.dP, scratch.S, scratch.Cap, rows.D_r)
+                if want_dk:
+                    micro.count_nonfinite(scratch.q_nonfinite, rows.Qs, BQ, DP)
+                    micro.nan_safe_gemm(keys.dK, scratch.dP, rows.Qs, BK, DP, BQ, DV,
+                                        scratch.q_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
+                if want_dq:
+                    dQv = T.decl_buffer((BQ, DP), F32, data=kernel.dq_part.data, elem_offset=pair.partial_start)
+                    micro.nan_safe_gemm(dQv, scratch.dP, keys.Kn, BQ, DP, BK, DV,
+                                        scratch.keys_nonfinite[0] == T.float32(0), accumulate=True)
+
+        @T.macro
+        def key_task(kernel, b, g, split):
+            # dk, dv of each of the split's key tiles, and the split's dq partials
+            Kn = T.alloc_buffer((BK, DP), F32)
+            Kt = T.alloc_buffer((D, BK), F32)
+            Vt = T.alloc_buffer((D, BK), F32)
+            dK_acc = T.alloc_buffer((BK, DP), F32)
+            dV_acc = T.alloc_buffer((BK, DP), F32)
+            Qs = T.alloc_buffer((BQ, DP), F32)
+            dOs = T.alloc_buffer((BQ, DP), F32)
+            lse_r = T.alloc_buffer((BQ,), F32)
+            D_r = T.alloc_buffer((BQ,), F32)
+            S = T.alloc_buffer((BQ, BK), F32)
+            dP = T.alloc_buffer((BQ, BK), F32)
+            Cap = T.alloc_buffer((BQ, BK), F32)
+            keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
+            scratch = T.meta_var(_TaskScratch(keys, _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap, keys_nonfinite,
+                                              q_nonfinite, do_nonfinite))
+            grid = T.meta_var(kernel.grid)
+            for i in range(grid.first_tile(split), grid.end_tile(split)):
+                kt: T.int64 = grid.key_tile(i)
+                body.load_keys(keys, kernel.params, kernel.seq, b, g, kt)
+                micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
+                visible_query_tiles(grid, kernel, scratch, b, g, split, kt, pair_step)
+                body.store_key_grads(keys, kernel.params, kernel.seq, b, g, kt)
+
+        self.pair_step, self.key_task = pair_step, key_task
 
 
 def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
@@ -208,68 +316,12 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
     sizes = kernel_sizes(dims)
     B, Sq, Sk = sizes.values()
     splits = tiles.splits
-    micro = Micro(tiles)
-    body = _Body(spec, tiles, grads, Sq, Sk)
+    task = BackwardTask(spec, tiles, grads)
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim)
-    KV, DV = tiles.key_vecs, tiles.dim_vecs
     cfg = spec.cfg
-    want_dq, want_dk, want_dv = "dq" in grads, "dk" in grads, "dv" in grads
-    want_ds = want_dq or want_dk
+    want_dq = "dq" in grads
     unused = absent_inputs(spec) | {name for name in ("dq", "dk", "dv") if name not in grads}
-
-    @T.macro
-    def pair_step(kernel, scratch, pair):
-        # S, P, dP and dS of one (query tile, key tile) pair; dv, dk and the dq partial accumulate
-        keys = T.meta_var(scratch.keys)
-        rows = T.meta_var(scratch.rows)
-        body.load_rows(rows, kernel.params, kernel.row_dot, pair)
-        micro.gemm(scratch.S, rows.Qs, keys.Kt, BQ, BK, D, KV)
-        body.probabilities(scratch.S, scratch.Cap, rows.lse_r, kernel.params, pair)
-        if want_dv:
-            micro.count_nonfinite(scratch.do_nonfinite, rows.dOs, BQ, DP)
-            micro.nan_safe_gemm(keys.dV, scratch.S, rows.dOs, BK, DP, BQ, DV,
-                                scratch.do_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
-        if want_ds:
-            micro.gemm(scratch.dP, rows.dOs, keys.Vt, BQ, BK, D, KV)
-            body.score_grads(scratch.dP, scratch.S, scratch.Cap, rows.D_r)
-            if want_dk:
-                micro.count_nonfinite(scratch.q_nonfinite, rows.Qs, BQ, DP)
-                micro.nan_safe_gemm(keys.dK, scratch.dP, rows.Qs, BK, DP, BQ, DV,
-                                    scratch.q_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
-            if want_dq:
-                dQv = T.decl_buffer((BQ, DP), F32, data=kernel.dq_part.data, elem_offset=pair.partial_start)
-                micro.nan_safe_gemm(dQv, scratch.dP, keys.Kn, BQ, DP, BK, DV,
-                                    scratch.keys_nonfinite[0] == T.float32(0), accumulate=True)
-
-    @T.macro
-    def key_task(kernel, b, g, split):
-        # dk, dv of each of the split's key tiles, and the split's dq partials
-        Kn = T.alloc_buffer((BK, DP), F32)
-        Kt = T.alloc_buffer((D, BK), F32)
-        Vt = T.alloc_buffer((D, BK), F32)
-        dK_acc = T.alloc_buffer((BK, DP), F32)
-        dV_acc = T.alloc_buffer((BK, DP), F32)
-        Qs = T.alloc_buffer((BQ, DP), F32)
-        dOs = T.alloc_buffer((BQ, DP), F32)
-        lse_r = T.alloc_buffer((BQ,), F32)
-        D_r = T.alloc_buffer((BQ,), F32)
-        S = T.alloc_buffer((BQ, BK), F32)
-        dP = T.alloc_buffer((BQ, BK), F32)
-        Cap = T.alloc_buffer((BQ, BK), F32)
-        keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-        q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-        do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-        keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
-        scratch = T.meta_var(_TaskScratch(keys, _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap, keys_nonfinite,
-                                          q_nonfinite, do_nonfinite))
-        grid = T.meta_var(kernel.grid)
-        for i in range(grid.first_tile(split), grid.end_tile(split)):
-            kt: T.int64 = grid.key_tile(i)
-            body.load_keys(keys, kernel.params, b, g, kt)
-            micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
-            visible_query_tiles(grid, kernel, scratch, b, g, split, kt, pair_step)
-            body.store_key_grads(keys, kernel.params, b, g, kt)
 
     # fmt: off
     @T.prim_func
@@ -300,7 +352,7 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         # 2. per (batch, KV head, split): dk, dv of each key tile; dq partials
         grid = T.meta_var(KeySplitGrid(cfg, B, Sq, Sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
                                        padded_sq))
-        key_split_tasks(grid, _Kernel(grid, params, row_dot, dq_part), key_task)
+        key_split_tasks(grid, BackwardKernel(grid, params, DenseRows(Sq, Sk), row_dot, dq_part), task.key_task)
         # 3. dq = sum of the splits' partials
         if want_dq:
             sum_split_partials(dq_part, dq, B, Hq, Sq, D, splits, dtype)

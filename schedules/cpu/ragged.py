@@ -18,6 +18,8 @@ Contents:
     task_scratch   -- a task's scratch buffers (and a packed K and V tile)
     PackedKeys     -- the packed key tiles of every (sequence, KV head), as views
     prefill_phases -- the macro of a ragged prefill: pack every sequence's keys, then run the tasks
+    find_sequence  -- the sequence of a unit (row tile, task) from prefix sums, by binary search
+    dealt_tasks    -- a ragged batch's tasks dealt to parallel workers in turn (each finds its sequence)
     LSE_LOG2, LSE_NATURAL
 """
 
@@ -203,6 +205,51 @@ class PackedKeys:
                 T.decl_buffer((1,), F32, data=self.nonfinite.data, elem_offset=index))
 
 
+@T.macro
+def find_sequence(bounds, first, B, index):
+    # bounds[0] := the sequence b whose units (row tiles, tasks) hold unit ``index``: the last
+    # b < B with first[b] <= index (an empty sequence shares its successor's start); log2(B) steps.
+    # bounds: a local int64 buffer of 2
+    bounds[0] = T.int64(0)
+    bounds[1] = T.Cast("int64", B)
+    while bounds[1] - bounds[0] > 1:
+        if first[(bounds[0] + bounds[1]) // 2] <= index:
+            bounds[0] = (bounds[0] + bounds[1]) // 2
+        else:
+            bounds[1] = (bounds[0] + bounds[1]) // 2
+
+
+def _bit_reversed(worker, workers: int):
+    # the slot of worker w: w's bits reversed (workers a power of two), so that consecutive tasks go
+    # to workers far apart, i.e. to different threads of the parallel loop's contiguous chunks
+    bits = workers.bit_length() - 1
+    return sum(((worker >> k) & 1) << (bits - 1 - k) for k in range(bits))
+
+
+def _worker_slot(worker, workers: int, spread: bool):
+    if not spread:
+        return sem.as_int64(worker)
+    if workers & (workers - 1):
+        raise ValueError(f"dealt_tasks: spread needs a power-of-two count of workers, got {workers}")
+    return sem.as_int64(_bit_reversed(worker, workers))
+
+
+@T.macro
+def dealt_tasks(workers, n_tasks, first, B, stride, task_body, context, spread=False):
+    # n_tasks tasks dealt to ``workers`` parallel workers in turn: the worker of slot s runs tasks
+    # s, s + workers, ... (slot: the worker itself, or with ``spread`` its bits reversed, so that
+    # even a few tasks of unlike cost land on every thread). Task t belongs to sequence b, the last
+    # with first[b] <= t // stride (``first``: prefix sums over B sequences of units of ``stride``
+    # tasks); it runs as task_body(context, t, b).
+    for worker in T.parallel(workers):
+        slot: T.int64 = _worker_slot(worker, workers, spread)
+        for step in range(T.max(n_tasks - slot + workers - 1, T.int64(0)) // workers):
+            task_id: T.int64 = slot + step * workers
+            bounds = T.alloc_buffer((2,), "int64", scope="local")
+            find_sequence(bounds, first, B, task_id // stride)
+            task_body(context, task_id, bounds[0])
+
+
 def _tvm_key_tiles(a, BK: int):
     # each sequence's keys fill its pages (its rows of k) but the last
     return (T.Cast("int64", a.nnz_pages) * a.page_size if a.pages is not None
@@ -248,6 +295,12 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
             plain.attend_rows(*args)
 
     @T.macro
+    def row_task(context, task_id, b):
+        # dealt task ``task_id`` of sequence b: KV head task_id % Hkv of its row tile task_id // Hkv
+        first_row_tile = T.meta_var(context[-1])
+        attend_task(*context[:-1], b, task_id % Hkv, task_id // Hkv - first_row_tile[b])
+
+    @T.macro
     def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         # a (TvmArgs): the kernel's parameters
         B = T.meta_var(a.B)
@@ -276,23 +329,9 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
                 Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
                 plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale, rope_theta)
         if workers > 0:
-            n_tasks: T.int64 = first_row_tile[B] * Hkv
-            for worker in T.parallel(workers):
-                for step in range(T.max(n_tasks - worker + workers - 1, T.int64(0)) // workers):
-                    task_id: T.int64 = worker + step * workers
-                    flat: T.int64 = task_id // Hkv
-                    # the sequence b whose row tiles hold tile ``flat``: the last b < B with
-                    # first_row_tile[b] <= flat (an empty sequence shares its successor's start)
-                    bounds = T.alloc_buffer((2,), "int64", scope="local")
-                    bounds[0] = T.int64(0)
-                    bounds[1] = T.Cast("int64", B)
-                    while bounds[1] - bounds[0] > 1:  # log2(B) steps
-                        if first_row_tile[(bounds[0] + bounds[1]) // 2] <= flat:
-                            bounds[0] = (bounds[0] + bounds[1]) // 2
-                        else:
-                            bounds[1] = (bounds[0] + bounds[1]) // 2
-                    attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
-                                nonfinite, first_tile, bounds[0], task_id % Hkv, flat - first_row_tile[bounds[0]])
+            context = T.meta_var((a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
+                                  nonfinite, first_tile, first_row_tile))
+            dealt_tasks(workers, first_row_tile[B] * Hkv, first_row_tile, B, Hkv, row_task, context)
         else:
             for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
                 attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
@@ -302,4 +341,5 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
     return run
 
 
-__all__ = ["RaggedTask", "task_scratch", "PackedKeys", "prefill_phases", "LSE_LOG2", "LSE_NATURAL", "LSE_RULES"]
+__all__ = ["RaggedTask", "task_scratch", "PackedKeys", "prefill_phases", "find_sequence", "dealt_tasks", "LSE_LOG2",
+           "LSE_NATURAL", "LSE_RULES"]

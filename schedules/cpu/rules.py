@@ -15,7 +15,8 @@ record left at its machine's hand-picked value outside the candidates (e.g. deco
 derived from the KV heads per task) takes this machine's hand-picked value.
 
 Contents:
-    FlashForward, FlashBackward, PagedAttention, VarlenForward, FlashJvp, FlashDoubleBackward, NormBackward --
+    FlashForward, FlashBackward, PagedAttention, VarlenForward, VarlenBackward, FlashJvp, FlashDoubleBackward,
+    NormBackward --
         one rule per kernel pattern (dlight style)
 """
 
@@ -33,6 +34,7 @@ from .backward import flash_backward
 from .forward import dense_forward, paged_forward
 from .double_backward import flash_double_backward
 from .varlen import varlen_forward
+from .varlen_backward import varlen_backward
 from .tangent import COTANGENTS, JVP_TANGENTS, flash_jvp
 from .norm import NormTiles, norm_backward, norm_tiles
 from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
@@ -200,6 +202,31 @@ class VarlenForward(_CpuRule):
         return varlen_forward(workload.spec, CpuTiles(**knobs))
 
 
+class VarlenBackward(_CpuRule):
+    """flash_attn_varlen_backward on llvm: the dense backward's key-split tasks per (sequence, KV
+    head, split), dealt to the cores. Takes the forward's out and lse (the varlen forward kernel runs
+    first where the call lacks them). Not tuned yet: the dense backward's hand-picked tiles at rows
+    unknown, and splits enough for every core twice over from one sequence's KV heads (the longest
+    sequence's work dominates; a sequence never has more splits than key tiles)."""
+
+    op = "flash_attn_varlen_backward"
+    needs_forward_state = True
+    tunable = False
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return varlen_workload(call, op=self.op) if self.is_target_available(target) else None
+
+    def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
+        splits = min(16, max(1, -(-2 * cores(target) // workload.spec.num_kv_heads)))
+        return asdict(replace(tiles_for(target, head_dim=workload.spec.head_dim, rows=None), splits=splits))
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        return {**tile_space(target, rows=None), "splits": (1, 2, 4, 8, 16)}
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return varlen_backward(workload.spec, CpuTiles(**knobs))
+
+
 def _present(call: relax.Call, op: str, names: tuple[str, ...]) -> tuple[str, ...]:
     """Which of the optional arguments ``names`` (tangents or cotangents) the call passes."""
     args = SPECS[op].split_args(call)
@@ -284,6 +311,6 @@ class NormBackward(KernelRule):
         return norm_backward(self.kind, workload.spec.dtype, workload.spec.features, NormTiles(**knobs), rows=rows)
 
 
-RULES = (FlashForward(), PagedAttention(), VarlenForward(), *(FlashBackward(op) for op in (
+RULES = (FlashForward(), PagedAttention(), VarlenForward(), VarlenBackward(), *(FlashBackward(op) for op in (
     "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")),
     FlashJvp(), FlashDoubleBackward(), NormBackward("layer_norm_backward"), NormBackward("rms_norm_backward"))

@@ -17,6 +17,7 @@ cu_seqlens are validated in the kernel before anything else is read (start at 0,
 decrease, end at most at the packed length): a bad one raises, naming the argument.
 
 Contents:
+    check_offsets, check_packed_offsets -- the in-kernel checks of cu_seqlens (the backward's too)
     varlen_forward -- PrimFunc fuel_flash_attn_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k,
                       [alibi_slopes], out, [lse])
 """
@@ -35,8 +36,25 @@ from .tiles import CpuTiles
 OP = "fuel.flash_attn_varlen"
 
 
-def _offsets_message(name: str, packed: str) -> str:
-    return f"{OP}: {name} must start at 0, never decrease and end at most at {packed}.shape[0]"
+def _offsets_message(op: str, name: str, packed: str) -> str:
+    return f"{op}: {name} must start at 0, never decrease and end at most at {packed}.shape[0]"
+
+
+@T.macro
+def check_offsets(offsets, B1, packed_rows, message):
+    # offsets[0] == 0, offsets[b] <= offsets[b + 1], offsets[B] <= packed_rows: every sequence's
+    # rows lie in [0, packed_rows)
+    assert offsets[0] == 0 and T.Cast("int64", offsets[B1 - 1]) <= packed_rows, message
+    for b in range(B1 - 1):
+        assert offsets[b] <= offsets[b + 1], message
+
+
+@T.macro
+def check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, op):
+    # both offsets of a packed batch (``op`` names the kernel's op), before anything is read through them
+    assert B1 >= T.int64(1), f"{op}: cu_seqlens_q and cu_seqlens_k must hold B + 1 >= 1 offsets"
+    check_offsets(cu_seqlens_q, B1, total_q, _offsets_message(op, "cu_seqlens_q", "q"))
+    check_offsets(cu_seqlens_k, B1, total_k, _offsets_message(op, "cu_seqlens_k", "k"))
 
 
 def _check(spec: KernelSpec):
@@ -66,16 +84,6 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     run = prefill_phases(spec, tiles, task, None, where=OP, workers=workers,
                          key_tiles=lambda a, block_k: total_k // block_k + tirx.min(B1, total_k))
     unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
-    q_message, k_message = _offsets_message("cu_seqlens_q", "q"), _offsets_message("cu_seqlens_k", "k")
-    batch_message = f"{OP}: cu_seqlens_q and cu_seqlens_k must hold B + 1 >= 1 offsets"
-
-    @T.macro
-    def check_offsets(offsets, packed_rows, message):
-        # offsets[0] == 0, offsets[b] <= offsets[b + 1], offsets[B] <= packed_rows: every sequence's
-        # rows lie in [0, packed_rows)
-        assert offsets[0] == 0 and T.Cast("int64", offsets[B1 - 1]) <= packed_rows, message
-        for b in range(B1 - 1):
-            assert offsets[b] <= offsets[b + 1], message
 
     # fmt: off
     @T.prim_func
@@ -84,9 +92,7 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
                                    lse_h: T.handle):
         q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse = kernel_params(
             spec, sizes, q_h, k_h, v_h, cu_seqlens_q_h, cu_seqlens_k_h, alibi_slopes_h, out_h, lse_h)
-        assert B1 >= T.int64(1), batch_message
-        check_offsets(cu_seqlens_q, total_q, q_message)
-        check_offsets(cu_seqlens_k, total_k, k_message)
+        check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, OP)
         args = T.meta_var(TvmArgs(B=B1 - 1, q=q, output=out, lse=lse if spec.return_lse else None, total_q=total_q,
                                   q_indptr=cu_seqlens_q, k=k, v=v, kv_indptr=cu_seqlens_k, total_kv=total_k))
         params = T.meta_var(ForwardBuffers(q=q, out=out, alibi=alibi_slopes if spec.has_alibi else None))
@@ -104,4 +110,4 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     return finish(drop_params(fuel_flash_attn_varlen_cpu, unused))
 
 
-__all__ = ["varlen_forward"]
+__all__ = ["varlen_forward", "check_offsets", "check_packed_offsets"]

@@ -9,5 +9,6 @@ Contents:
     varlen   -- FlashAttention's packed variable-length forward (cu_seqlens) over the forward's blocks
     backward -- flash attention backward (FlashAttention-2 structure); backward_registers: its
                 register-tile path
+    varlen_backward -- the packed variable-length backward over the backward's blocks
     rules    -- the rules that put them in place of the floor on cuda targets
 """

@@ -91,7 +91,7 @@ class _Tile:
 
 
 @dataclass(frozen=True)
-class _KeyBlock:
+class KeyBlock:
     """A dk/dv block: batch ``b``, KV head ``g``, the key tile at ``j0``; ``Sq`` queries, ``Sk`` keys."""
 
     b: Any
@@ -105,7 +105,7 @@ class _KeyBlock:
 
 
 @dataclass(frozen=True)
-class _QueryBlock:
+class QueryBlock:
     """A dq block: batch ``b``, query head ``h``, the query tile at ``i0``; ``Sq`` queries, ``Sk`` keys."""
 
     b: Any
@@ -167,27 +167,25 @@ class BackwardMacros(RegisterTiles):
     def acc_col(self, i, tx):
         return (i * self.NT + tx) % self.DP
 
-    def group_tile(self, kb: _KeyBlock, qlo, tiles, t) -> _Tile:
+    def group_tile(self, kb: KeyBlock, qlo, tiles, t) -> _Tile:
         """Tile t of a dk/dv block's walk: query tile qlo + t % tiles of the group's head t // tiles."""
         return kb.tile(kb.g * self.spec.group + t // tiles, (qlo + t % tiles) * self.BQ)
 
     def _outputs(self):
         spec, NT, DP, local = self.spec, self.NT, self.DP, self.launch.local
-        D, Hq, dtype = spec.head_dim, spec.num_q_heads, spec.dtype
-
-        def row_of(e, Sq):  # (batch, head, position) of query row e ([B, Hq, Sq] flat)
-            return e // Sq // Hq, e // Sq % Hq, e % Sq
+        D, dtype = spec.head_dim, spec.dtype
 
         @T.macro
-        def row_dots(prm, B, Sq, bx, tx):
-            # D[b, h, i] = sum_d do * out, one thread per row
+        def row_dots(prm, rows, index_of, bx, tx):
+            # D[row] = sum_d do * out, one thread per row e < rows (index_of(e): its index into do,
+            # out without the head dim, and into row_dot)
             acc = T.alloc_buffer((1,), F32, scope=local)
             e = T.Cast("int64", bx) * NT + tx
-            if e < B * Hq * Sq:
+            if e < rows:
                 acc[0] = T.float32(0)
                 for d in range(D):
-                    acc[0] = acc[0] + T.Cast(F32, prm.do[*row_of(e, Sq), d]) * T.Cast(F32, prm.out[*row_of(e, Sq), d])
-                prm.row_dot[*row_of(e, Sq)] = acc[0]
+                    acc[0] = acc[0] + T.Cast(F32, prm.do[*index_of(e), d]) * T.Cast(F32, prm.out[*index_of(e), d])
+                prm.row_dot[*index_of(e)] = acc[0]
 
         @T.macro
         def store_rows(out, acc, b, head, row0, rows, limit, factor, tx):
@@ -196,8 +194,9 @@ class BackwardMacros(RegisterTiles):
             for i in range(ceil_div(rows * DP, NT)):
                 if i * NT + tx < rows * DP:
                     if tirx.all(row0 + self.acc_row(i, tx) < limit, self.acc_col(i, tx) < D):
-                        out[b, head, row0 + self.acc_row(i, tx), self.acc_col(i, tx)] = T.Cast(
-                            dtype, acc[i] * T.float32(factor))
+                        # vstore: out may be a packed tensor's view (varlen.PackedRows)
+                        out.vstore([b, head, row0 + self.acc_row(i, tx), self.acc_col(i, tx)],
+                                   T.Cast(dtype, acc[i] * T.float32(factor)))
 
         self.row_dots, self.store_rows = row_dots, store_rows
 
@@ -453,13 +452,13 @@ def flash_backward(spec: KernelSpec, tiles: CudaTiles, *, grads: tuple[str, ...]
         if want_ds:
             for bx in launch.grid((B * Hq * Sq + NT - 1) // NT, "x"):
                 for tx in launch.block():
-                    body.row_dots(prm, B, Sq, bx, tx)
+                    body.row_dots(prm, B * Hq * Sq, lambda e: (e // Sq // Hq, e // Sq % Hq, e % Sq), bx, tx)
         # 2. dk, dv: one block per (key tile, batch x KV head)
         if want_dk or want_dv:
-            tile_blocks(prm, Sk, BK, Hkv, _KeyBlock, body.key_block)
+            tile_blocks(prm, Sk, BK, Hkv, KeyBlock, body.key_block)
         # 3. dq: one block per (query tile, batch x query head)
         if want_dq:
-            tile_blocks(prm, Sq, BQ, Hq, _QueryBlock, body.query_block)
+            tile_blocks(prm, Sq, BQ, Hq, QueryBlock, body.query_block)
 
     unused = {name for name, wanted in (("dq", want_dq), ("dk", want_dk), ("dv", want_dv)) if not wanted}
     if not spec.has_alibi:

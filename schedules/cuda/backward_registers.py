@@ -112,9 +112,11 @@ class RegisterTiles:
                             for i in own(4):
                                 if tirx.all(row0 + strip_row(wi, li, tx, strips, mt, i) < limit,
                                             tile_col(li, tx, dt, i) < D):
-                                    out[b, head, row0 + strip_row(wi, li, tx, strips, mt, i),
-                                        tile_col(li, tx, dt, i)] = T.Cast(
-                                        dtype, acc[slot(wi, li, tx), (mt * DT + dt) * 4 + i] * T.float32(factor))
+                                    # vstore: out may be a packed tensor's view (varlen.PackedRows)
+                                    out.vstore([b, head, row0 + strip_row(wi, li, tx, strips, mt, i),
+                                                tile_col(li, tx, dt, i)],
+                                               T.Cast(dtype, acc[slot(wi, li, tx), (mt * DT + dt) * 4 + i]
+                                                      * T.float32(factor)))
 
         self.slot, self.strip_row, self.tile_col = slot, strip_row, tile_col
         self.strip_products, self.accumulate, self.store_strips = strip_products, accumulate, store_strips

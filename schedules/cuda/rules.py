@@ -8,7 +8,8 @@ one-thread emulation (``Launch.emulated``): how the tests check the CUDA kernels
 machines without a GPU.
 
 Contents:
-    CudaFlashForward, CudaFlashBackward, CudaPagedAttention, CudaVarlenForward -- one rule per kernel pattern
+    CudaFlashForward, CudaFlashBackward, CudaPagedAttention, CudaVarlenForward, CudaVarlenBackward -- one rule
+                      per kernel pattern
     cuda_rules(emulated=False)
     arch_of, shared_memory_fits
 """
@@ -31,6 +32,7 @@ from ..workload import Workload
 from .device import HALF_TYPES, Launch, padded_dim, shared_memory_per_block
 from .forward import dense_forward, paged_forward
 from .varlen import varlen_forward
+from .varlen_backward import varlen_backward
 from .tiles import (CudaTiles, WarpLayout, backward_registers, backward_smem, backward_strips, forward_smem,
                     streaming_multiprocessors)
 
@@ -329,10 +331,30 @@ class CudaFlashBackward(_CudaRule):
                               dims=workload.dim if static else None)
 
 
+class CudaVarlenBackward(CudaFlashBackward):
+    """flash_attn_varlen_backward on cuda: the dense backward's three kernels over each sequence's
+    rows (a block finds its sequence by a search over the offsets). Takes the forward's out and
+    lse; hand-picked tiles and shared-memory limits: the dense backward's; not tuned yet."""
+
+    tunable = False
+
+    def __init__(self, *, emulated: bool = False):
+        super().__init__("flash_attn_varlen_backward", emulated=emulated)
+
+    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
+        return self._serves(varlen_workload(call, self.op), target) if self.is_target_available(target) else None
+
+    def _blocks(self, workload: Workload, tiles: CudaTiles) -> int | None:
+        return None  # the rows per sequence are known at run time only
+
+    def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        return varlen_backward(workload.spec, CudaTiles(**knobs), launch=self.launch(knobs))
+
+
 def cuda_rules(*, emulated: bool = False) -> tuple[KernelRule, ...]:
     """The CUDA rules in priority order (``emulated``: their llvm emulation, for tests)."""
     return (CudaFlashForward(emulated=emulated), CudaPagedAttention(emulated=emulated),
-            CudaVarlenForward(emulated=emulated),
+            CudaVarlenForward(emulated=emulated), CudaVarlenBackward(emulated=emulated),
             *(CudaFlashBackward(op, emulated=emulated) for op in (
                 "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k", "flash_attn_backward_v")))
 

@@ -36,7 +36,10 @@ Contents:
     varlen_forward -- PrimFunc fuel_flash_attn_varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k,
                       [alibi_slopes], out, [lse])
     varlen_blocks  -- the grid's x extent for a packed batch (sizes known on the host)
-    PackedRows     -- K or V of a packed batch as the dense forward indexes it
+    sequence_search -- the block's virtual sequence by a binary search over the offsets (shared
+                      with the packed backward, ``varlen_backward``)
+    check_packed   -- what a packed batch's spec cannot have
+    PackedRows     -- a packed tensor of one sequence as the dense kernels index it
 """
 
 from __future__ import annotations
@@ -52,8 +55,11 @@ from .device import F32, HALF_TYPES, Launch
 from .forward import ForwardBuffers, ForwardMacros, RowBlock
 from .tiles import CudaTiles, WarpLayout
 
-# a block's sequence facts, one int64 register each (computed once per block, the same in every thread)
-SEQ, Q_START, Q_LEN, K_START, K_LEN, ROW0, LO, HI = range(8)
+# a block's sequence facts, one int64 register each (computed once per block, the same in every thread):
+# the sequence index, the first row and row count of its rows (the ones the grid tiles) and of the
+# other side's (keys for a grid over queries, queries for one over keys), its tile's first row, and
+# the search's bounds
+SEQ, START, LEN, OTHER_START, OTHER_LEN, ROW0, LO, HI = range(8)
 
 
 def varlen_blocks(total_q, batch, group: int, block_q: int):
@@ -64,23 +70,89 @@ def varlen_blocks(total_q, batch, group: int, block_q: int):
 
 @dataclass(frozen=True)
 class PackedRows:
-    """K or V [total_k, Hkv, D] of a packed batch indexed as the dense forward indexes [B, Hkv,
-    Sk, D] (``ForwardMacros.kv_at``): key ``key`` of the block's sequence is row ``start + key``."""
+    """A packed tensor [total, H, ...] (q, k, v, their gradients; lse and D as [total, H] views)
+    indexed as the dense kernels index [B, H, S, ...]: position ``pos`` of the block's sequence is
+    row ``start + pos``. Reads by ``[...]``, writes by ``vstore`` (a TVMScript store takes a
+    buffer only)."""
 
     rows: Any
     start: Any
 
+    def _at(self, index):
+        _, head, pos, *rest = index
+        return [self.start + pos, head, *rest]
+
     def __getitem__(self, index):
-        _, g, key, c = index
-        return self.rows[self.start + key, g, c]
+        return self.rows[tuple(self._at(index))]
+
+    def vstore(self, index, value):
+        return self.rows.vstore(self._at(index), value)
+
+
+def _clamp(x, hi):
+    return T.max(T.min(T.Cast("int64", x), hi), T.int64(0))
+
+
+def sequence_search(group: int, block: int):
+    """Macro ``find_sequence(seq, cu_rows, cu_other, total_rows, total_other, B1, t)``: the facts
+    (``SEQ`` ..) of grid block t, whose virtual sequences tile the rows of ``cu_rows`` (``group``
+    task rows per row, ``block`` task rows per tile; module docstring): the sequence b (0 for the
+    virtual ones), its rows, the other side's rows (``cu_other``; none for the virtual ones) and
+    the tile's first task row. Every offset read is clamped into [0, total]."""
+
+    @T.macro
+    def virtual_start(seq, slot, v, cu_rows, total_rows, B1):
+        # first row of virtual sequence v (0: row 0; 1 .. B1: cu_rows[v - 1], clamped; past: total_rows)
+        if v == T.int64(0):
+            seq[slot] = T.int64(0)
+        elif v <= B1:
+            seq[slot] = _clamp(cu_rows[v - 1], total_rows)
+        else:
+            seq[slot] = total_rows
+
+    @T.macro
+    def find_sequence(seq, cu_rows, cu_other, total_rows, total_other, B1, t):
+        # the largest v in [0, B1] whose first tile is at most t: binary search (the search's
+        # bounds in seq[LO], seq[HI]; seq[START] as scratch)
+        seq[LO] = T.int64(0)
+        seq[HI] = B1
+        while seq[LO] < seq[HI]:
+            mid: T.int64 = (seq[LO] + seq[HI] + 1) // 2
+            virtual_start(seq, START, mid, cu_rows, total_rows, B1)
+            if seq[START] * group // block + mid <= t:
+                seq[LO] = mid
+            else:
+                seq[HI] = mid - 1
+        seq[SEQ] = seq[LO]
+        virtual_start(seq, OTHER_START, seq[SEQ] + 1, cu_rows, total_rows, B1)  # scratch: the next start
+        virtual_start(seq, START, seq[SEQ], cu_rows, total_rows, B1)
+        seq[LEN] = T.max(seq[OTHER_START] - seq[START], T.int64(0))
+        # never negative: with offsets that decrease the search's v may start past t
+        seq[ROW0] = T.max(t - (seq[START] * group // block + seq[SEQ]), T.int64(0)) * block
+        # the other side: sequence b = v - 1 for 1 <= v <= B1 - 1 (then b + 1 <= B1 - 1 is an offset); none else
+        if tirx.all(T.int64(1) <= seq[SEQ], seq[SEQ] <= B1 - 1):
+            seq[OTHER_START] = _clamp(cu_other[seq[SEQ] - 1], total_other)
+            seq[OTHER_LEN] = T.max(_clamp(cu_other[seq[SEQ]], total_other) - seq[OTHER_START], T.int64(0))
+        else:
+            seq[OTHER_START] = T.int64(0)
+            seq[OTHER_LEN] = T.int64(0)
+        seq[SEQ] = T.max(seq[SEQ] - 1, T.int64(0))  # the sequence index the block reports (b)
+
+    return find_sequence
+
+
+def check_packed(spec: KernelSpec, kernel: str):
+    """ValueError naming ``kernel`` where ``spec`` is no packed batch's: query heads no multiple of
+    the KV heads, or a mask, a paged cache or sinks."""
+    if spec.num_q_heads % spec.num_kv_heads:
+        raise ValueError(f"{kernel}: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
+                         f"{spec.num_kv_heads}")
+    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
+        raise ValueError(f"{kernel}: a packed batch takes no attn_mask, paged cache or sinks")
 
 
 def _check(spec: KernelSpec, tiles: CudaTiles):
-    if spec.num_q_heads % spec.num_kv_heads:
-        raise ValueError(f"varlen_forward: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
-                         f"{spec.num_kv_heads}")
-    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
-        raise ValueError("varlen_forward: the packed forward takes no attn_mask, paged cache or sinks")
+    check_packed(spec, "varlen_forward")
     if tiles.splits != 1:
         raise ValueError(f"varlen_forward: no split-KV over packed rows, got splits {tiles.splits}")
     problem = WarpLayout.of(tiles).problem(tiles) if spec.dtype in HALF_TYPES else None
@@ -93,47 +165,7 @@ def _grid(spec: KernelSpec, tiles: CudaTiles, launch: Launch):
     body (B1 = B + 1 offsets; ``lse_rows`` an [total_q, Hq] view of lse, or None)."""
     body = ForwardMacros(spec, tiles, launch, paged=False)
     attend, BQ, group, local = body.attend, tiles.block_q, spec.group, launch.local
-
-    def clamp(x, hi):
-        return T.max(T.min(T.Cast("int64", x), hi), T.int64(0))
-
-    @T.macro
-    def virtual_start(seq, slot, v, cu_q, total_q, B1):
-        # first row of virtual sequence v (0: row 0; 1 .. B1: cu_q[v - 1], clamped; past: total_q)
-        if v == T.int64(0):
-            seq[slot] = T.int64(0)
-        elif v <= B1:
-            seq[slot] = clamp(cu_q[v - 1], total_q)
-        else:
-            seq[slot] = total_q
-
-    @T.macro
-    def find_sequence(seq, cu_q, cu_k, total_q, total_k, B1, t):
-        # the largest v in [0, B1] whose first tile is at most t: binary search (the search's
-        # bounds in seq[LO], seq[HI]; seq[Q_START] as scratch)
-        seq[LO] = T.int64(0)
-        seq[HI] = B1
-        while seq[LO] < seq[HI]:
-            mid: T.int64 = (seq[LO] + seq[HI] + 1) // 2
-            virtual_start(seq, Q_START, mid, cu_q, total_q, B1)
-            if seq[Q_START] * group // BQ + mid <= t:
-                seq[LO] = mid
-            else:
-                seq[HI] = mid - 1
-        seq[SEQ] = seq[LO]
-        virtual_start(seq, K_START, seq[SEQ] + 1, cu_q, total_q, B1)  # scratch: the next start
-        virtual_start(seq, Q_START, seq[SEQ], cu_q, total_q, B1)
-        seq[Q_LEN] = T.max(seq[K_START] - seq[Q_START], T.int64(0))
-        # never negative: with offsets that decrease the search's v may start past t
-        seq[ROW0] = T.max(t - (seq[Q_START] * group // BQ + seq[SEQ]), T.int64(0)) * BQ
-        # keys: sequence b = v - 1 for 1 <= v <= B1 - 1 (then b + 1 <= B1 - 1 is an offset); none else
-        if tirx.all(T.int64(1) <= seq[SEQ], seq[SEQ] <= B1 - 1):
-            seq[K_START] = clamp(cu_k[seq[SEQ] - 1], total_k)
-            seq[K_LEN] = T.max(clamp(cu_k[seq[SEQ]], total_k) - seq[K_START], T.int64(0))
-        else:
-            seq[K_START] = T.int64(0)
-            seq[K_LEN] = T.int64(0)
-        seq[SEQ] = T.max(seq[SEQ] - 1, T.int64(0))  # the sequence index the block reports (b)
+    find_sequence = sequence_search(group, BQ)
 
     @T.macro
     def grid(q, k, v, cu_q, cu_k, alibi, out, lse_rows, total_q, total_k, B1):
@@ -146,12 +178,13 @@ def _grid(spec: KernelSpec, tiles: CudaTiles, launch: Launch):
                 for tx in launch.block():
                     seq = T.alloc_buffer((8,), "int64", scope=local)
                     find_sequence(seq, cu_q, cu_k, total_q, total_k, B1, T.Cast("int64", bx))
-                    prm = T.meta_var(ForwardBuffers(q, PackedRows(k, seq[K_START]), PackedRows(v, seq[K_START]),
-                                                    out, part_o, part_stats, alibi=alibi, lse=lse_rows))
+                    prm = T.meta_var(ForwardBuffers(q, PackedRows(k, seq[OTHER_START]),
+                                                    PackedRows(v, seq[OTHER_START]), out, part_o, part_stats,
+                                                    alibi=alibi, lse=lse_rows))
                     with T.attr(T.int32(0), "pragma_unroll_explicit", T.int32(0)):
                         attend(prm, RowBlock(b=seq[SEQ], g=T.Cast("int64", by), r0=seq[ROW0],
-                                             rows=seq[Q_LEN] * group, split=T.int64(0), Sq=seq[Q_LEN],
-                                             kv_len=seq[K_LEN], group=group, q_start=seq[Q_START]), tx)
+                                             rows=seq[LEN] * group, split=T.int64(0), Sq=seq[LEN],
+                                             kv_len=seq[OTHER_LEN], group=group, q_start=seq[START]), tx)
 
     return grid
 
@@ -188,4 +221,4 @@ def varlen_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None 
     return finish(drop_params(fuel_flash_attn_varlen_cuda, unused))
 
 
-__all__ = ["varlen_forward", "varlen_blocks", "PackedRows"]
+__all__ = ["varlen_forward", "varlen_blocks", "sequence_search", "check_packed", "PackedRows"]

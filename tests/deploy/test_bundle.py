@@ -98,7 +98,7 @@ def test_llvm_bundle_passes_its_check_stage_without_apache_tvm(venv, llvm_bundle
         assert any(("vs TVM's kernel" if case["name"] in slots else "vs floor") in check["what"]
                    for check in case["checks"])
     ops = {c["op"] for c in manifest["cases"] if c["kind"] == "op"}
-    assert ops == {"flash_attn", "flash_attn_backward", "paged_attn", "flash_attn_varlen"}
+    assert ops == {"flash_attn", "flash_attn_backward", "paged_attn", "flash_attn_varlen", "flash_attn_varlen_backward"}
     # every attention slot of TVM's cache, fuel's kernel beside TVM's, checked and timed (prefill, decode)
     assert {slot for name in slots for slot in specs[name]["slots"]} == set(TVM_SLOTS)
     assert {c["stage"] for c in specs.values() if c["kind"] == "tvm_slots"} == {"check", "bench"}
@@ -315,6 +315,24 @@ def test_cuda_suite_holds_tvm_cache_slots_beside_tvms_gpu_kernels():
     names = {f"{side}_{slot}" for side in ("fuel", "tvm") for slot in TVM_SLOTS}
     assert {gv.name_hint for gv in mod.functions} == names
     assert all(str(mod[name].attrs["global_symbol"]) == name for name in names)
+
+
+def test_cuda_check_suite_holds_the_varlen_backward_through_its_kernel():
+    """The GPU bundle checks flash_attn_varlen_backward in every dtype (GQA 3; causal with ALiBi,
+    window with softcap; lengths 0, 1, 17, 97), each module the varlen forward's and backward's
+    kernels (the bundle refuses a floor); CPU bundles too (the CPU kernel), the small one in float32."""
+    found = [c for c in suites.cases("check", "cuda") if getattr(c, "op", "") == "flash_attn_varlen_backward"]
+    assert {c.dtype for c in found} == {"float16", "bfloat16", "float32"} and len(found) == 6
+    assert {c.options.get("causal", False) for c in found} == {True, False}
+    assert all(c.spec()["outputs"] == ["dq", "dk", "dv"] and c.scale == 4 for c in found)
+    small = [c for c in suites.cases("all", "llvm", small=True) if getattr(c, "op", "") == "flash_attn_varlen_backward"]
+    assert {c.dtype for c in small} == {"float32"} and len(small) == 2
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    for case in found[:2]:
+        names = {gv.name_hint for gv in tvm_fuel.transform.legalize(suites.case_module(case), target,
+                                                                     kernels="tuned").functions}
+        assert {"fuel_flash_attn_varlen_kernel", "fuel_flash_attn_varlen_backward_kernel"} <= names, names
+        assert not names & {f"fuel_{op}" for op in suites.OUTPUTS}, names  # no floor of an op with kernels
 
 
 @needs_nvcc

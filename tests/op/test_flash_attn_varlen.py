@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import assert_close, build, has_torch, randn, Runner, run
+from helpers import assert_close, build, has_torch, HOST, randn, Runner, run
 from tvm import relax
 
 import tvm_fuel
@@ -129,8 +129,10 @@ def _loss_module(Hq, Hkv, D, total_q, total_k, n, *, alibi=False, sinks=False, *
 
 @pytest.mark.parametrize("options", ["causal", "two_sided_softcap", "alibi_causal", "sinks"])
 @pytest.mark.parametrize("group", [1, 3])
-def test_gradient(options, group):
-    """Gradient through flash_attn_varlen gives the reference's dq, dk, dv (and dsinks)."""
+@pytest.mark.parametrize("path", ["decomposed", "tuned"])
+def test_gradient(options, group, path):
+    """Gradient through flash_attn_varlen gives the reference's dq, dk, dv (and dsinks); on the
+    tuned path through the CPU backward kernel (the floor serves sinks)."""
     with_sinks = options == "sinks"
     alibi, opts = _split(OPTIONS.get(options, dict(causal=True)))
     rng = np.random.default_rng(group + 3 * len(options))
@@ -142,22 +144,43 @@ def test_gradient(options, group):
                        sinks=with_sinks, **opts)
     args = [inputs["q"], inputs["k"], inputs["v"]] + ([sinks] if with_sinks else [])
     args += [w, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]] + ([inputs["alibi_slopes"]] if alibi else [])
-    _, *grads = _adjoint(mod, args)
+    _, *grads = _adjoint(mod, args, path, backward_kernel=not with_sinks)
     want = ref.flash_attn_varlen_backward(inputs["q"], inputs["k"], inputs["v"], w, inputs["cu_seqlens_q"],
                                           inputs["cu_seqlens_k"], inputs.get("alibi_slopes"), sinks=sinks, **opts)
     for name, got, expected in zip(("dq", "dk", "dv", "dsinks"), grads, want):
         assert_close(got, expected, "float32", scale=4, what=name)
 
 
-def _adjoint(mod, args):
-    vm = relax.VirtualMachine(tvm.compile(tvm_fuel.transform.legalize(mod, "llvm"), target="llvm"), tvm.cpu())
+BACKWARD_FLOOR, BACKWARD_KERNEL = "fuel_flash_attn_varlen_backward", "fuel_flash_attn_varlen_backward_kernel"
+
+
+def _legalized(mod, path: str, *, backward_kernel: bool = True):
+    """``mod`` legalized on ``path`` (tuned: for this CPU), and its target; on the tuned path the
+    varlen backward ran its CPU kernel (``backward_kernel``) or, where none serves, the floor."""
+    target = HOST if path == "tuned" else "llvm"
+    legalized = tvm_fuel.transform.legalize(mod, target, kernels=path)
+    names = {gv.name_hint for gv in legalized.functions}
+    if path == "tuned" and backward_kernel:
+        assert BACKWARD_FLOOR not in names and any(n.startswith(BACKWARD_KERNEL) for n in names), sorted(names)
+        kernel = next(f for gv, f in legalized.functions.items() if gv.name_hint.startswith(BACKWARD_KERNEL))
+        assert str(kernel.attrs["fuel.workload"]).startswith("flash_attn_varlen_backward")
+    elif path != "tuned":
+        assert not any(n.startswith(BACKWARD_KERNEL) for n in names)
+    return legalized, target
+
+
+def _adjoint(mod, args, path: str = "decomposed", *, backward_kernel: bool = True):
+    legalized, target = _legalized(mod, path, backward_kernel=backward_kernel)
+    vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
     loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
     return [loss.numpy()] + [g.numpy() for g in grads]
 
 
 @pytest.mark.parametrize("state", ["recomputed", "given"])
-def test_backward_op(state):
-    """The backward op alone, recomputing the softmax state or given the forward's out and lse."""
+@pytest.mark.parametrize("path", ["decomposed", "tuned"])
+def test_backward_op(state, path):
+    """The backward op alone, recomputing the softmax state or given the forward's out and lse (on
+    the tuned path the CPU kernel; recomputed: after the varlen forward's kernel)."""
     rng = np.random.default_rng(5)
     inputs = _inputs(rng, 6, 2, 40, lens_q=[17, 1, 0, 97], lens_k=[97, 0, 3, 33], alibi=True)
     inputs["do"] = randn(rng, inputs["q"].shape)
@@ -166,9 +189,14 @@ def test_backward_op(state):
     if state == "given":
         inputs["out"], inputs["lse"] = (x.astype(np.float32) for x in ref.flash_attn_varlen(
             *fwd.values(), return_lse=True, **opts))
-    grads = run(lambda q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **state_args:
+    mod = build(lambda q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **state_args:
                 op.flash_attn_varlen_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **state_args,
-                                              **opts), inputs)
+                                              **opts), {name: (a.shape, str(a.dtype)) for name, a in inputs.items()})
+    legalized, target = _legalized(mod, path)
+    if path == "tuned" and state == "recomputed":  # the forward state from the varlen forward's kernel
+        assert "fuel_flash_attn_varlen" not in {gv.name_hint for gv in legalized.functions}
+    vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
+    grads = [g.numpy() for g in vm["main"](*[tvm.runtime.tensor(a) for a in inputs.values()])]
     want = ref.flash_attn_varlen_backward(fwd["q"], fwd["k"], fwd["v"], inputs["do"], fwd["cu_seqlens_q"],
                                           fwd["cu_seqlens_k"], fwd["alibi_slopes"], **opts)
     for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
@@ -212,25 +240,43 @@ def test_bad_offsets_raise(cu_q, cu_k, match, path):
 
 
 @pytest.mark.parametrize("dtypes", [("int64", "int64"), ("uint32", "uint32"), ("int32", "int64"), ("int64", "uint32")])
-def test_offset_dtypes(dtypes):
-    """int64 and uint32 offsets, alike or mixed (the floor serves them; the kernels take int32)."""
+def test_offset_dtypes(dtypes, kernels):
+    """int64 (PyTorch's cumsum) and uint32 offsets, alike or mixed: checked, then given to the kernels
+    as int32 (``run`` asserts a kernel path ran its kernel); the backward too."""
     rng = np.random.default_rng(8)
     inputs = _inputs(rng, 6, 2, 40, lens_q=[17, 0, 5], lens_k=[9, 3, 5])
     want = ref.flash_attn_varlen(*inputs.values(), causal=True)
+    do = randn(rng, inputs["q"].shape)
+    want_grads = ref.flash_attn_varlen_backward(inputs["q"], inputs["k"], inputs["v"], do, inputs["cu_seqlens_q"],
+                                                inputs["cu_seqlens_k"], causal=True)
     inputs["cu_seqlens_q"] = inputs["cu_seqlens_q"].astype(dtypes[0])
     inputs["cu_seqlens_k"] = inputs["cu_seqlens_k"].astype(dtypes[1])
-    assert_close(run(lambda **a: op.flash_attn_varlen(**a, causal=True), inputs)[0], want, "float32", what="out")
+    assert_close(run(lambda **a: op.flash_attn_varlen(**a, causal=True), inputs, kernels=kernels)[0], want,
+                 "float32", what="out")
+    grads = run(lambda q, k, v, cu_seqlens_q, cu_seqlens_k, do: op.flash_attn_varlen_backward(
+        q, k, v, do, cu_seqlens_q, cu_seqlens_k, causal=True), {**inputs, "do": do}, kernels=kernels)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close(got, expected, "float32", scale=4, what=name)
 
 
-def test_mixed_offset_dtypes_cannot_wrap_past_the_check():
-    """An int64 offset past total_k must raise, not wrap into range through a cast to int32."""
+def test_sinks_warn_that_the_floor_serves_them():
+    """No varlen kernel takes sinks: on a kernel path the floor serves the call, and says so."""
+    mod = _loss_module(4, 2, 40, 20, 20, 3, sinks=True, causal=True)
+    with pytest.warns(tvm_fuel.diagnostics.FloorWarning, match="flash_attn_varlen with sinks"):
+        tvm_fuel.transform.legalize(mod, HOST, kernels="tuned")
+
+
+@pytest.mark.parametrize("path", ["decomposed", "tuned"])
+def test_mixed_offset_dtypes_cannot_wrap_past_the_check(path):
+    """An int64 offset past total_k must raise, not wrap into range through a cast to int32 (the
+    kernels' dtype)."""
     rng = np.random.default_rng(0)
     mod = build(lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k),
                 dict(q=((7, 2, 8), "float32"), k=((6, 2, 8), "float32"), v=((6, 2, 8), "float32"),
                      cu_q=((3,), "int32"), cu_k=((3,), "int64")))
     q, k = randn(rng, (7, 2, 8)), randn(rng, (6, 2, 8))
     with pytest.raises(Exception, match="cu_seqlens_k must start at 0"):
-        Runner(mod)(q, k, k, np.array([0, 3, 5], np.int32), np.array([0, 2, 2 ** 32 + 6], np.int64))
+        Runner(mod, kernels=path)(q, k, k, np.array([0, 3, 5], np.int32), np.array([0, 2, 2 ** 32 + 6], np.int64))
 
 
 def test_sinks_forward_and_rows_past_the_last_sequence():

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import (assert_varlen_matches, buffers_growing_with, launchable, randn, run_varlen_kernel,
-                     varlen_kernel_inputs)
+from helpers import (assert_guards_intact, assert_varlen_matches, buffers_growing_with, guarded, launchable, randn,
+                     run_varlen_kernel, varlen_kernel_inputs)
 
 from tvm_fuel.deploy import nvcc as cuda
 from tvm_fuel.op.config import AttnConfig
@@ -152,21 +152,6 @@ def test_signature_follows_the_spec():
         varlen_forward(_spec("float16"), CudaTiles(block_q=32, block_k=16, threads=128))
 
 
-GUARD = 16  # NaN rows around every tensor: a read there would turn an output NaN, a write would show
-
-
-def _guarded(shape, dtype, fill):
-    """(array with GUARD NaN rows before and after, its 64-byte aligned middle [shape], filled)."""
-    rows = (shape[0] + 2 * GUARD,) + tuple(shape[1:])
-    size = int(np.prod(rows))
-    raw = np.full(size + 64, np.nan, dtype)
-    skip = (-raw.ctypes.data % 64) // raw.itemsize
-    whole = raw[skip:skip + size].reshape(rows)
-    middle = whole[GUARD:GUARD + shape[0]]
-    middle[...] = fill
-    return whole, middle
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_any_offsets_read_and_write_in_bounds(dtype):
     """No assertion on a device: empty and malformed offsets (negative, decreasing, past the packed
@@ -179,9 +164,9 @@ def test_any_offsets_read_and_write_in_bounds(dtype):
              (5, 5, [3, -7, 100, 2], [9, 1 << 30, -5, 4]), (6, 5, [0, 2, 6], [0, -8, 2]),
              (40, 3, [0, 40, 1, 39], [0, 3, 0, 2]), (9, 9, [-(1 << 30), 5, 1 << 30], [(1 << 31) - 1, 4, -1])]
     for total_q, total_k, cu_q, cu_k in cases:
-        (q_all, q), (k_all, k), (v_all, v) = (_guarded((n, 2 if t == "q" else 1, 16), dtype, randn(
+        (q_all, q), (k_all, k), (v_all, v) = (guarded((n, 2 if t == "q" else 1, 16), dtype, randn(
             rng, (n, 2 if t == "q" else 1, 16), dtype)) for t, n in (("q", total_q), ("k", total_k), ("v", total_k)))
-        out_all, out = _guarded((total_q, 2, 16), dtype, 0)
+        out_all, out = guarded((total_q, 2, 16), dtype, 0)
         lse = tvm.runtime.tensor(np.zeros((2, total_q), np.float32))
         args = [tvm.runtime.from_dlpack(x) for x in (q, k, v)]
         args += [tvm.runtime.tensor(np.asarray(c, np.int32)) for c in (cu_q, cu_k)]
@@ -190,8 +175,7 @@ def test_any_offsets_read_and_write_in_bounds(dtype):
         assert np.isfinite(out.astype(np.float64)).all(), what
         assert not np.isnan(lse.numpy()).any(), what
         for whole in (out_all, q_all, k_all, v_all):
-            assert np.isnan(whole[:GUARD].astype(np.float64)).all(), what
-            assert np.isnan(whole[-GUARD:].astype(np.float64)).all(), what
+            assert_guards_intact(whole, what)
         if len(cu_q) <= 1 or total_q == 0:  # no sequence: every row 0, lse -inf
             assert not out.any() and np.isneginf(lse.numpy()).all(), what
 

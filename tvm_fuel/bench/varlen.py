@@ -10,9 +10,14 @@ Side by side in one process, on the same packed batch (causal, float32):
   reference does this), each prompt's tensors made contiguous before the timing;
 * ``torch_padded``: PyTorch's SDPA over the padded batch with the same mask.
 
+And its backward (``flash_attn_varlen_backward`` given the forward's out and lse):
+
+* ``fuel_kernel``: the CPU kernel (cost sum_b S_b^2); not the floor (total x longest: ~44 s a call here);
+* ``torch_per_sequence``: PyTorch's SDPA backward per prompt (``autograd.grad`` of a kept graph).
+
 Contents:
     VARLEN_ROW  -- the row: prompt lengths, heads and head dim
-    varlen_rows -- run it, return its report
+    varlen_rows -- run it (and its backward), return its report
     print_rows  -- the report as text
 """
 
@@ -132,11 +137,69 @@ def _row(case: VarlenCase, target) -> dict:
     return row
 
 
+def _backward_module(case: VarlenCase):
+    from tvm import relax
+
+    from .. import op
+
+    total, B, Hq, Hkv, D = sum(case.lens), len(case.lens), case.Hq, case.Hkv, case.D
+    params = dict(q=((total, Hq, D), "float32"), k=((total, Hkv, D), "float32"), v=((total, Hkv, D), "float32"),
+                  do=((total, Hq, D), "float32"), cu_q=((B + 1,), "int32"), cu_k=((B + 1,), "int32"),
+                  out=((total, Hq, D), "float32"), lse=((Hq, total), "float32"))
+    bb = relax.BlockBuilder()
+    variables = [relax.Var(n, relax.TensorType(*shape)) for n, shape in params.items()]
+    with bb.function("main", variables):
+        q, k, v, do, cu_q, cu_k, out, lse = variables
+        bb.emit_func_output(bb.emit(op.flash_attn_varlen_backward(q, k, v, do, cu_q, cu_k, out=out, lse=lse,
+                                                                  causal=True)))
+    return bb.get()
+
+
+def backward_row(case: VarlenCase, target) -> dict:
+    """The backward of ``case``: the CPU kernel and PyTorch per prompt, side by side."""
+    import tvm
+
+    from .. import reference
+    from .attention import build_vm, measure_side_by_side, torch_with_our_threads
+
+    rng = np.random.default_rng(1)
+    total = sum(case.lens)
+    q, do = (rng.standard_normal((total, case.Hq, case.D)).astype("float32") for _ in range(2))
+    k, v = (rng.standard_normal((total, case.Hkv, case.D)).astype("float32") for _ in range(2))
+    cu = np.concatenate([[0], np.cumsum(case.lens)]).astype("int32")
+    out, lse = (x.astype("float32") for x in reference.flash_attn_varlen(q, k, v, cu, cu, causal=True,
+                                                                         return_lse=True))
+    args = [tvm.runtime.tensor(a) for a in (q, k, v, do, cu, cu, out, lse)]
+    mod = _backward_module(case)
+    kernel_vm = build_vm(mod, target, "tuned")
+    fns = {"fuel_kernel": lambda: kernel_vm["main"](*args)}
+    torch = torch_with_our_threads()
+    if torch is not None:
+        import torch.nn.functional as F
+
+        graphs = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            leaves = [torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[a:b], 0, 1)[None])).requires_grad_()
+                      for x in (q, k, v)]
+            result = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=case.Hq > case.Hkv)
+            graphs.append((result, leaves, torch.from_numpy(np.ascontiguousarray(np.swapaxes(do[a:b], 0, 1)[None]))))
+        fns["torch_per_sequence"] = lambda: [torch.autograd.grad(r, leaves, g, retain_graph=True)
+                                             for r, leaves, g in graphs]
+    timed = measure_side_by_side(fns)
+    flops = 2.5 * case.flops  # five GEMMs to the forward's two
+    results = {name: {"ms": seconds * 1e3, "runs": runs, "gflops": flops / seconds / 1e9}
+               for name, (seconds, runs) in timed.items()}
+    row = {"name": f"backward {case.name}", "results": results}
+    if "torch_per_sequence" in results:
+        row["kernel_over_torch_per_sequence"] = results["fuel_kernel"]["ms"] / results["torch_per_sequence"]["ms"]
+    return row
+
+
 def varlen_rows() -> dict:
-    """The varlen row on this CPU (fuel's tuned build, its shipped logs)."""
+    """The varlen row and its backward on this CPU (fuel's tuned build, its shipped logs)."""
     from ..target import host_target
 
-    return {"rows": [_row(VARLEN_ROW, host_target())]}
+    return {"rows": [_row(VARLEN_ROW, host_target())], "backward_rows": [backward_row(VARLEN_ROW, host_target())]}
 
 
 def print_rows(report: dict) -> None:
@@ -150,3 +213,13 @@ def print_rows(report: dict) -> None:
         ratios = ", ".join(f"{key[len('varlen_over_'):]} {value:.2f}" for key, value in row.items()
                            if key.startswith("varlen_over_"))
         print(f"  fuel_varlen over: {ratios} (side by side in one process; < 1: the packed batch is faster)")
+    names = ("fuel_kernel", "torch_per_sequence")
+    for row in report.get("backward_rows", []):
+        print(f"\n{'varlen backward row':<62}" + "".join(f"{n:>20}" for n in names))
+        r = row["results"]
+        cells = "".join(f"{r[n]['ms']:11.2f} ms {r[n]['gflops']:4.0f}GF" if n in r else f"{'skipped':>20}"
+                        for n in names)
+        print(f"{row['name']:<62}{cells}")
+        ratios = ", ".join(f"{key[len('kernel_over_'):]} {value:.2f}" for key, value in row.items()
+                           if key.startswith("kernel_over_"))
+        print(f"  fuel_kernel over: {ratios} (side by side in one process; < 1: the kernel is faster)")

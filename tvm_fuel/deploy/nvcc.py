@@ -51,7 +51,7 @@ def cuda_source(built: Any) -> str:
 
 def kernel_names(source: str) -> list[str]:
     """Names of the ``__global__`` functions defined in ``source``."""
-    return sorted(set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source)))
+    return sorted(set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?(\w+)\(", source)))
 
 
 def nvcc_available() -> bool:

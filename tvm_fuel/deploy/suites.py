@@ -16,7 +16,9 @@ Contents:
     Case, tensor       -- a case and one input of it
     SlotCase           -- TVM-cache slot kernels, fuel's and TVM's, on one batch
     cases              -- the cases of a suite for a target kind
-    varlen_cases, varlen_bench_cases -- flash_attn_varlen's check and bench cases (packed batches)
+    varlen_cases, varlen_bench_cases -- flash_attn_varlen's (and its backward's) check and bench
+                       cases (packed batches)
+    quantized_bench_cases -- paged decode over 8-bit caches, timed beside the bfloat16 cache's row
     case_module        -- the Relax module of a case (``SlotCase.module``: a slot case's PrimFuncs)
     tune_workloads     -- the static kernel workloads the tune stage measures
     SUITES
@@ -39,7 +41,7 @@ SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "
           "all": ("smoke", "check", "bench", "tune")}
 OUTPUTS = {"flash_attn": ("out", "lse"), "flash_attn_backward": ("dq", "dk", "dv"), "flash_attn_backward_q": ("dq",),
            "flash_attn_backward_k": ("dk",), "flash_attn_backward_v": ("dv",), "paged_attn": ("out",),
-           "flash_attn_varlen": ("out", "lse")}
+           "flash_attn_varlen": ("out", "lse"), "flash_attn_varlen_backward": ("dq", "dk", "dv")}
 
 
 def tensor(name: str, shape, dtype: str, fill: str = "normal", **extra) -> dict:
@@ -321,29 +323,40 @@ _VARLEN = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), T
            ((97, 1), (97, 40), 6, 6, 40, dict(window_size=(8, 0), sink_tokens=4), False))
 
 
-def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool) -> tuple:
+def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool, backward: bool = False) -> tuple:
     total_q, total_k = sum(lens_q) + 2, sum(lens_k)
     offsets = [[0, *itertools.accumulate(lens)] for lens in (lens_q, lens_k)]
     inputs = [tensor("q", (total_q, Hq, D), dtype), tensor("k", (total_k, Hkv, D), dtype),
-              tensor("v", (total_k, Hkv, D), dtype),
-              tensor("cu_seqlens_q", (len(lens_q) + 1,), "int32", "values", values=offsets[0]),
+              tensor("v", (total_k, Hkv, D), dtype)]
+    if backward:
+        inputs.append(tensor("do", (total_q, Hq, D), dtype))
+    inputs += [tensor("cu_seqlens_q", (len(lens_q) + 1,), "int32", "values", values=offsets[0]),
               tensor("cu_seqlens_k", (len(lens_k) + 1,), "int32", "values", values=offsets[1])]
     if alibi:
         inputs.append(tensor("alibi_slopes", (Hq,), "float32", "slopes"))
     return tuple(inputs)
 
 
-def varlen_cases(dtypes: tuple[str, ...], seed: int = 400) -> list[Case]:
-    """flash_attn_varlen on packed batches (``_VARLEN``) against the float64 reference."""
+# the backward's: GQA 3; causal with ALiBi, window with softcap; the forward's lengths
+_VARLEN_BACKWARD = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True),
+                    ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 3, 1, 128, dict(window_size=(16, 8), softcap=5.0), False))
+
+
+def varlen_cases(dtypes: tuple[str, ...], seed: int = 400, *, backward: bool = False) -> list[Case]:
+    """flash_attn_varlen on packed batches (``_VARLEN``) against the float64 reference; ``backward``:
+    flash_attn_varlen_backward (``_VARLEN_BACKWARD``; out and lse from the varlen forward in the
+    same module)."""
+    op = "flash_attn_varlen_backward" if backward else "flash_attn_varlen"
     found = []
     for dtype in dtypes:
-        for lens_q, lens_k, Hq, Hkv, D, options, alibi in _VARLEN:
+        for lens_q, lens_k, Hq, Hkv, D, options, alibi in (_VARLEN_BACKWARD if backward else _VARLEN):
             seed += 1
-            name = (f"check/flash_attn_varlen/{dtype}/Hq{Hq}-Hkv{Hkv}-D{D}/q{'_'.join(map(str, lens_q))}"
+            name = (f"check/{op}/{dtype}/Hq{Hq}-Hkv{Hkv}-D{D}/q{'_'.join(map(str, lens_q))}"
                     f"-k{'_'.join(map(str, lens_k))}/{_label(options)}{'-alibi' if alibi else ''}")
-            found.append(Case("check", name, "flash_attn_varlen", dtype,
-                              _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, alibi=alibi),
-                              dict(options, return_lse=True), seed=seed))
+            found.append(Case("check", name, op, dtype,
+                              _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, alibi=alibi, backward=backward),
+                              dict(options) if backward else dict(options, return_lse=True), seed=seed,
+                              scale=4.0 if backward else 1.0))
     return found
 
 
@@ -363,6 +376,34 @@ def varlen_bench_cases(gpu: bool, *, small: bool = False) -> list[Case]:
     expect = ("floor", "torch") if small else ("torch",)
     return [Case("bench", name, "flash_attn_varlen", dtype, inputs, dict(causal=True), expect=expect,
                  torch=dict(kind="varlen", causal=True), timed=True, flops=flops, seed=450)]
+
+
+def quantized_bench_cases(gpu: bool, *, small: bool = False) -> list[Case]:
+    """Paged decode over 8-bit caches (fp8 e4m3fn / e5m2 with a scale per KV head, int8 with one per
+    token and head) at the bench's first paged shape, timed in the same run as that shape's
+    bfloat16-cache row (``bench_cases``): decode reads every live K/V byte once, so an 8-bit cache
+    should take about half the bfloat16 cache's time where the decode is bound by memory."""
+    if small:
+        B, Hq, Hkv, D, block_size, context, dtype = 2, 4, 2, 64, 16, 100, "float32"
+    else:
+        c = (cuda_suite() if gpu else default_suite())[1][0]
+        B, Hq, Hkv, D, block_size, context, dtype = c.B, c.Hq, c.Hkv, c.D, c.block_size, c.context, c.dtype
+    found = []
+    for index, cache_dtype in enumerate(("float8_e4m3fn", "float8_e5m2", "int8")):
+        q, k_cache, v_cache, table, lens = _paged(B, Hq, Hkv, 1, D, block_size, [context] * B, dtype)
+        cache = dict(k_cache, dtype=cache_dtype, **({"fill": "codes"} if cache_dtype == "int8" else {}))
+        per_token = cache_dtype == "int8"
+        scale_shape = tuple(k_cache["shape"][:3]) if per_token else (Hkv,)
+        low, high = (0.5 / 127, 1.5 / 127) if per_token else (0.25, 2.0)
+        scales = tuple(tensor(name, scale_shape, "float32", "uniform", low=low, high=high)
+                       for name in ("k_scale", "v_scale"))
+        # K and V bytes of the live tokens, and int8's float32 scale per (token, head) of each
+        read = kv_bytes(B, context, Hkv, D, itemsize=1) + (2.0 * B * context * Hkv * 4 if per_token else 0.0)
+        found.append(Case("bench", f"bench/paged_attn/{dtype}-q/B{B}-Hq{Hq}-Hkv{Hkv}-D{D}-bs{block_size}/ctx{context}/"
+                                   f"{cache_dtype}", "paged_attn", dtype,
+                          (q, cache, dict(cache, name="v_cache"), table, lens) + scales, expect=("floor",),
+                          timed=True, flops=4.0 * B * Hq * context * D, bytes_read=read, seed=470 + index))
+    return found
 
 
 def large_cases(dtype: str) -> list[Case]:
@@ -425,6 +466,7 @@ def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case | S
     if "check" in stages:
         found += check_cases(dtypes, small=small)
         found += varlen_cases(dtypes[:1] if small else dtypes)
+        found += varlen_cases(dtypes[:1] if small else dtypes, 420, backward=True)
         if not small:
             found += large_cases("bfloat16" if gpu else "float32")
         found += slot_check_cases(gpu, small=small)
@@ -433,6 +475,7 @@ def cases(suite: str, target_kind: str, *, small: bool = False) -> list[Case | S
         found += bench_cases(flash, paged, floor_everywhere=gpu or small)
         found += slot_bench_cases(gpu, small=small)
         found += varlen_bench_cases(gpu, small=small)
+        found += quantized_bench_cases(gpu, small=small)
     return found
 
 

@@ -1,0 +1,209 @@
+"""CPU kernel of FlashAttention's packed variable-length backward (``flash_attn_varlen_func``'s
+gradient): dq [total_q, Hq, D], dk, dv [total_k, Hkv, D] of the packed forward (``varlen``), every
+option per sequence exactly as there (bottom-right causal, window, softcap, sink tokens, ALiBi,
+GQA: dk and dv sum over the group's query heads).
+
+It is the dense backward (``backward``: FlashAttention-2, D = rowsum(do * out), P recomputed from
+the forward's lse, the NaN rule) run per sequence: its task macros (``BackwardTask``) read the
+packed rows through ``PackedRows`` in place of ``DenseRows``. A task is one (sequence, KV head,
+split of the sequence's key tiles); the tasks, ``sum_b Hkv * min(splits, key tiles of b)`` of
+them, are dealt to parallel workers (``ragged.dealt_tasks``, bit-reversed so that even a few
+tasks reach every thread), and each walks only the query tiles of its sequence that can see its
+key tiles, so the cost follows sum_b Sq_b * Sk_b, not B * max^2.
+
+dq: each task adds into its own float32 partial, [splits, Hq, padded rows, DP] with every
+sequence's query tiles padded to block_q (O(total_q * D * splits)); a last pass sums a row's
+partials in split order (deterministic, no races). Rows past cu_seqlens_q[B] get dq = 0 and keys
+past cu_seqlens_k[B] dk = dv = 0; a sequence without keys gives its rows dq = 0.
+
+cu_seqlens are validated in the kernel before anything is read through them (``varlen.check_packed_offsets``).
+
+Contents:
+    PackedRows       -- where a sequence's rows live in the packed layout (the backward macros' ``seq``)
+    SequenceGrid     -- a task's key-split grid over one sequence, its dq partials in the packed layout
+    varlen_backward  -- PrimFunc fuel_flash_attn_varlen_backward_cpu(q, k, v, do, cu_seqlens_q,
+                        cu_seqlens_k, [alibi_slopes], out, lse, dq, dk, dv)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..common import F32, KernelSpec, drop_params, finish, kernel_params
+from .backward import BackwardBuffers, BackwardKernel, BackwardTask
+from .ragged import dealt_tasks, find_sequence
+from .tasks import KeySplitGrid, TilePair
+from .tiles import CpuTiles
+from .varlen import check_packed_offsets
+
+OP = "fuel.flash_attn_varlen_backward"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One sequence of the packed layout: its queries are rows ``q_start ..`` of q, do, out
+    [total_q, Hq, D] (and columns of lse, D [Hq, total_q]), its keys rows ``k_start ..`` of k, v,
+    dk, dv [total_k, Hkv, D]; Sq, Sk its lengths. The batch index the macros pass is not read."""
+
+    q_start: tirx.PrimExpr
+    k_start: tirx.PrimExpr
+    Sq: tirx.PrimExpr
+    Sk: tirx.PrimExpr
+
+    def q_len(self, b):
+        return self.Sq
+
+    def k_len(self, b):
+        return self.Sk
+
+    def query(self, buf, b, h, i, d):
+        return buf[self.q_start + i, h, d]
+
+    def key(self, buf, b, g, j, d):
+        return buf[self.k_start + j, g, d]
+
+    def row(self, buf, b, h, i):
+        return buf[h, self.q_start + i]
+
+    def store_key(self, buf, value, b, g, j, d):
+        T.buffer_store(buf, value, [self.k_start + j, g, d])
+
+
+@dataclass(frozen=True)
+class SequenceGrid(KeySplitGrid):
+    """A task's grid over one sequence (Sq, Sk, its key tiles and their splits are the sequence's);
+    the dq partial of query tile qt of head h, split c starts at row ``first_row + qt * block_q``
+    of the [splits, Hq, padded_rows, DP] partials."""
+
+    first_row: tirx.PrimExpr = 0
+    padded_rows: tirx.PrimExpr = 0
+
+    def pair(self, b, g, split, hr, qt, kt) -> TilePair:
+        h = g * self.group + hr
+        return TilePair(b, h, qt * self.block_q, kt * self.block_k,
+                        ((split * self.num_q_heads + h) * self.padded_rows + self.first_row + qt * self.block_q)
+                        * self.padded_dim)
+
+
+def _check(spec: KernelSpec):
+    if spec.num_q_heads % spec.num_kv_heads:
+        raise ValueError(f"varlen_backward: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
+                         f"{spec.num_kv_heads}")
+    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
+        raise ValueError("varlen_backward: the packed backward takes no attn_mask, paged cache or sinks")
+
+
+def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> tirx.PrimFunc:
+    """``fuel_flash_attn_varlen_backward_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], do
+    [total_q, Hq, D], cu_seqlens_q [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq]
+    float32 (``spec.has_alibi``), out [total_q, Hq, D], lse [Hq, total_q] float32 (natural log,
+    -inf for a row without a visible key), dq [total_q, Hq, D], dk, dv [total_k, Hkv, D])``:
+    total_q, total_k and B symbolic; gradients in q's dtype. ``tiles.splits``: the most tasks per
+    (sequence, KV head) (no more than the sequence's key tiles); ``workers`` (a power of two): the
+    parallel workers the tasks are dealt to."""
+    _check(spec)
+    Hq, Hkv, D, group, dtype, cfg = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype,
+                                     spec.cfg)
+    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+    splits = tiles.splits
+    task = BackwardTask(spec, tiles, ("dq", "dk", "dv"))
+    total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
+    sizes = dict(total_q=total_q, total_k=total_k, B1=B1)
+    # the partials' rows per (split, query head): every sequence's query tiles padded to block_q, at
+    # most total_q plus a partial tile per sequence with queries (at most min(B, total_q) of them);
+    # from the shapes alone (allocated with the function, before the offsets are checked)
+    padded_rows = total_q + tirx.min(B1, total_q) * BQ
+    unused = set() if spec.has_alibi else {"alibi_slopes"}
+
+    @T.macro
+    def sequence_task(context, task_id, b):
+        # task ``task_id`` of sequence b: split local // Hkv of KV head local % Hkv's key tiles
+        params, row_dot, dq_part, cu_q, cu_k, first_task, first_row_tile = T.meta_var(context)
+        q0: T.int64 = T.Cast("int64", cu_q[b])
+        k0: T.int64 = T.Cast("int64", cu_k[b])
+        sq: T.int64 = T.Cast("int64", cu_q[b + 1]) - q0
+        sk: T.int64 = T.Cast("int64", cu_k[b + 1]) - k0
+        n_key_tiles: T.int64 = (sk + BK - 1) // BK
+        per_split: T.int64 = (n_key_tiles + T.min(n_key_tiles, splits) - 1) // T.min(n_key_tiles, splits)
+        split: T.int64 = (task_id - first_task[b]) // Hkv
+        g: T.int64 = (task_id - first_task[b]) % Hkv
+        first_row: T.int64 = first_row_tile[b] * BQ
+        # the task's own dq partial rows zeroed (no other task writes them)
+        for hr, row in T.grid(group, (sq + BQ - 1) // BQ * BQ):
+            for d in T.vectorized(DP):
+                dq_part[((split * Hq + g * group + hr) * padded_rows + first_row + row) * DP + d] = T.float32(0)
+        grid = T.meta_var(SequenceGrid(cfg, 1, sq, sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
+                                       0, first_row=first_row, padded_rows=padded_rows))
+        kernel = T.meta_var(BackwardKernel(grid, params, PackedRows(q0, k0, sq, sk), row_dot, dq_part))
+        task.key_task(kernel, b, g, split)
+
+    # fmt: off
+    @T.prim_func
+    def fuel_flash_attn_varlen_backward_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
+                                            cu_seqlens_q_h: T.handle, cu_seqlens_k_h: T.handle,
+                                            alibi_slopes_h: T.handle, out_h: T.handle, lse_h: T.handle,
+                                            dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
+        q, k, v, do, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse, dq, dk, dv = kernel_params(
+            spec, sizes, q_h, k_h, v_h, do_h, cu_seqlens_q_h, cu_seqlens_k_h, alibi_slopes_h, out_h, lse_h, dq_h,
+            dk_h, dv_h)
+        check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, OP)
+        params = T.meta_var(BackwardBuffers(q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv,
+                                            alibi=alibi_slopes if spec.has_alibi else None))
+        row_dot = T.alloc_buffer((Hq, total_q), F32)
+        dq_part = T.alloc_buffer((splits * Hq * padded_rows * DP,), F32)
+        # per sequence: its first task (Hkv per split, a split per key tile at most) and first query tile
+        first_task = T.alloc_buffer((B1,), "int64")
+        first_row_tile = T.alloc_buffer((B1,), "int64")
+        first_task[0] = T.int64(0)
+        first_row_tile[0] = T.int64(0)
+        for b in range(B1 - 1):
+            first_task[b + 1] = first_task[b] + T.min(
+                (T.Cast("int64", cu_seqlens_k[b + 1] - cu_seqlens_k[b]) + BK - 1) // BK, splits) * Hkv
+            first_row_tile[b + 1] = first_row_tile[b] + (T.Cast("int64", cu_seqlens_q[b + 1] - cu_seqlens_q[b])
+                                                         + BQ - 1) // BQ
+        q_end: T.int64 = T.Cast("int64", cu_seqlens_q[B1 - 1])
+        k_end: T.int64 = T.Cast("int64", cu_seqlens_k[B1 - 1])
+        # 1. D = rowsum(do * out) of every row of a sequence
+        for i in T.parallel(q_end):
+            for h in range(Hq):
+                acc = T.alloc_buffer((1,), F32, scope="local")
+                acc[0] = T.float32(0)
+                for d in range(D):
+                    acc[0] = acc[0] + do[i, h, d].astype(F32) * out[i, h, d].astype(F32)
+                row_dot[h, i] = acc[0]
+        # 2. the (sequence, KV head, split) tasks: dk, dv of their key tiles, their dq partials
+        context = T.meta_var((params, row_dot, dq_part, cu_seqlens_q, cu_seqlens_k, first_task, first_row_tile))
+        dealt_tasks(workers, first_task[B1 - 1], first_task, B1 - 1, 1, sequence_task, context, spread=True)
+        # 3. dq of each query tile: its sequence's partials summed in split order
+        for t in T.parallel(first_row_tile[B1 - 1]):
+            bounds = T.alloc_buffer((2,), "int64", scope="local")
+            find_sequence(bounds, first_row_tile, B1 - 1, t)
+            q0: T.int64 = T.Cast("int64", cu_seqlens_q[bounds[0]])
+            sq: T.int64 = T.Cast("int64", cu_seqlens_q[bounds[0] + 1]) - q0
+            n_splits: T.int64 = T.min((T.Cast("int64", cu_seqlens_k[bounds[0] + 1] - cu_seqlens_k[bounds[0]]) + BK - 1)
+                                      // BK, splits)
+            for r in range(BQ):
+                if (t - first_row_tile[bounds[0]]) * BQ + r < sq:
+                    for h, d in T.grid(Hq, D):
+                        total = T.alloc_buffer((1,), F32, scope="local")
+                        total[0] = T.float32(0)
+                        for c in range(n_splits):
+                            total[0] = total[0] + dq_part[((c * Hq + h) * padded_rows + t * BQ + r) * DP + d]
+                        dq[q0 + (t - first_row_tile[bounds[0]]) * BQ + r, h, d] = total[0].astype(dtype)
+        # rows and keys of no sequence: no gradient
+        for i in T.parallel(total_q - q_end):
+            for h, d in T.grid(Hq, D):
+                dq[q_end + i, h, d] = T.cast(0, dtype)
+        for j in T.parallel(total_k - k_end):
+            for g, d in T.grid(Hkv, D):
+                dk[k_end + j, g, d] = T.cast(0, dtype)
+                dv[k_end + j, g, d] = T.cast(0, dtype)
+    # fmt: on
+
+    return finish(drop_params(fuel_flash_attn_varlen_backward_cpu, unused))
+
+
+__all__ = ["PackedRows", "SequenceGrid", "varlen_backward"]
