@@ -132,7 +132,8 @@ def paged_workload(call: relax.Call) -> Workload | None:
 def varlen_workload(call: relax.Call, op: str = "flash_attn_varlen") -> Workload | None:
     """The workload of a flash_attn_varlen (or, ``op``, flash_attn_varlen_backward) call (dims
     total_q, total_k, B + 1; the backward's grads dq, dk, dv); None where its heads or head dim are
-    symbolic, its offsets are not int32, or it has sinks (the floor serves those)."""
+    symbolic, or it has sinks (the floor serves those, with a FloorWarning). Offsets of any integer
+    dtype: the kernels are given them as int32 (``op.legalize.emit_kernel``)."""
     args = SPECS[op].split_args(call)
     q, k, cu = static_dims(args["q"]), static_dims(args["k"]), static_dims(args["cu_seqlens_q"])
     if q is None or k is None or cu is None or None in (q[1], q[2], k[1]):

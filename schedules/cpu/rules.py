@@ -217,7 +217,9 @@ class VarlenBackward(_CpuRule):
         return varlen_workload(call, op=self.op) if self.is_target_available(target) else None
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
-        splits = min(16, max(1, -(-2 * cores(target) // workload.spec.num_kv_heads)))
+        # at most 4: the dq partials hold splits x (total_q + B * block_q) rows per head, whatever
+        # the batch (B is known at run time only; many sequences need no splits to fill the cores)
+        splits = min(4, max(1, -(-2 * cores(target) // workload.spec.num_kv_heads)))
         return asdict(replace(tiles_for(target, head_dim=workload.spec.head_dim, rows=None), splits=splits))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:

@@ -12,7 +12,8 @@ tasks reach every thread), and each walks only the query tiles of its sequence t
 key tiles, so the cost follows sum_b Sq_b * Sk_b, not B * max^2.
 
 dq: each task adds into its own float32 partial, [splits, Hq, padded rows, DP] with every
-sequence's query tiles padded to block_q (O(total_q * D * splits)); a last pass sums a row's
+sequence's query tiles padded to block_q (splits * Hq * (total_q + B * block_q) * DP floats: the
+rule keeps splits <= 4); a last pass sums a row's
 partials in split order (deterministic, no races). Rows past cu_seqlens_q[B] get dq = 0 and keys
 past cu_seqlens_k[B] dk = dv = 0; a sequence without keys gives its rows dq = 0.
 

@@ -76,11 +76,12 @@ def test_any_tiles_and_splits_serve():
 
 
 def test_no_sequences_and_empty_ones():
-    """B = 0 (cu_seqlens [0]) and sequences without queries or keys: every gradient exactly 0."""
+    """B = 0 (cu_seqlens [0]), with and without rows (total_q = total_k = 0: empty workspaces), and
+    sequences without queries or keys: every gradient exactly 0."""
     spec = SMALL
     lib = _small_kernel(spec)
-    for q_lens, k_lens in (([], []), ([0, 0], [0, 3]), ([2, 0], [0, 0])):
-        inputs = varlen_backward_kernel_inputs(spec, q_lens, k_lens, extra=2)
+    for q_lens, k_lens, extra in (([], [], 2), ([], [], 0), ([0, 0], [0, 3], 2), ([2, 0], [0, 0], 2)):
+        inputs = varlen_backward_kernel_inputs(spec, q_lens, k_lens, extra=extra)
         grads = run_varlen_backward_kernel(lib, inputs)
         assert all(not g.any() for g in grads), (q_lens, k_lens)
 

@@ -380,9 +380,10 @@ def varlen_bench_cases(gpu: bool, *, small: bool = False) -> list[Case]:
 
 def quantized_bench_cases(gpu: bool, *, small: bool = False) -> list[Case]:
     """Paged decode over 8-bit caches (fp8 e4m3fn / e5m2 with a scale per KV head, int8 with one per
-    token and head) at the bench's first paged shape, timed in the same run as that shape's
-    bfloat16-cache row (``bench_cases``): decode reads every live K/V byte once, so an 8-bit cache
-    should take about half the bfloat16 cache's time where the decode is bound by memory."""
+    token and head) at the bench's first paged shape, timed in the same run as that shape's row
+    (``bench_cases``; on CUDA a bfloat16 cache, on CPUs float32): decode reads every live K/V byte
+    once, so an 8-bit cache should take about half a bfloat16 cache's time where the decode is bound
+    by memory."""
     if small:
         B, Hq, Hkv, D, block_size, context, dtype = 2, 4, 2, 64, 16, 100, "float32"
     else:

@@ -182,15 +182,17 @@ def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 @functools.lru_cache(maxsize=None)
-def _varlen_check_func(op: str, q_dtype: str, cu_dtype: str, max_seqlen_q: int, max_seqlen_k: int
-                       ) -> tvm.tirx.PrimFunc:
+def _varlen_check_func(op: str, q_dtype: str, cu_dtype: str, max_seqlen_q: int, max_seqlen_k: int,
+                       int32_rows: bool = False) -> tvm.tirx.PrimFunc:
     """A host PrimFunc that validates both cu_seqlens (start at 0, never decrease, end within the
-    packed rows, each sequence within max_seqlen where given) and returns them."""
+    packed rows, each sequence within max_seqlen where given; ``int32_rows``: end below 2**31, as
+    the kernels' int32 offsets must) and returns them."""
     order = op + ": {} must start at 0, never decrease and end at most at {}.shape[0]"
     order_q, order_k = order.format("cu_seqlens_q", "q"), order.format("cu_seqlens_k", "k")
     bound_q = f"{op}: a sequence of cu_seqlens_q is longer than max_seqlen_q"
     bound_k = f"{op}: a sequence of cu_seqlens_k is longer than max_seqlen_k"
     limit_q, limit_k = max_seqlen_q if max_seqlen_q > 0 else 2 ** 62, max_seqlen_k if max_seqlen_k > 0 else 2 ** 62
+    rows = f"{op}: the kernels take int32 offsets: cu_seqlens must end below 2**31 (kernels='decomposed' takes more)"
 
     # fmt: off
     @T.prim_func
@@ -207,6 +209,9 @@ def _varlen_check_func(op: str, q_dtype: str, cu_dtype: str, max_seqlen_q: int, 
         checked_k = T.match_buffer(cu_k_out, (n,), cu_dtype)
         assert T.Cast("int64", offsets_q[0]) == T.int64(0) and T.Cast("int64", offsets_q[n - 1]) <= total_q, order_q
         assert T.Cast("int64", offsets_k[0]) == T.int64(0) and T.Cast("int64", offsets_k[n - 1]) <= total_k, order_k
+        if int32_rows:  # a wider offset past int32 would wrap in the kernels' cast
+            assert T.Cast("int64", offsets_q[n - 1]) < T.int64(2 ** 31), rows
+            assert T.Cast("int64", offsets_k[n - 1]) < T.int64(2 ** 31), rows
         for b in range(n - 1):
             len_q: T.int64 = T.Cast("int64", offsets_q[b + 1]) - T.Cast("int64", offsets_q[b])
             len_k: T.int64 = T.Cast("int64", offsets_k[b + 1]) - T.Cast("int64", offsets_k[b])
@@ -222,7 +227,7 @@ def _varlen_check_func(op: str, q_dtype: str, cu_dtype: str, max_seqlen_q: int, 
     return fuel_flash_attn_varlen_check
 
 
-def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict) -> dict:
+def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict, *, int32_rows: bool = False) -> dict:
     """``args`` with both cu_seqlens validated first on CPU targets (device kernels cannot
     assert; there the floor and the kernels clamp every index they read from them)."""
     if _on_gpu():
@@ -231,7 +236,8 @@ def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict) -> 
     if str(cu_q.ty.dtype) != str(cu_k.ty.dtype):  # both widened to int64: a narrowing cast could wrap a bad offset
         cu_q, cu_k = (bb.emit(relax.op.astype(cu, "int64")) for cu in (cu_q, cu_k))
     check = _varlen_check_func(call.op.name.replace("relax.", ""), str(args["q"].ty.dtype), str(cu_q.ty.dtype),
-                               int(call.attrs["max_seqlen_q"]), int(call.attrs["max_seqlen_k"]))
+                               int(call.attrs["max_seqlen_q"]), int(call.attrs["max_seqlen_k"]),
+                               int32_rows and str(cu_q.ty.dtype) != "int32")
     # the forward's and the backward's checks differ in their messages: each keeps its own symbol
     gvar = bb.add_func(check.without_attr("global_symbol"), "fuel_flash_attn_varlen_check")
     bb.update_func(gvar, check.with_attr("global_symbol", gvar.name_hint))
@@ -276,9 +282,10 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
     if name == "paged_attn":
         args["context_lens"] = _checked_context_lens(bb, args)
     if name in ("flash_attn_varlen", "flash_attn_varlen_backward"):
-        args = checked_cu_seqlens(bb, call, args)
-        # the kernels read FlashAttention's int32 offsets: wider ones passed the check above first
-        # (CPU targets); on GPUs a value that wraps is clamped by the kernels as any bad offset is
+        # the kernels read FlashAttention's int32 offsets: wider ones pass the check first (CPU
+        # targets: within the packed rows and below 2**31); on GPUs a value that wraps is clamped
+        # by the kernels as any bad offset is
+        args = checked_cu_seqlens(bb, call, args, int32_rows=True)
         for n in ("cu_seqlens_q", "cu_seqlens_k"):
             if str(args[n].ty.dtype) != "int32":
                 args[n] = bb.emit(relax.op.astype(args[n], "int32"))
