@@ -6,6 +6,7 @@ Contents:
     shape_vars        -- the runtime dims of a kernel: symbolic vars or constants
     kernel_sizes      -- an attention kernel's runtime sizes by name (dense or paged)
     kernel_params     -- every kernel's prologue: its parameters' buffers, laid out by name
+    check_packed      -- what a packed (varlen) kernel's spec cannot have
     key_tile_range    -- the key tiles a range of query positions can see (the window's)
     KeyTiles, key_tiles -- those tiles and the sink tokens' left of them, walked as one range
     query_tile_range  -- the query tiles that can see a range of keys (backward)
@@ -196,6 +197,16 @@ def biased(spec: KernelSpec, capped, alibi, mask, b, h, i, j, delta):
 # the parameters shaped [B, Hq, Sq, D] and [B, Hkv, Sk, D] (tangents, cotangents and gradients included)
 _QUERY_LIKE = ("q", "do", "out", "dq", "q_dot", "out_dot", "dq_bar", "q_grad", "do_grad")
 _KEY_LIKE = ("k", "v", "dk", "dv", "k_dot", "v_dot", "dk_bar", "dv_bar", "k_grad", "v_grad")
+
+
+def check_packed(spec: KernelSpec, kernel: str):
+    """ValueError naming ``kernel`` where ``spec`` is no packed batch's: query heads no multiple of
+    the KV heads, or a mask, a paged cache or sinks."""
+    if spec.num_q_heads % spec.num_kv_heads:
+        raise ValueError(f"{kernel}: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
+                         f"{spec.num_kv_heads}")
+    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
+        raise ValueError(f"{kernel}: a packed batch takes no attn_mask, paged cache or sinks")
 
 
 def kernel_params(spec: KernelSpec, sizes: dict, *handles) -> tuple:

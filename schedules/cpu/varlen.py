@@ -27,7 +27,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import drop_params, finish, kernel_params, KernelSpec
+from ..common import check_packed, drop_params, finish, kernel_params, KernelSpec
 from ..tvm_params import TvmArgs
 from .forward import ForwardBuffers
 from .ragged import LSE_NATURAL, prefill_phases, RaggedTask
@@ -57,14 +57,6 @@ def check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, op):
     check_offsets(cu_seqlens_k, B1, total_k, _offsets_message(op, "cu_seqlens_k", "k"))
 
 
-def _check(spec: KernelSpec):
-    if spec.num_q_heads % spec.num_kv_heads:
-        raise ValueError(f"varlen_forward: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
-                         f"{spec.num_kv_heads}")
-    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
-        raise ValueError("varlen_forward: the packed forward takes no attn_mask, paged cache or sinks")
-
-
 def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> tirx.PrimFunc:
     """``fuel_flash_attn_varlen_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens_q
     [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq] float32 (``spec.has_alibi``),
@@ -73,7 +65,7 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     not read). ``workers``: the parallel workers the row tiles are dealt to in turn
     (``ragged.prefill_phases``): a thread's share of 64 is every 64th tile in runs of 64 / threads,
     even on 2 threads fine enough that neighbouring tiles, of like cost, balance."""
-    _check(spec)
+    check_packed(spec, "varlen_forward")
     Hq, D, dtype = spec.num_q_heads, spec.head_dim, spec.dtype
     task = RaggedTask(spec, tiles, lse=LSE_NATURAL if spec.return_lse else None)
     total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import F32, KernelSpec, drop_params, finish, kernel_params
+from ..common import F32, KernelSpec, check_packed, drop_params, finish, kernel_params
 from .backward import BackwardBuffers, BackwardKernel, BackwardTask
 from .ragged import dealt_tasks, find_sequence
 from .tasks import KeySplitGrid, TilePair
@@ -89,14 +89,6 @@ class SequenceGrid(KeySplitGrid):
                         * self.padded_dim)
 
 
-def _check(spec: KernelSpec):
-    if spec.num_q_heads % spec.num_kv_heads:
-        raise ValueError(f"varlen_backward: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
-                         f"{spec.num_kv_heads}")
-    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
-        raise ValueError("varlen_backward: the packed backward takes no attn_mask, paged cache or sinks")
-
-
 def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> tirx.PrimFunc:
     """``fuel_flash_attn_varlen_backward_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], do
     [total_q, Hq, D], cu_seqlens_q [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq]
@@ -105,7 +97,7 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
     total_q, total_k and B symbolic; gradients in q's dtype. ``tiles.splits``: the most tasks per
     (sequence, KV head) (no more than the sequence's key tiles); ``workers`` (a power of two): the
     parallel workers the tasks are dealt to."""
-    _check(spec)
+    check_packed(spec, "varlen_backward")
     Hq, Hkv, D, group, dtype, cfg = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype,
                                      spec.cfg)
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)

@@ -38,7 +38,6 @@ Contents:
     varlen_blocks  -- the grid's x extent for a packed batch (sizes known on the host)
     sequence_search -- the block's virtual sequence by a binary search over the offsets (shared
                       with the packed backward, ``varlen_backward``)
-    check_packed   -- what a packed batch's spec cannot have
     PackedRows     -- a packed tensor of one sequence as the dense kernels index it
 """
 
@@ -50,7 +49,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import drop_params, finish, kernel_params, KernelSpec
+from ..common import check_packed, drop_params, finish, kernel_params, KernelSpec
 from .device import F32, HALF_TYPES, Launch
 from .forward import ForwardBuffers, ForwardMacros, RowBlock
 from .tiles import CudaTiles, WarpLayout
@@ -141,16 +140,6 @@ def sequence_search(group: int, block: int):
     return find_sequence
 
 
-def check_packed(spec: KernelSpec, kernel: str):
-    """ValueError naming ``kernel`` where ``spec`` is no packed batch's: query heads no multiple of
-    the KV heads, or a mask, a paged cache or sinks."""
-    if spec.num_q_heads % spec.num_kv_heads:
-        raise ValueError(f"{kernel}: num_q_heads {spec.num_q_heads} must be a multiple of num_kv_heads "
-                         f"{spec.num_kv_heads}")
-    if spec.mask_dtype is not None or spec.mask_broadcast or spec.block_size or spec.has_sinks:
-        raise ValueError(f"{kernel}: a packed batch takes no attn_mask, paged cache or sinks")
-
-
 def _check(spec: KernelSpec, tiles: CudaTiles):
     check_packed(spec, "varlen_forward")
     if tiles.splits != 1:
@@ -221,4 +210,4 @@ def varlen_forward(spec: KernelSpec, tiles: CudaTiles, *, launch: Launch | None 
     return finish(drop_params(fuel_flash_attn_varlen_cuda, unused))
 
 
-__all__ = ["varlen_forward", "varlen_blocks", "sequence_search", "check_packed", "PackedRows"]
+__all__ = ["varlen_forward", "varlen_blocks", "sequence_search", "PackedRows"]

@@ -48,11 +48,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import KernelSpec, drop_params, finish, kernel_params
+from ..common import KernelSpec, check_packed, drop_params, finish, kernel_params
 from .backward import BackwardBuffers, BackwardMacros, KeyBlock, QueryBlock
 from .device import F32, HALF_TYPES, Launch
 from .tiles import CudaTiles, backward_strips
-from .varlen import (LEN, OTHER_LEN, OTHER_START, ROW0, SEQ, START, PackedRows, check_packed, sequence_search,
+from .varlen import (LEN, OTHER_LEN, OTHER_START, ROW0, SEQ, START, PackedRows, sequence_search,
                      varlen_blocks)
 
 GRADS = ("dq", "dk", "dv")
