@@ -99,7 +99,7 @@ class _TaskScratch:
 class DenseRows:
     """Where row i of query head h (key j of KV head g) of batch b lives in the dense layout: q, do,
     out [B, Hq, Sq, D], k, v, dk, dv [B, Hkv, Sk, D], per-row lse and D [B, Hq, Sq]. The packed
-    varlen layout (``varlen_backward.PackedRows``) answers the same questions per sequence."""
+    varlen layout (``varlen_backward.PackedSequence``) answers the same questions per sequence."""
 
     Sq: tirx.PrimExpr
     Sk: tirx.PrimExpr

@@ -5,7 +5,7 @@ GQA: dk and dv sum over the group's query heads).
 
 It is the dense backward (``backward``: FlashAttention-2, D = rowsum(do * out), P recomputed from
 the forward's lse, the NaN rule) run per sequence: its task macros (``BackwardTask``) read the
-packed rows through ``PackedRows`` in place of ``DenseRows``. A task is one (sequence, KV head,
+packed rows through ``PackedSequence`` in place of ``DenseRows``. A task is one (sequence, KV head,
 split of the sequence's key tiles); the tasks, ``sum_b Hkv * min(splits, key tiles of b)`` of
 them, are dealt to parallel workers (``ragged.dealt_tasks``, bit-reversed so that even a few
 tasks reach every thread), and each walks only the query tiles of its sequence that can see its
@@ -20,7 +20,7 @@ past cu_seqlens_k[B] dk = dv = 0; a sequence without keys gives its rows dq = 0.
 cu_seqlens are validated in the kernel before anything is read through them (``varlen.check_packed_offsets``).
 
 Contents:
-    PackedRows       -- where a sequence's rows live in the packed layout (the backward macros' ``seq``)
+    PackedSequence   -- where a sequence's rows live in the packed layout (the backward macros' ``seq``)
     SequenceGrid     -- a task's key-split grid over one sequence, its dq partials in the packed layout
     varlen_backward  -- PrimFunc fuel_flash_attn_varlen_backward_cpu(q, k, v, do, cu_seqlens_q,
                         cu_seqlens_k, [alibi_slopes], out, lse, dq, dk, dv)
@@ -44,7 +44,7 @@ OP = "fuel.flash_attn_varlen_backward"
 
 
 @dataclass(frozen=True)
-class PackedRows:
+class PackedSequence:
     """One sequence of the packed layout: its queries are rows ``q_start ..`` of q, do, out
     [total_q, Hq, D] (and columns of lse, D [Hq, total_q]), its keys rows ``k_start ..`` of k, v,
     dk, dv [total_k, Hkv, D]; Sq, Sk its lengths. The batch index the macros pass is not read."""
@@ -130,7 +130,7 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
                 dq_part[((split * Hq + g * group + hr) * padded_rows + first_row + row) * DP + d] = T.float32(0)
         grid = T.meta_var(SequenceGrid(cfg, 1, sq, sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
                                        0, first_row=first_row, padded_rows=padded_rows))
-        kernel = T.meta_var(BackwardKernel(grid, params, PackedRows(q0, k0, sq, sk), row_dot, dq_part))
+        kernel = T.meta_var(BackwardKernel(grid, params, PackedSequence(q0, k0, sq, sk), row_dot, dq_part))
         task.key_task(kernel, b, g, split)
 
     # fmt: off
@@ -199,4 +199,4 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
     return finish(drop_params(fuel_flash_attn_varlen_backward_cpu, unused))
 
 
-__all__ = ["PackedRows", "SequenceGrid", "varlen_backward"]
+__all__ = ["PackedSequence", "SequenceGrid", "varlen_backward"]

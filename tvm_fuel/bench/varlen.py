@@ -202,24 +202,21 @@ def varlen_rows() -> dict:
     return {"rows": [_row(VARLEN_ROW, host_target())], "backward_rows": [backward_row(VARLEN_ROW, host_target())]}
 
 
+def _print_row(row: dict, names: tuple[str, ...], subject: str, prefix: str, meaning: str) -> None:
+    # one row's timings (skipped where a peer is absent), then its ratios (keys ``prefix + peer``)
+    r = row["results"]
+    cells = "".join(f"{r[n]['ms']:11.2f} ms {r[n]['gflops']:4.0f}GF" if n in r else f"{'skipped':>20}" for n in names)
+    print(f"{row['name']:<62}{cells}")
+    ratios = ", ".join(f"{key[len(prefix):]} {value:.2f}" for key, value in row.items() if key.startswith(prefix))
+    print(f"  {subject} over: {ratios} (side by side in one process; < 1: {meaning})")
+
+
 def print_rows(report: dict) -> None:
     names = ("fuel_varlen", "fuel_padded", "torch_per_sequence", "torch_padded")
     print(f"\n{'varlen row':<62}" + "".join(f"{n:>20}" for n in names))
     for row in report["rows"]:
-        r = row["results"]
-        cells = "".join(f"{r[n]['ms']:11.2f} ms {r[n]['gflops']:4.0f}GF" if n in r else f"{'skipped':>20}"
-                        for n in names)
-        print(f"{row['name']:<62}{cells}")
-        ratios = ", ".join(f"{key[len('varlen_over_'):]} {value:.2f}" for key, value in row.items()
-                           if key.startswith("varlen_over_"))
-        print(f"  fuel_varlen over: {ratios} (side by side in one process; < 1: the packed batch is faster)")
+        _print_row(row, names, "fuel_varlen", "varlen_over_", "the packed batch is faster")
     names = ("fuel_kernel", "torch_per_sequence")
     for row in report.get("backward_rows", []):
         print(f"\n{'varlen backward row':<62}" + "".join(f"{n:>20}" for n in names))
-        r = row["results"]
-        cells = "".join(f"{r[n]['ms']:11.2f} ms {r[n]['gflops']:4.0f}GF" if n in r else f"{'skipped':>20}"
-                        for n in names)
-        print(f"{row['name']:<62}{cells}")
-        ratios = ", ".join(f"{key[len('kernel_over_'):]} {value:.2f}" for key, value in row.items()
-                           if key.startswith("kernel_over_"))
-        print(f"  fuel_kernel over: {ratios} (side by side in one process; < 1: the kernel is faster)")
+        _print_row(row, names, "fuel_kernel", "kernel_over_", "the kernel is faster")
