@@ -36,6 +36,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda-emulated" in item.nodeid:
             item.add_marker(pytest.mark.slow)
+    if not config.getoption("full_emulation"):
+        dropped = _beyond_each_choice([item for item in items if "cuda-emulated" in item.nodeid])
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item not in dropped]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full-emulation", action="store_true", default=False,
+                     help="run every parameter combination of the CUDA kernels' llvm emulation (default: each "
+                          "parameter value of a test at least once on it)")
+
+
+def _beyond_each_choice(items) -> set:
+    """The emulated items a test function does not need for each of its parameters' values to run
+    at least once on the emulation (collection order decides which combination carries a value).
+    The CPU kernels and the floor run every combination; the emulation is one thread, ~1/7 of the
+    suite's time over the whole matrix."""
+    covered: dict[tuple, set] = {}
+    dropped = set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            continue
+        seen = covered.setdefault((item.module.__name__, item.originalname), set())
+        values = {(name, repr(value)) for name, value in callspec.params.items() if name != "kernels"}
+        if values and values <= seen:
+            dropped.add(item)
+        seen |= values
+    return dropped
 
 
 @pytest.fixture(scope="module", params=["decomposed", "tuned", "cuda-emulated"])
