@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
 from ..diagnostics import TuningLogWarning
 from .base import KernelRule
@@ -78,6 +78,15 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
     from ..op import SPECS
 
     rules = rules_for(target, rules)
+    # kernels built in this map, by (rule, workload, knobs): a model's identical calls (one per
+    # layer) parse one TVMScript kernel, not one each (~0.5 s a kernel)
+    built: dict[tuple, tirx.PrimFunc] = {}
+
+    def kernel(rule: KernelRule, workload: Workload, knobs: Mapping[str, int]) -> tirx.PrimFunc:
+        key = (id(rule), workload, tuple(sorted(knobs.items())))
+        if key not in built:
+            built[key] = rule.kernel(workload, knobs)
+        return built[key]
 
     def legalize_with(name: str):
         candidates = [rule for rule in rules if rule.op == name]
@@ -101,7 +110,7 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
                         if found.exact:
                             warnings.warn(f"tvm_fuel: record in {found.source} does not fit {workload.describe()} "
                                           f"({err}); hand-picked knobs are used", TuningLogWarning, stacklevel=2)
-                func = rule.kernel(workload, knobs).with_attr("fuel.knobs", source)
+                func = kernel(rule, workload, knobs).with_attr("fuel.knobs", source)
                 func = func.with_attr("fuel.knob_values", json.dumps(knobs, sort_keys=True))  # what was built
                 func = func.with_attr("fuel.workload", workload.describe())
                 if match is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
@@ -291,11 +292,23 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
                 args[n] = bb.emit(relax.op.astype(args[n], "int32"))
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
     out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
-    # the kernel's symbol is its (unique) global var's name: two instances of one template in a
-    # module would otherwise share the template's name
-    gvar = bb.add_func(func.without_attr("global_symbol"), f"fuel_{name}_kernel")
-    bb.update_func(gvar, func.with_attr("global_symbol", gvar.name_hint))
+    gvar = _added_kernel(bb, func, f"fuel_{name}_kernel")
     return relax.call_tir(gvar, inputs, out_ty=out_ty)
+
+
+def _added_kernel(bb: relax.BlockBuilder, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+    """The global var of ``func`` in the module: the one of an equal kernel added before (a model's
+    layers call one kernel, compiled once), else a new one named from ``name``. Its symbol is the
+    global var's name (two instances of one template would otherwise share the template's), which
+    is why BlockBuilder's own deduplication, before the symbol is set, never finds the first."""
+    plain = func.without_attr("global_symbol")
+    for gvar, existing in bb.get().functions.items():
+        if (gvar.name_hint.startswith(name) and isinstance(existing, tirx.PrimFunc)
+                and tvm_ffi.structural_equal(existing.without_attr("global_symbol"), plain)):
+            return gvar
+    gvar = bb.add_func(plain, name)
+    bb.update_func(gvar, func.with_attr("global_symbol", gvar.name_hint))
+    return gvar
 
 
 def _flash_attn_jvp(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
