@@ -64,3 +64,30 @@ def test_identical_calls_build_one_kernel_and_every_layer_runs_it(monkeypatch, m
     for i in range(LAYERS):
         want = ref.flash_attn(want, want, want, causal=causal_of_layer(i))
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_identical_varlen_calls_share_their_offsets_check_and_kernel():
+    """Two layers of flash_attn_varlen over one packed batch: one host check of the offsets and
+    one kernel in the module (each used to be added once per call), both layers correct."""
+    lens = [17, 0, 1, 15]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype("int32")
+    total = int(offsets[-1])
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((total, 4, 40), "float32"))
+    cu = relax.Var("cu", relax.TensorType((len(lens) + 1,), "int32"))
+    with bb.function("main", [x, cu]):
+        h = bb.emit(op.flash_attn_varlen(x, x, x, cu, cu, causal=True))
+        bb.emit_func_output(bb.emit(op.flash_attn_varlen(h, h, h, cu, cu, causal=True)))
+    legalized = tvm_fuel.transform.legalize(bb.get(), HOST, kernels="tuned")
+    names = [gv.name_hint for gv in legalized.functions]
+    assert len([n for n in names if n.startswith("fuel_flash_attn_varlen_check")]) == 1, names
+    assert len(_kernels(legalized)) == 1, _kernels(legalized)
+    vm = relax.VirtualMachine(tvm.compile(legalized, target=HOST), tvm.cpu())
+    packed = randn(np.random.default_rng(1), (total, 4, 40))
+    want = packed.astype(np.float64)
+    for _ in range(2):
+        want = np.concatenate([ref.flash_attn(s[None].transpose(0, 2, 1, 3), s[None].transpose(0, 2, 1, 3),
+                                              s[None].transpose(0, 2, 1, 3), causal=True)[0].transpose(1, 0, 2)
+                               for s in np.split(want, offsets[1:-1])])
+    got = vm["main"](tvm.runtime.tensor(packed), tvm.runtime.tensor(offsets)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

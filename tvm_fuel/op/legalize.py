@@ -240,8 +240,7 @@ def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict, *, 
                                int(call.attrs["max_seqlen_q"]), int(call.attrs["max_seqlen_k"]),
                                int32_rows and str(cu_q.ty.dtype) != "int32")
     # the forward's and the backward's checks differ in their messages: each keeps its own symbol
-    gvar = bb.add_func(check.without_attr("global_symbol"), "fuel_flash_attn_varlen_check")
-    bb.update_func(gvar, check.with_attr("global_symbol", gvar.name_hint))
+    gvar = _added_function(bb, check, "fuel_flash_attn_varlen_check")
     both = bb.emit(relax.call_tir(gvar, [args["q"], args["k"], cu_q, cu_k], out_ty=[cu_q.ty, cu_q.ty]))
     return {**args, "cu_seqlens_q": bb.emit(relax.TupleGetItem(both, 0)),
             "cu_seqlens_k": bb.emit(relax.TupleGetItem(both, 1))}
@@ -292,15 +291,16 @@ def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.t
                 args[n] = bb.emit(relax.op.astype(args[n], "int32"))
     inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
     out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
-    gvar = _added_kernel(bb, func, f"fuel_{name}_kernel")
+    gvar = _added_function(bb, func, f"fuel_{name}_kernel")
     return relax.call_tir(gvar, inputs, out_ty=out_ty)
 
 
-def _added_kernel(bb: relax.BlockBuilder, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
-    """The global var of ``func`` in the module: the one of an equal kernel added before (a model's
-    layers call one kernel, compiled once), else a new one named from ``name``. Its symbol is the
-    global var's name (two instances of one template would otherwise share the template's), which
-    is why BlockBuilder's own deduplication, before the symbol is set, never finds the first."""
+def _added_function(bb: relax.BlockBuilder, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+    """The global var of ``func`` (a kernel or a host check) in the module: the one of an equal
+    function added before (a model's layers call one kernel, compiled once), else a new one named
+    from ``name``. Its symbol is the global var's name (two instances of one template would
+    otherwise share the template's), which is why BlockBuilder's own deduplication, before the
+    symbol is set, never finds the first."""
     plain = func.without_attr("global_symbol")
     for gvar, existing in bb.get().functions.items():
         if (gvar.name_hint.startswith(name) and isinstance(existing, tirx.PrimFunc)
