@@ -89,16 +89,14 @@ def decode_parts(x) -> tuple:
     bits = tirx.reinterpret("uint8", x)
     if dtype == "float8_e5m2":  # Inf and NaN map to float16's
         return tirx.reinterpret("float16", tirx.Cast("uint16", bits) << _u16(8)).astype("float32"), decode_factor(dtype)
-    # sign-extended (through int8) then shifted, bit 14 holds the sign again: cleared, the
-    # exponent's top bit is 0
+    # sign-extended (through int8) then shifted: bit 14 holds a copy of the sign, which must end 0
+    # (the exponent's top bit), and e4m3fn's 0x7F (NaN; no Inf), float16 1.875 here, needs its
+    # exponent all ones. Bit 14 of (half + 0x80) is the bit to flip for both: the sign copy of every
+    # negative non-NaN, and the positive NaN's carry out of bits 7..13; the negative NaN's carry
+    # clears it, leaving that NaN's bit 14 set. Integer arithmetic, no select (vector selects make
+    # bool vectors, which CUDA's codegen cannot hold), and three operations, paid per element
     half = tirx.reinterpret("uint16", tirx.Cast("int16", tirx.reinterpret("int8", bits))) << _u16(7)
-    half = half & _u16(0xBFFF)
-    # e4m3fn's 0x7F is NaN (no Inf), float16 1.875 here: its exponent set to all ones, by integer
-    # arithmetic rather than a select (vector selects make bool vectors, which CUDA's codegen
-    # cannot hold): bit 15 of (half & 0x7FFF) + 0x4080 is set only at 0x3F80, spread to 16 bits by
-    # an arithmetic shift
-    nan = tirx.reinterpret("int16", (half & _u16(0x7FFF)) + _u16(0x4080)) >> tirx.const(15, "int16")
-    half = half | (tirx.reinterpret("uint16", nan) & _u16(0x7C00))
+    half = half ^ ((half + _u16(0x80)) & _u16(0x4000))
     return tirx.reinterpret("float16", half).astype("float32"), decode_factor(dtype)
 
 
