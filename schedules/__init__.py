@@ -34,10 +34,11 @@ from ..diagnostics import TuningLogWarning
 from .base import KernelRule
 from .cpu.rules import RULES as CPU_RULES
 from .cuda.rules import RULES as CUDA_RULES
-from .script import fast_macro_lookup
+from .script import fast_entry_stacks, fast_macro_lookup
 from .workload import Workload
 
 fast_macro_lookup()  # before any kernel is built: each T.macro call otherwise costs ~0.35 s
+fast_entry_stacks()  # each parse during an import otherwise scans sys.modules per frame (script.py)
 
 
 def rules_for(target: tvm.target.Target, rules: Sequence[KernelRule] | None = None) -> list[KernelRule]:

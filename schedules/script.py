@@ -1,4 +1,5 @@
-"""TVMScript's macro expansion at the cost of a frame walk (the kernels are written with ``T.macro``).
+"""TVMScript's parser entries and macro expansion at the cost of a frame walk (the kernels are written
+with ``T.prim_func`` and ``T.macro``).
 
 TVM 0.27's ``ScriptMacro._find_parser_def`` finds the active parser with
 ``inspect.getouterframes``, which reads every outer frame's source line and, for each, scans
@@ -7,14 +8,28 @@ modules) that is ~0.35 s per macro call: 15 of the 17 s it took to build one CUD
 and most of what building the CPU kernels costs. The lookup only needs each frame's globals, so
 the replacement walks ``f_back`` and returns the same parser (the innermost frame holding it).
 
+The parser's entries (``T.prim_func``, ``I.ir_module``, ``R.function``) take ``inspect.stack()``
+once per parse, for a few frames' locals and one source line. Its frame info looks up each
+frame's module, and a frame of no module file (``<frozen importlib._bootstrap>``: any parse
+during an import) scans all of ``sys.modules`` every time: importing
+``tvm.s_tir.tensor_intrin`` (~500 prim_funcs, what every MetaSchedule ``TuneContext`` does) took
+35 s inside a test with PyTorch imported, 130 s in the tuning tests. ``cheap_stack`` gives the same
+frames, names, line numbers and source lines (``linecache``'s, as ``inspect`` reads them) without
+the module lookups.
+
 Contents:
     fast_macro_lookup -- install the frame walk (idempotent; leaves an unfamiliar TVM untouched)
     tvms_lookup       -- TVM's own lookup as it was (None until replaced)
+    fast_entry_stacks -- give the parser's entries ``cheap_stack`` (idempotent)
+    cheap_stack       -- ``inspect.stack()`` without the module lookups
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import linecache
+import sys
 
 tvms_lookup = None
 
@@ -47,3 +62,47 @@ def fast_macro_lookup() -> bool:
     tvms_lookup = current
     ScriptMacro._find_parser_def = _find_parser_def  # noqa: SLF001  (TVM's own lookup, replaced: see above)
     return True
+
+
+def cheap_stack(context: int = 1) -> list[inspect.FrameInfo]:
+    """``inspect.stack(context)``'s frame infos from the caller outwards; ``code_context`` holds the
+    frame's own line (``context`` 1, what the parser's entries take) read through ``linecache``."""
+    infos = []
+    frame = sys._getframe(1)  # noqa: SLF001  (the caller's frame, as inspect.stack's first)
+    while frame is not None:
+        filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        line = linecache.getline(filename, lineno, frame.f_globals) if context > 0 else ""
+        infos.append(inspect.FrameInfo(frame, filename, lineno, frame.f_code.co_name, [line] if line else None,
+                                       0 if line else None))
+        frame = frame.f_back
+    return infos
+
+
+class _InspectWithCheapStack:
+    """The ``inspect`` module as a parser entry sees it: ``stack`` is ``cheap_stack``, the rest inspect's."""
+
+    stack = staticmethod(cheap_stack)
+
+    def __getattr__(self, name):
+        return getattr(inspect, name)
+
+
+# the modules whose parser entries call inspect.stack() once per parse (TVM 0.27)
+_ENTRY_MODULES = ("tvm.tirx.script.parser.entry", "tvm.script.parser.ir.entry", "tvm.relax.script.parser.entry")
+
+
+def fast_entry_stacks() -> list[str]:
+    """Give each of the parser's entry modules ``cheap_stack`` for its ``inspect.stack()``; returns the
+    modules now using it (one whose ``inspect`` is not the module, or that is missing, stays as it is)."""
+    patched = []
+    for name in _ENTRY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        current = getattr(module, "inspect", None)
+        if current is inspect:
+            module.inspect = _InspectWithCheapStack()
+        if isinstance(getattr(module, "inspect", None), _InspectWithCheapStack):
+            patched.append(name)
+    return patched

@@ -66,3 +66,40 @@ def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
 def test_no_parser_outside_a_prim_func_is_an_error():
     with pytest.raises(RuntimeError, match="not available"):
         script._find_parser_def(None)  # noqa: SLF001
+
+
+def _both_stacks():
+    return script.cheap_stack(), inspect.stack()  # one line: both see the same frames at the same lines
+
+
+def test_the_cheap_stack_reads_what_inspects_does():
+    """Frame by frame: the frame, file, line, function and source line the parser's entries read,
+    including a frame without source (exec'd code: no line, as inspect gives)."""
+    scope = {"both": _both_stacks}
+    exec("found = both()", scope)  # noqa: S102
+    ours, theirs = scope["found"]
+    assert len(ours) == len(theirs) > 3
+    fields = ("frame", "filename", "lineno", "function", "code_context", "index")
+    for mine, inspects in zip(ours, theirs):
+        assert [getattr(mine, f) for f in fields] == [getattr(inspects, f) for f in fields]
+    assert ours[1].filename == "<string>" and ours[1].code_context is None
+
+
+def test_parser_entries_parse_as_before_without_module_lookups(monkeypatch):
+    """``T.prim_func`` through the cheap stack gives TVM's PrimFunc, and its parse no longer looks up
+    each outer frame's module (what cost 35-130 s importing tvm.s_tir.tensor_intrin in a test)."""
+    from tvm.tirx.script.parser import entry
+
+    assert "tvm.tirx.script.parser.entry" in script.fast_entry_stacks()
+    assert isinstance(entry.inspect, script._InspectWithCheapStack)  # noqa: SLF001
+    lookups = []
+    real = inspect.getmodule
+    monkeypatch.setattr(inspect, "getmodule", lambda *a, **k: lookups.append(a) or real(*a, **k))
+    cheap = _parse()
+    cheap_lookups = len(lookups)
+
+    lookups.clear()
+    monkeypatch.setattr(entry, "inspect", inspect)  # TVM's own entry
+    by_tvm = _parse()
+    assert len(lookups) > cheap_lookups + 10, (len(lookups), cheap_lookups)  # one per outer frame
+    tvm.ir.assert_structural_equal(cheap, by_tvm)
