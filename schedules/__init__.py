@@ -127,25 +127,27 @@ def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = N
     return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}
 
 
-# the dense ops (forward and backward): their kernels' results are rescaled; the paged kernels take the sinks
-_SINK_RESCALED = ("flash_attn", "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
-                  "flash_attn_backward_v")
+# the ops whose kernels serve sinks through a rescale (forwards) or the sinks' out and lse (backwards);
+# the paged kernels take the sinks themselves
+_SINK_FORWARDS = ("flash_attn", "flash_attn_varlen")
+_SINK_RESCALED = (*_SINK_FORWARDS, "flash_attn_backward", "flash_attn_backward_q", "flash_attn_backward_k",
+                  "flash_attn_backward_v", "flash_attn_varlen_backward")
 
 
 def kernel_call(name: str, call: relax.Call) -> relax.Call:
-    """The call whose kernel serves ``call`` (of op ``name``): a dense call with sinks runs the
-    sink-free kernels (the forward's with lse, which the rescale needs); any other call is itself.
+    """The call whose kernel serves ``call`` (of op ``name``): a dense or varlen call with sinks runs
+    the sink-free kernels (the forward's with lse, which the rescale needs); any other call is itself.
     What tuning measures for it."""
     from ..op import SPECS
 
     spec = SPECS[name]
     if name not in _SINK_RESCALED or spec.split_args(call).get("sinks") is None:
         return call
-    return spec.replace(call, {"sinks": None}, **({"return_lse": True} if name == "flash_attn" else {}))
+    return spec.replace(call, {"sinks": None}, **({"return_lse": True} if name in _SINK_FORWARDS else {}))
 
 
 def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_with) -> relax.Expr:
-    """A dense call with sinks through the sink-free kernels (``tvm_fuel.op.sinks``): the forward
+    """A call with sinks through the sink-free kernels (``tvm_fuel.op.sinks``): the forward
     kernel's out and lse rescaled; the backward kernels given the sinks' out and lse."""
     from ..op import SPECS, rescale_by_sinks
     from ..op.legalize import checked_dims
@@ -153,14 +155,18 @@ def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_wi
     spec = SPECS[name]
     # the run-time dims check (sinks' length too) before the sinks leave the call
     args = checked_dims(bb, name, spec.split_args(call))
-    # sinks [Hq] as q's heads: the rescale's broadcasts need the shape (a symbolic length would leave them unknown)
+    # sinks [Hq] as q's heads (axis 1 in both layouts): the rescale's broadcasts need the shape (a
+    # symbolic length would leave them unknown)
     args["sinks"] = bb.match_cast(args["sinks"], relax.TensorType([args["q"].ty.shape[1]], "float32"))
     call = bb.normalize(spec.replace(call, args))
-    if name == "flash_attn":
+    if name in _SINK_FORWARDS:
         plain = bb.normalize(kernel_call(name, call))
         both = bb.emit(legalize_with(name)(bb, plain))
+        # packed rows past cu_seqlens_q[B] belong to no sequence (the offsets, checked non-decreasing
+        # by the kernel's legalization, end there)
+        rows = bb.emit(relax.op.max(args["cu_seqlens_q"])) if name == "flash_attn_varlen" else None
         out, lse = rescale_by_sinks(bb, bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1)),
-                                    args["sinks"])
+                                    args["sinks"], rows=rows)
         return relax.Tuple([out, lse]) if bool(call.attrs["return_lse"]) else out
     args = _with_forward_state(bb, name, call, legalize_with)  # the forward with the same sinks
     return legalize_with(name)(bb, bb.normalize(spec.replace(call, {**args, "sinks": None})))

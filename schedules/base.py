@@ -9,13 +9,11 @@ it); ``kernel`` builds that instance from knobs (tile sizes, vector width, split
 
 from __future__ import annotations
 
-import warnings
 from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax, tirx
 
-from ..diagnostics import FloorWarning
 from ..op.config import AttnConfig
 from ..op import SPECS
 from .workload import KernelSpec, Workload
@@ -132,15 +130,14 @@ def paged_workload(call: relax.Call) -> Workload | None:
 def varlen_workload(call: relax.Call, op: str = "flash_attn_varlen") -> Workload | None:
     """The workload of a flash_attn_varlen (or, ``op``, flash_attn_varlen_backward) call (dims
     total_q, total_k, B + 1; the backward's grads dq, dk, dv); None where its heads or head dim are
-    symbolic, or it has sinks (the floor serves those, with a FloorWarning). Offsets of any integer
+    symbolic, or it has sinks (no kernel takes them: ``tuned_legalize_map`` gives the kernels the
+    sink-free call and rescales their results). Offsets of any integer
     dtype: the kernels are given them as int32 (``op.legalize.emit_kernel``)."""
     args = SPECS[op].split_args(call)
     q, k, cu = static_dims(args["q"]), static_dims(args["k"]), static_dims(args["cu_seqlens_q"])
     if q is None or k is None or cu is None or None in (q[1], q[2], k[1]):
         return None
     if args["sinks"] is not None:
-        warnings.warn(f"tvm_fuel: fuel.{op} with sinks: no kernel takes them, the floor serves this call (its "
-                      "scores materialized over the longest sequence's keys)", FloorWarning, stacklevel=2)
         return None
     backward = op == "flash_attn_varlen_backward"
     spec = KernelSpec(dtype=str(args["q"].ty.dtype), num_q_heads=q[1], num_kv_heads=k[1], head_dim=q[2],

@@ -132,7 +132,7 @@ def _loss_module(Hq, Hkv, D, total_q, total_k, n, *, alibi=False, sinks=False, *
 @pytest.mark.parametrize("path", ["decomposed", "tuned"])
 def test_gradient(options, group, path):
     """Gradient through flash_attn_varlen gives the reference's dq, dk, dv (and dsinks); on the
-    tuned path through the CPU backward kernel (the floor serves sinks)."""
+    tuned path through the CPU backward kernel (with sinks too: given the sinks' out and lse)."""
     with_sinks = options == "sinks"
     alibi, opts = _split(OPTIONS.get(options, dict(causal=True)))
     rng = np.random.default_rng(group + 3 * len(options))
@@ -144,7 +144,7 @@ def test_gradient(options, group, path):
                        sinks=with_sinks, **opts)
     args = [inputs["q"], inputs["k"], inputs["v"]] + ([sinks] if with_sinks else [])
     args += [w, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]] + ([inputs["alibi_slopes"]] if alibi else [])
-    _, *grads = _adjoint(mod, args, path, backward_kernel=not with_sinks)
+    _, *grads = _adjoint(mod, args, path)
     want = ref.flash_attn_varlen_backward(inputs["q"], inputs["k"], inputs["v"], w, inputs["cu_seqlens_q"],
                                           inputs["cu_seqlens_k"], inputs.get("alibi_slopes"), sinks=sinks, **opts)
     for name, got, expected in zip(("dq", "dk", "dv", "dsinks"), grads, want):
@@ -154,23 +154,24 @@ def test_gradient(options, group, path):
 BACKWARD_FLOOR, BACKWARD_KERNEL = "fuel_flash_attn_varlen_backward", "fuel_flash_attn_varlen_backward_kernel"
 
 
-def _legalized(mod, path: str, *, backward_kernel: bool = True):
+def _legalized(mod, path: str):
     """``mod`` legalized on ``path`` (tuned: for this CPU), and its target; on the tuned path the
-    varlen backward ran its CPU kernel (``backward_kernel``) or, where none serves, the floor."""
+    varlen forward (where it runs) and backward ran their CPU kernels, not the floors."""
     target = HOST if path == "tuned" else "llvm"
     legalized = tvm_fuel.transform.legalize(mod, target, kernels=path)
     names = {gv.name_hint for gv in legalized.functions}
-    if path == "tuned" and backward_kernel:
+    if path == "tuned":
         assert BACKWARD_FLOOR not in names and any(n.startswith(BACKWARD_KERNEL) for n in names), sorted(names)
+        assert "fuel_flash_attn_varlen" not in names, sorted(names)
         kernel = next(f for gv, f in legalized.functions.items() if gv.name_hint.startswith(BACKWARD_KERNEL))
         assert str(kernel.attrs["fuel.workload"]).startswith("flash_attn_varlen_backward")
-    elif path != "tuned":
+    else:
         assert not any(n.startswith(BACKWARD_KERNEL) for n in names)
     return legalized, target
 
 
-def _adjoint(mod, args, path: str = "decomposed", *, backward_kernel: bool = True):
-    legalized, target = _legalized(mod, path, backward_kernel=backward_kernel)
+def _adjoint(mod, args, path: str = "decomposed"):
+    legalized, target = _legalized(mod, path)
     vm = relax.VirtualMachine(tvm.compile(legalized, target=target), tvm.cpu())
     loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
     return [loss.numpy()] + [g.numpy() for g in grads]
@@ -259,11 +260,24 @@ def test_offset_dtypes(dtypes, kernels):
         assert_close(got, expected, "float32", scale=4, what=name)
 
 
-def test_sinks_warn_that_the_floor_serves_them():
-    """No varlen kernel takes sinks: on a kernel path the floor serves the call, and says so."""
-    mod = _loss_module(4, 2, 40, 20, 20, 3, sinks=True, causal=True)
-    with pytest.warns(tvm_fuel.diagnostics.FloorWarning, match="flash_attn_varlen with sinks"):
-        tvm_fuel.transform.legalize(mod, HOST, kernels="tuned")
+@pytest.mark.parametrize("group", [1, 3, 7])
+def test_sinks_on_every_path(group, kernels):
+    """Sinks through each path (the kernels: the sink-free kernel's out and lse rescaled; no floor,
+    ``legalize_checked``): lengths 0, 1, 17, 97 and 513, causal, a -inf sink (none), a row of a
+    sequence without keys (lse = its sink) and rows of no sequence (0, lse -inf)."""
+    rng = np.random.default_rng(group + 40)
+    inputs = _inputs(rng, group * 2, 2, 40)
+    inputs["sinks"] = (rng.standard_normal(group * 2) * 2).astype(np.float32)
+    inputs["sinks"][0] = -np.inf
+    out, lse = run(lambda sinks, **a: op.flash_attn_varlen(**a, sinks=sinks, causal=True, return_lse=True), inputs,
+                   kernels=kernels)
+    args = {k: v for k, v in inputs.items() if k != "sinks"}
+    want_out, want_lse = ref.flash_attn_varlen(*args.values(), sinks=inputs["sinks"], causal=True, return_lse=True)
+    assert_close(out, want_out, "float32", what="out")
+    _assert_lse(lse, want_lse)
+    tail, keyless = sum(LENS_Q), slice(*_cu(LENS_Q)[5:7])  # the sequence of 3 rows and no keys
+    assert not out[tail:].any() and np.isneginf(lse[:, tail:]).all()
+    assert not out[keyless].any() and np.array_equal(lse[1:, keyless], np.repeat(inputs["sinks"][1:, None], 3, 1))
 
 
 @pytest.mark.parametrize("path", ["decomposed", "tuned"])

@@ -318,12 +318,14 @@ def check_cases(dtypes: tuple[str, ...], *, small: bool = False) -> list[Case]:
 
 
 # packed batches: lengths 0, 1, 17, 97 (queries and keys differ; a sequence without keys, rows past the last)
-_VARLEN = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True),
-           ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 7, 1, 128, dict(window_size=(16, 8), softcap=5.0), False),
-           ((97, 1), (97, 40), 6, 6, 40, dict(window_size=(8, 0), sink_tokens=4), False))
+# (lens_q, lens_k, Hq, Hkv, D, options, alibi, sinks)
+_VARLEN = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True, False),
+           ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 7, 1, 128, dict(window_size=(16, 8), softcap=5.0), False, False),
+           ((97, 1), (97, 40), 6, 6, 40, dict(window_size=(8, 0), sink_tokens=4), False, False),
+           ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), False, True))
 
 
-def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool, backward: bool = False) -> tuple:
+def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool, sinks: bool = False, backward: bool = False) -> tuple:
     total_q, total_k = sum(lens_q) + 2, sum(lens_k)
     offsets = [[0, *itertools.accumulate(lens)] for lens in (lens_q, lens_k)]
     inputs = [tensor("q", (total_q, Hq, D), dtype), tensor("k", (total_k, Hkv, D), dtype),
@@ -334,12 +336,16 @@ def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool, backward: bool = 
               tensor("cu_seqlens_k", (len(lens_k) + 1,), "int32", "values", values=offsets[1])]
     if alibi:
         inputs.append(tensor("alibi_slopes", (Hq,), "float32", "slopes"))
+    if sinks:  # gpt-oss's sink logits (the kernels' out and lse rescaled; the backward given both)
+        inputs.append(tensor("sinks", (Hq,), "float32", scale=2.0))
     return tuple(inputs)
 
 
 # the backward's: GQA 3; causal with ALiBi, window with softcap; the forward's lengths
-_VARLEN_BACKWARD = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True),
-                    ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 3, 1, 128, dict(window_size=(16, 8), softcap=5.0), False))
+_VARLEN_BACKWARD = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True, False),
+                    ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 3, 1, 128, dict(window_size=(16, 8), softcap=5.0), False,
+                     False),
+                    ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), False, True))
 
 
 def varlen_cases(dtypes: tuple[str, ...], seed: int = 400, *, backward: bool = False) -> list[Case]:
@@ -349,12 +355,13 @@ def varlen_cases(dtypes: tuple[str, ...], seed: int = 400, *, backward: bool = F
     op = "flash_attn_varlen_backward" if backward else "flash_attn_varlen"
     found = []
     for dtype in dtypes:
-        for lens_q, lens_k, Hq, Hkv, D, options, alibi in (_VARLEN_BACKWARD if backward else _VARLEN):
+        for lens_q, lens_k, Hq, Hkv, D, options, alibi, sinks in (_VARLEN_BACKWARD if backward else _VARLEN):
             seed += 1
             name = (f"check/{op}/{dtype}/Hq{Hq}-Hkv{Hkv}-D{D}/q{'_'.join(map(str, lens_q))}"
-                    f"-k{'_'.join(map(str, lens_k))}/{_label(options)}{'-alibi' if alibi else ''}")
+                    f"-k{'_'.join(map(str, lens_k))}/{_label(options)}{'-alibi' if alibi else ''}"
+                    f"{'-sinks' if sinks else ''}")
             found.append(Case("check", name, op, dtype,
-                              _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, alibi=alibi, backward=backward),
+                              _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, alibi=alibi, sinks=sinks, backward=backward),
                               dict(options) if backward else dict(options, return_lse=True), seed=seed,
                               scale=4.0 if backward else 1.0))
     return found
