@@ -162,14 +162,19 @@ def _with_sinks(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_wi
     if name in _SINK_FORWARDS:
         plain = bb.normalize(kernel_call(name, call))
         both = bb.emit(legalize_with(name)(bb, plain))
-        # packed rows past cu_seqlens_q[B] belong to no sequence (the offsets, checked non-decreasing
-        # by the kernel's legalization, end there)
-        rows = bb.emit(relax.op.max(args["cu_seqlens_q"])) if name == "flash_attn_varlen" else None
+        # packed rows from cu_seqlens_q[B] on belong to no sequence
+        rows = _last(bb, args["cu_seqlens_q"]) if name == "flash_attn_varlen" else None
         out, lse = rescale_by_sinks(bb, bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1)),
                                     args["sinks"], rows=rows)
         return relax.Tuple([out, lse]) if bool(call.attrs["return_lse"]) else out
     args = _with_forward_state(bb, name, call, legalize_with)  # the forward with the same sinks
     return legalize_with(name)(bb, bb.normalize(spec.replace(call, {**args, "sinks": None})))
+
+
+def _last(bb: relax.BlockBuilder, offsets: relax.Expr) -> relax.Expr:
+    """The last element of the 1-D ``offsets`` as a 0-d tensor."""
+    last = relax.op.strided_slice(offsets, axes=[0], begin=[-1], end=[offsets.ty.shape[0]])
+    return bb.emit(relax.op.reshape(last, []))
 
 
 def _with_forward_state(bb: relax.BlockBuilder, name: str, call: relax.Call, legalize_with) -> dict:

@@ -66,11 +66,15 @@ def fast_macro_lookup() -> bool:
 
 def cheap_stack(context: int = 1) -> list[inspect.FrameInfo]:
     """``inspect.stack(context)``'s frame infos from the caller outwards; ``code_context`` holds the
-    frame's own line (``context`` 1, what the parser's entries take) read through ``linecache``."""
-    infos = []
+    frame's own line (``context`` 1, what the parser's entries take) read through ``linecache``,
+    re-read where the file changed since it was cached (as inspect's ``findsource`` does)."""
+    infos, checked = [], set()
     frame = sys._getframe(1)  # noqa: SLF001  (the caller's frame, as inspect.stack's first)
     while frame is not None:
         filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        if context > 0 and filename not in checked:  # one stat per file: an edited, reloaded file's new text
+            linecache.checkcache(filename)
+            checked.add(filename)
         line = linecache.getline(filename, lineno, frame.f_globals) if context > 0 else ""
         infos.append(inspect.FrameInfo(frame, filename, lineno, frame.f_code.co_name, [line] if line else None,
                                        0 if line else None))

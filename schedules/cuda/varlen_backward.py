@@ -31,7 +31,7 @@ kernel's macros run unchanged.
 Safety: a device kernel cannot assert: every offset read is clamped (``sequence_search``), so
 no buffer is read or written out of bounds whatever the offsets; offsets that decrease or
 overrun give garbage rows, never a fault. The host (CPU targets: the floor) checks them. No
-attention sinks (the floor serves those), no mask.
+attention sinks (a call with sinks is given the sinks' out and lse: ``tuned_legalize_map``), no mask.
 
 Shared memory per block: the dense backward's (``tiles.backward_smem``). Registers: a block
 holds its sequence facts (int64) beside the dense kernel's state; the float32 (SIMT) blocks are

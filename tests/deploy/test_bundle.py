@@ -319,14 +319,15 @@ def test_cuda_suite_holds_tvm_cache_slots_beside_tvms_gpu_kernels():
 
 def test_cuda_check_suite_holds_the_varlen_backward_through_its_kernel():
     """The GPU bundle checks flash_attn_varlen_backward in every dtype (GQA 3; causal with ALiBi,
-    window with softcap; lengths 0, 1, 17, 97), each module the varlen forward's and backward's
+    window with softcap, causal with sinks; lengths 0, 1, 17, 97), each module the varlen forward's and backward's
     kernels (the bundle refuses a floor); CPU bundles too (the CPU kernel), the small one in float32."""
     found = [c for c in suites.cases("check", "cuda") if getattr(c, "op", "") == "flash_attn_varlen_backward"]
-    assert {c.dtype for c in found} == {"float16", "bfloat16", "float32"} and len(found) == 6
+    assert {c.dtype for c in found} == {"float16", "bfloat16", "float32"} and len(found) == 9
+    assert sum("sinks" in {t["name"] for t in c.inputs} for c in found) == 3
     assert {c.options.get("causal", False) for c in found} == {True, False}
     assert all(c.spec()["outputs"] == ["dq", "dk", "dv"] and c.scale == 4 for c in found)
     small = [c for c in suites.cases("all", "llvm", small=True) if getattr(c, "op", "") == "flash_attn_varlen_backward"]
-    assert {c.dtype for c in small} == {"float32"} and len(small) == 2
+    assert {c.dtype for c in small} == {"float32"} and len(small) == 3
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     for case in found[:2]:
         names = {gv.name_hint for gv in tvm_fuel.transform.legalize(suites.case_module(case), target,

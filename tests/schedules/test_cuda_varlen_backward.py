@@ -193,7 +193,8 @@ def test_the_gradient_runs_the_kernel():
 
 
 def test_the_rule():
-    """The dense backward's tiles; sinks go to the floor; tiles that would not launch are refused."""
+    """The dense backward's tiles; a call with sinks is served without them (the sinks' out and lse);
+    tiles that would not launch are refused."""
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     dense, varlen = CudaFlashBackward("flash_attn_backward"), CudaVarlenBackward()
     assert varlen.op == "flash_attn_varlen_backward" and varlen.needs_forward_state and not varlen.tunable

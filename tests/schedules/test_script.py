@@ -50,7 +50,7 @@ def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
     monkeypatch.setattr(inspect, "getouterframes", lambda *a, **k: frame_reads.append(len(lookups)) or real(*a, **k))
     walked = _parse()
     assert len(lookups) == 3  # _scaled_twice once, _scaled twice
-    assert set(frame_reads) <= {0}, "a macro lookup read the outer frames"  # T.prim_func itself reads them
+    assert set(frame_reads) <= {0}, "a macro lookup read the outer frames"  # (T.prim_func reads cheap_stack)
     reads_outside_lookups = len(frame_reads)
 
     # TVM's own lookup, for one parse, reads the outer frames at each macro call and finds the same parser
@@ -83,6 +83,22 @@ def test_the_cheap_stack_reads_what_inspects_does():
     for mine, inspects in zip(ours, theirs):
         assert [getattr(mine, f) for f in fields] == [getattr(inspects, f) for f in fields]
     assert ours[1].filename == "<string>" and ours[1].code_context is None
+
+
+def test_the_cheap_stack_reads_a_changed_file_anew(tmp_path):
+    """A file edited after its lines were cached (autoreload, importlib.reload) gives its new line,
+    as inspect.stack does: the parser's entries read the decorator's line from it."""
+    import importlib.util
+
+    path = tmp_path / "edited_module.py"
+    path.write_text("from tvm_fuel.schedules import script\ndef where():\n    return script.cheap_stack()  # old\n")
+    spec = importlib.util.spec_from_file_location("edited_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.where()[0].code_context == ["    return script.cheap_stack()  # old\n"]
+    path.write_text("from tvm_fuel.schedules import script\ndef where():\n    return script.cheap_stack()  # edited!\n")
+    new_line = ["    return script.cheap_stack()  # edited!\n"]
+    assert module.where()[0].code_context == new_line == inspect.getframeinfo(module.where()[0].frame).code_context
 
 
 def test_parser_entries_parse_as_before_without_module_lookups(monkeypatch):

@@ -341,7 +341,7 @@ def _varlen(lens_q, lens_k, Hq, Hkv, D, dtype, *, alibi: bool, sinks: bool = Fal
     return tuple(inputs)
 
 
-# the backward's: GQA 3; causal with ALiBi, window with softcap; the forward's lengths
+# the backward's: GQA 3; causal with ALiBi, window with softcap, causal with sinks; the forward's lengths
 _VARLEN_BACKWARD = (((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 6, 2, 64, dict(causal=True), True, False),
                     ((17, 0, 97, 1, 3), (33, 5, 97, 1, 0), 3, 1, 128, dict(window_size=(16, 8), softcap=5.0), False,
                      False),
