@@ -29,9 +29,10 @@ def _f32(x: relax.Expr) -> relax.Expr:
     return x if str(x.ty.dtype) == F32 else R.astype(x, F32)
 
 
-def _per_row(sinks: relax.Expr) -> relax.Expr:
-    """sinks [Hq] as [1, Hq, 1], broadcast against [B, Hq, Sq]."""
-    return R.expand_dims(sinks, [0, 2])
+def _per_row(sinks: relax.Expr, packed: bool = False) -> relax.Expr:
+    """sinks [Hq] as [1, Hq, 1], broadcast against [B, Hq, Sq]; ``packed``: as [Hq, 1], against the
+    packed layout's lse [Hq, total_q]."""
+    return R.expand_dims(sinks, [1] if packed else [0, 2])
 
 
 def rescale_by_sinks(bb: relax.BlockBuilder, out0: relax.Expr, lse0: relax.Expr,
@@ -48,7 +49,7 @@ def rescale_by_sinks(bb: relax.BlockBuilder, out0: relax.Expr, lse0: relax.Expr,
     """
     packed = rows is not None
     neg_inf = relax.const(float("-inf"), F32)
-    sink = bb.emit(R.expand_dims(sinks, [1]) if packed else _per_row(sinks))
+    sink = bb.emit(_per_row(sinks, packed))
     top = bb.emit(R.maximum(lse0, sink))
     none = bb.emit(R.equal(top, neg_inf))  # neither a key nor a sink: keep -inf (no -inf - -inf)
     if packed:  # a row of no sequence has no sink either
@@ -78,7 +79,7 @@ def sinks_grad(out: relax.Expr, lse: relax.Expr, do: relax.Expr, sinks: relax.Ex
     row = R.sum(R.multiply(_f32(do), _f32(out)), axis=[2 if packed else 3])  # D = rowsum(dO * O)
     if packed:
         row = R.permute_dims(row, [1, 0])  # [Hq, total_q], as lse
-    sink = R.expand_dims(sinks, [1]) if packed else _per_row(sinks)
+    sink = _per_row(sinks, packed)
     # the sink column's probability; 0 where lse is -inf (a -inf sink and no key: no -inf - -inf)
     weight = R.where(R.equal(lse, relax.const(float("-inf"), F32)), relax.const(0.0, F32),
                      R.exp(R.subtract(sink, lse)))
