@@ -164,7 +164,8 @@ def test_avx512_targets_get_16_lane_kernels():
 def test_hand_picked_register_tiles_follow_the_vector_registers():
     """AVX-512's 32 registers take 8 x 2-vector register tiles over 128-key tiles (16 accumulators:
     the FMA chains its latency needs), AVX2's 16 take 4 x 2 over 64 keys; decode rows (streamed, no
-    GEMM) pad only to 4, add 4 value rows per accumulator pass and prefetch ~64 KiB of rows ahead."""
+    GEMM) are not padded (a group of 1 padded to 4 rows did 4x its FMAs), add 4 value rows per
+    accumulator pass and prefetch ~64 KiB of rows ahead."""
     from tvm_fuel.schedules.cpu.tiles import tiles_for, vector_registers
 
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
@@ -177,6 +178,8 @@ def test_hand_picked_register_tiles_follow_the_vector_registers():
     decode = tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8)
     assert (decode.block_q, decode.value_tokens, decode.prefetch) == (4, 4, 16)
     assert tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8, element_bytes=2).prefetch == 32
+    for rows in (1, 2, 3, 5, 7, 8):  # MHA, GQA groups and multi-query rows up to STREAMING_ROWS
+        assert tiles_for(avx2, head_dim=128, rows=rows).block_q == rows
     assert tiles_for(avx512, head_dim=128, rows=None).prefetch == 0  # GEMM paths stream nothing
     assert tiles_for(avx512, head_dim=128, rows=17).block_q == 24  # GEMM rows: whole register tiles
 

@@ -9,7 +9,7 @@ process, with the cache in bfloat16, float8_e4m3fn (a scale per KV head), float8
 bfloat16 cache's values quantized (``tvm_fuel.reference``'s rules).
 
 Contents:
-    QUANT_ROWS -- the decode shapes (context 4096 and 16384)
+    QUANT_ROWS -- the decode shapes (GQA at contexts 4096 and 16384, multi-head at 4096)
     quantized_rows -- run them, return their report
     print_rows -- the rows as text
 """
@@ -20,8 +20,11 @@ import numpy as np
 
 from .cases import PagedCase
 
-QUANT_ROWS = (PagedCase(8, 32, 8, 128, 16, 4096, 4096, "bfloat16"), PagedCase(2, 32, 8, 128, 16, 16384, 16384,
-                                                                            "bfloat16"))
+# GQA groups of 4 (Llama-3-8B's heads) at two contexts, and multi-head attention (Llama-2-7B's 32
+# heads, a group of 1): the same cache bytes as the first row, a quarter of its FMAs per byte
+QUANT_ROWS = (PagedCase(8, 32, 8, 128, 16, 4096, 4096, "bfloat16"),
+              PagedCase(2, 32, 8, 128, 16, 16384, 16384, "bfloat16"),
+              PagedCase(2, 32, 32, 128, 16, 4096, 4096, "bfloat16"))
 CACHES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 
 
