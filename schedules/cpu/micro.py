@@ -7,6 +7,8 @@ Contents:
     lane_tree     -- a balanced tree over the scalar lanes of a small buffer
     store_row_sums -- the lane sums of several vector rows as one transposing shuffle tree
     add_term      -- acc + weight * value, optionally skipping zero weights (the NaN rule)
+    INT16_DOT_LANES, int16_dot -- int32 lane sums of int16 pair products (x86 AVX2's vpmaddwd)
+    round_rows_to_int16 -- float32 rows as int16 times a unit per row (what int16_dot multiplies)
     Micro         -- the macros of one tile configuration:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
                         rescaled per row as it is loaded)
@@ -79,6 +81,37 @@ def add_term(acc, weight, value, skip_zero_weights: bool):
     """``acc + weight * value``; with ``skip_zero_weights`` the term of a weight of exactly 0 is
     skipped (``sem.add_weighted``), for values that may hold NaN or Inf at dropped keys or rows."""
     return sem.add_weighted(acc, weight, value) if skip_zero_weights else acc + weight * value
+
+
+INT16_DOT_LANES = 16  # int16 elements one vpmaddwd multiplies (into 8 int32 lanes)
+
+
+def int16_dot(acc, row, a, b):
+    """``acc[row, 0:8] += pmaddwd(a, b)`` emitted as a statement (``acc`` an int32 [rows, 8]
+    buffer, ``a`` and ``b`` int16x16 vectors): lane i gains a[2i] b[2i] + a[2i+1] b[2i+1] in one
+    instruction, twice the multiplies of a float32 FMA and no conversion to float. x86 AVX2 only
+    (``CpuTiles.int16_dot``); exact while the sums fit int32."""
+    lanes = [row, tirx.Ramp(0, 1, 8)]
+    product = tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+    T.buffer_store(acc, tirx.BufferLoad(acc, lanes) + product, lanes)
+
+
+@T.macro
+def round_rows_to_int16(x, x16, unit, heads, rows, dim):
+    # x16[h, r] * unit[h, r] ~ x[h, r] (float32 [heads, rows, dim]), the unit max|x[h, r]| / 32767;
+    # a row holding Inf or NaN gets a NaN unit, so what it feeds is NaN as in float (a max drops NaN)
+    for h, r in T.grid(heads, rows):
+        stats = T.alloc_buffer((2,), "float32", scope="local")  # max |x|, sum x
+        stats[0] = T.float32(0)
+        stats[1] = T.float32(0)
+        for d in range(dim):
+            stats[0] = T.max(stats[0], T.abs(x[h, r, d]))
+            stats[1] = stats[1] + x[h, r, d]
+        unit[h, r] = T.Select(
+            T.reinterpret("uint32", stats[1]) & T.uint32(0x7F800000) == T.uint32(0x7F800000), T.float32("nan"),
+            T.Select(stats[0] > T.float32(0), stats[0] * T.float32(1.0 / 32767), T.float32(1)))
+        for d in range(dim):
+            x16[h, r, d] = T.Cast("int16", T.round(x[h, r, d] / unit[h, r]))
 
 
 def _element(X, row, col, transposed: bool):

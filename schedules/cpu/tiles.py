@@ -45,6 +45,8 @@ class CpuTiles:
     value_tokens  streaming decode: tokens whose value rows one accumulator pass adds (the
                 accumulator is read and written once per pass)
     prefetch    streaming decode: software-prefetch the K/V rows of the token this many ahead (0: off)
+    int16_dot   1 where the target multiplies int16 pairs into int32 lanes (x86 AVX2's vpmaddwd):
+                streaming decode over an int8 cache takes q.k in integers (a target fact, not tuned)
     """
 
     block_q: int = 64
@@ -57,6 +59,7 @@ class CpuTiles:
     splits: int = 1
     value_tokens: int = 1
     prefetch: int = 0
+    int16_dot: int = 0
 
     def __post_init__(self):
         if self.block_q % self.micro_rows:
@@ -68,6 +71,8 @@ class CpuTiles:
         if min(self.block_q, self.block_k, self.micro_rows, self.key_vecs, self.dim_vecs, self.lanes, self.kv_heads,
                self.splits, self.value_tokens) < 1 or self.prefetch < 0:
             raise ValueError(f"CpuTiles: every tile size must be >= 1, got {self}")
+        if self.int16_dot not in (0, 1):
+            raise ValueError(f"CpuTiles: int16_dot must be 0 or 1, got {self.int16_dot}")
 
     def padded_dim(self, head_dim: int) -> int:
         """The head dim rounded up so dim-vectorized GEMMs need no tail."""
@@ -123,8 +128,9 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
     # whose FMA latency needs the 16 independent chains (measured on Zen 5: 4 x 1 reached 54 % of
     # the FMA peak at hdim 128, 8 x 2 with 128-key tiles 75 %).
     wide = vector_registers(target) >= 32
+    int16_dot = int(target.attrs.get("mcpu") is not None and tvm.target.codegen.target_has_features("avx2", target))
     tiles = CpuTiles(lanes=lanes, key_vecs=max(2, 16 // lanes), dim_vecs=2 if head_dim > lanes else 1,
-                     micro_rows=8 if wide else 4, block_k=128 if wide else 64)
+                     micro_rows=8 if wide else 4, block_k=128 if wide else 64, int16_dot=int16_dot)
     if -(-head_dim // lanes) % tiles.dim_vecs:  # e.g. head dim 40 with 8 lanes: 5 vectors
         tiles = replace(tiles, dim_vecs=1)
     if rows is not None and rows <= STREAMING_ROWS:

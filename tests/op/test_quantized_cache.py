@@ -9,7 +9,8 @@ max |dv|, out moves by at most ``max|dv| + (exp(2E) - 1) * max|v'|`` (the weight
 within exp(+-2E), so they move by at most exp(2E) - 1 in L1). The quantization steps themselves:
 fp8 rounds to nearest with 3 (e4m3fn) or 2 (e5m2) mantissa bits, a relative error of at most
 2^-4 or 2^-3 of |x| (2^-10 or 2^-17 absolute below the normals, times the scale); int8 at most
-max|row| / 254 per element.
+max|row| / 254 per element. Where an int8 decode takes q.k in integers (AVX2), q is rounded per
+row to int16 too: E gains s * max|q| / 65534 * sum_d max_j |k'_jd|.
 """
 
 from __future__ import annotations
@@ -94,9 +95,59 @@ def test_within_the_stated_error_bound_of_the_unquantized_cache(cache_dtype, for
     dk, dv = np.abs(k_deq - k).max(axis=(0, 1, 2)), np.abs(v_deq - v).max()  # dk per head-dim element
     q = inputs["q"].astype(np.float64)
     logit_error = np.einsum("bhid,d->bhi", np.abs(q), dk) / math.sqrt(q.shape[-1])
+    if cache_dtype == "int8":
+        logit_error += _q_rounding_error(q, k_deq)
     bound = dv + np.expm1(2 * logit_error)[..., None] * np.abs(v_deq).max() + 1e-5  # + float32 rounding
     assert np.all(np.abs(out - exact) <= bound)
     assert np.abs(out - exact).max() > 1e-4  # the cache really is quantized
+
+
+def _kernel_assembly(inputs) -> str:
+    params = {name: (a.shape, str(a.dtype)) for name, a in inputs.items()}
+    legalized = tvm_fuel.transform.legalize(build(lambda **a: op.paged_attn(**a, causal=True), params), HOST,
+                                            kernels="tuned")
+    kernel = legalized["fuel_paged_attn_kernel"]
+    return tvm.compile(tvm.IRModule({"main": kernel}), target=HOST).mod.inspect_source("asm")
+
+
+@pytest.mark.parametrize("D,hq,hkv,sq", [(64, 6, 2, 1), (128, 4, 4, 1), (256, 7, 1, 1), (80, 6, 2, 2), (40, 6, 2, 1)])
+def test_int8_decode_takes_q_k_in_integers(D, hq, hkv, sq):
+    """Decode over an int8 cache on an AVX2 CPU takes q.k through vpmaddwd, q rounded per row to
+    int16 (``CpuTiles.int16_dot``), for head dims that are multiples of 16 (40: the float path);
+    either way it matches the dequantized reference (groups 1, 3 and 7; lengths 0 to 97)."""
+    from tvm_fuel.schedules.cpu.tiles import tiles_for
+
+    rng = np.random.default_rng(D + hq)
+    inputs, _ = _quantized(rng, paged_inputs(rng, LENS, Hq=hq, Hkv=hkv, Sq=sq, D=D, max_blocks=7), "int8", "token")
+    integer = bool(tiles_for(HOST, head_dim=D, rows=sq * hq // hkv).int16_dot) and D % 16 == 0
+    assert ("vpmaddwd" in _kernel_assembly(inputs)) == integer
+    (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs, kernels="tuned")
+    want = ref.paged_attn(**inputs, causal=True)
+    k_deq, v_deq = (ref.dequantize(inputs[f"{kind}_cache"], inputs[f"{kind}_scale"]) for kind in "kv")
+    bound = np.expm1(2 * _q_rounding_error(inputs["q"].astype(np.float64), k_deq))[..., None] * np.abs(v_deq).max()
+    assert np.all(np.abs(out - want) <= bound + 1e-5 + 1e-5 * np.abs(want))  # + float32 rounding
+    assert np.all(out[0] == 0)  # context length 0
+
+
+def _q_rounding_error(q, k_deq):
+    """The logit error of rounding each query row to int16 (unit max|q| / 32767): half a unit per
+    element times the largest |k| of each head-dim element, scaled (module docstring)."""
+    unit = np.abs(q).max(axis=-1) / 32767
+    return unit * np.abs(k_deq).max(axis=(0, 1, 2)).sum() / 2 / math.sqrt(q.shape[-1])
+
+
+def test_int8_decode_rows_of_nonfinite_queries_are_nan():
+    """A query row holding NaN or Inf gives a NaN row through the integer q.k as through the float
+    one (its int16 rounding has no unit for it); the other rows keep their values."""
+    rng = np.random.default_rng(4)
+    inputs, _ = _quantized(rng, paged_inputs(rng, [17, 97], Hq=4, Hkv=2, D=64, max_blocks=7), "int8", "token")
+    inputs["q"][0, 1, 0, 5] = np.nan
+    inputs["q"][1, 2, 0, 9] = np.inf
+    (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs, kernels="tuned")
+    assert np.isnan(out[0, 1]).all() and np.isnan(out[1, 2]).all()
+    clean = np.ones(out.shape[:2], bool)
+    clean[0, 1] = clean[1, 2] = False
+    np.testing.assert_allclose(out[clean], ref.paged_attn(**inputs, causal=True)[clean], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("sq", [1, 5])  # decode streams the cache; 5 rows of a group of 2 pack it
