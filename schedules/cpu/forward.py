@@ -42,7 +42,8 @@ from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, KeyT
                       masked_logit, kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
 from ..layouts import BlockTable
 from .common import absent_inputs, Buffers, prefetch
-from .micro import add_term, int16_dot, INT16_DOT_LANES, Micro, round_rows_to_int16, store_row_sums
+from .micro import (add_term, int16_dot, INT16_DOT_LANES, INT16_DOT_SUMS, Micro, round_rows_to_int16,
+                    store_row_sums)
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -132,6 +133,8 @@ class Scratch:
     m: tirx.Buffer
     l: tirx.Buffer
     alpha: tirx.Buffer
+    q16: tirx.Buffer | None = None  # Qs rounded to int16 per row, and each row's unit (PagedTile.int_dot)
+    q_unit: tirx.Buffer | None = None
 
     def view(self, index) -> Scratch:
         """The scratch of head ``index`` of [heads, ...] buffers, as views (declared in field order)."""
@@ -338,7 +341,8 @@ class PagedTile:
         # (2^-15 of its largest element, far under the cache's 2^-8), two multiplies an instruction
         # and no conversion of K (side by side, multi-head decode: int8 3.6 -> 3.2 ms)
         INT_DOT = bool(tiles.int16_dot) and spec.cache_dtype == "int8" and D % INT16_DOT_LANES == 0
-        DL = INT16_DOT_LANES
+        DL, DS = INT16_DOT_LANES, INT16_DOT_SUMS
+        self.int_dot = INT_DOT  # the task rounds its queries once (round_queries) into Scratch.q16
 
         def element(cache, kind, page, slot, g, d):
             return (cache.raw(kind, page, slot, g, d) if QUANT else getattr(cache, kind)(page, slot, g, d)).astype(F32)
@@ -393,23 +397,27 @@ class PagedTile:
                     add_values(heads, cache, tile, tokens, gi, c, 1, skip_zero_weights)
 
         @T.macro
-        def integer_scores(heads, q16, q_unit, sums, cache, tile, page, token, gi, c):
+        def round_queries(heads):
+            round_rows_to_int16(heads.Qs, heads.q16, heads.q_unit, HT, BQ, D)
+
+        @T.macro
+        def integer_scores(heads, sums, cache, tile, page, slot, gi, c):
             # S[gi, :, c] from int32 lane sums of q16 . k (the K scale and q's unit applied per row)
-            acc_i = T.alloc_buffer((BQ, 8), "int32", scope="local")
-            acc_f = T.alloc_buffer((BQ, 8), F32, scope="local")
+            acc_i = T.alloc_buffer((BQ, DS), "int32", scope="local")
+            acc_f = T.alloc_buffer((BQ, DS), F32, scope="local")
             for r in T.unroll(BQ):
-                for v in T.vectorized(8):
+                for v in T.vectorized(DS):
                     acc_i[r, v] = 0
             for d0 in range(D // DL):
                 for r in T.unroll(BQ):
-                    int16_dot(acc_i, r, tirx.BufferLoad(q16, [gi, r, tirx.Ramp(d0 * DL, 1, DL)]), tirx.Cast(
-                        "int16x16", cache.stored("k", page, cache.slot(token), tile.g + gi, tirx.Ramp(d0 * DL, 1, DL))))
+                    int16_dot(acc_i, r, tirx.BufferLoad(heads.q16, [gi, r, tirx.Ramp(d0 * DL, 1, DL)]), tirx.Cast(
+                        f"int16x{DL}", cache.stored("k", page, slot, tile.g + gi, tirx.Ramp(d0 * DL, 1, DL))))
             for r in T.unroll(BQ):
-                for v in T.vectorized(8):
+                for v in T.vectorized(DS):
                     acc_f[r, v] = T.Cast(F32, acc_i[r, v])
-            store_row_sums(sums, acc_f, BQ, 8)
+            store_row_sums(sums, acc_f, BQ, DS)
             for r in T.unroll(BQ):
-                heads.S[gi, r, c] = scaled(sums[r] * q_unit[gi, r], cache, "k", page, cache.slot(token), tile.g + gi)
+                heads.S[gi, r, c] = scaled(sums[r] * heads.q_unit[gi, r], cache, "k", page, slot, tile.g + gi)
 
         @T.macro
         def stream_tile(heads, params, cache, tile, kt):
@@ -424,22 +432,18 @@ class PagedTile:
                 for c in range(BK):
                     pages_ahead[c] = cache.page(T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
             tokens = T.meta_var(_Tokens(kt, pages, pages_ahead))
-            q16 = T.alloc_buffer((HT, BQ, D) if INT_DOT else (1, 1, 1), "int16")
-            q_unit = T.alloc_buffer((HT, BQ) if INT_DOT else (1, 1), F32, scope="local")
-            if INT_DOT:  # per tile: a twentieth of the tile's q.k work or less (its BK tokens)
-                round_rows_to_int16(heads.Qs, q16, q_unit, HT, BQ, D)
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
                     for gi in range(HT):
-                        acc = T.alloc_buffer((BQ, LD), F32, scope="local")
-                        for r in T.unroll(BQ):
-                            for v in T.vectorized(LD):
-                                acc[r, v] = T.float32(0)
                         if PREFETCH > 0:
                             prefetch_row(cache, "k", pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
                         if INT_DOT:
-                            integer_scores(heads, q16, q_unit, sums, cache, tile, pages[c], kt * BK + c, gi, c)
+                            integer_scores(heads, sums, cache, tile, pages[c], cache.slot(kt * BK + c), gi, c)
                         else:
+                            acc = T.alloc_buffer((BQ, LD), F32, scope="local")
+                            for r in T.unroll(BQ):
+                                for v in T.vectorized(LD):
+                                    acc[r, v] = T.float32(0)
                             for d0 in range(D // LD):
                                 for r in T.unroll(BQ):
                                     for v in T.vectorized(LD):
@@ -497,6 +501,7 @@ class PagedTile:
             body.attend_tile(heads.view(0), Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
         self.stream_tile, self.pack_tile, self.packed_tile = stream_tile, pack_tile, packed_tile
+        self.round_queries = round_queries
 
 
 @dataclass(frozen=True)
@@ -527,6 +532,7 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     cfg = spec.cfg
     streaming = BQ <= STREAMING_ROWS
+    rounded = streaming and paged.int_dot  # int8 decode's q.k in integers: q rounded once per task
     HT = tiles.kv_heads if streaming else 1  # KV heads per task
     unused = absent_inputs(spec)
     scaled = bool(spec.kv_scale)
@@ -557,7 +563,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             alpha_all = T.alloc_buffer((HT, BQ), F32)
             Kt = T.alloc_buffer((D, BK) if not streaming else (1,), F32)
             Vt = T.alloc_buffer((BK, DP) if not streaming else (1,), F32)
-            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all))
+            q16_all = T.alloc_buffer((HT, BQ, D) if rounded else (1, 1, 1), "int16")
+            q_unit_all = T.alloc_buffer((HT, BQ) if rounded else (1, 1), F32)
+            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all))
             tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
                                       first_pos=first_pos, last_pos=last_pos))
             cache = T.meta_var(BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size,
@@ -565,6 +573,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             for gi in range(HT):
                 body.load_queries(_head(Qs_all, gi), params, tile.head(gi))
                 body.init_state(_head(O_all, gi), _head(m_all, gi), _head(l_all, gi))
+            if rounded:
+                paged.round_queries(heads)
             walk = T.meta_var(tile.key_walk(cfg, BK))
             for t in range(walk.count):
                 kt: T.int64 = walk.tile(t)

@@ -7,7 +7,7 @@ Contents:
     lane_tree     -- a balanced tree over the scalar lanes of a small buffer
     store_row_sums -- the lane sums of several vector rows as one transposing shuffle tree
     add_term      -- acc + weight * value, optionally skipping zero weights (the NaN rule)
-    INT16_DOT_LANES, int16_dot -- int32 lane sums of int16 pair products (x86 AVX2's vpmaddwd)
+    INT16_DOT_LANES, INT16_DOT_SUMS, int16_dot -- int32 lane sums of int16 pair products (x86 AVX2's vpmaddwd)
     round_rows_to_int16 -- float32 rows as int16 times a unit per row (what int16_dot multiplies)
     Micro         -- the macros of one tile configuration:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
@@ -83,7 +83,8 @@ def add_term(acc, weight, value, skip_zero_weights: bool):
     return sem.add_weighted(acc, weight, value) if skip_zero_weights else acc + weight * value
 
 
-INT16_DOT_LANES = 16  # int16 elements one vpmaddwd multiplies (into 8 int32 lanes)
+INT16_DOT_LANES = 16  # int16 elements one vpmaddwd multiplies
+INT16_DOT_SUMS = INT16_DOT_LANES // 2  # the int32 lanes it sums them into, pairwise
 
 
 def int16_dot(acc, row, a, b):
@@ -91,27 +92,29 @@ def int16_dot(acc, row, a, b):
     buffer, ``a`` and ``b`` int16x16 vectors): lane i gains a[2i] b[2i] + a[2i+1] b[2i+1] in one
     instruction, twice the multiplies of a float32 FMA and no conversion to float. x86 AVX2 only
     (``CpuTiles.int16_dot``); exact while the sums fit int32."""
-    lanes = [row, tirx.Ramp(0, 1, 8)]
-    product = tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+    lanes = [row, tirx.Ramp(0, 1, INT16_DOT_SUMS)]
+    product = tirx.call_llvm_pure_intrin(f"int32x{INT16_DOT_SUMS}", "llvm.x86.avx2.pmadd.wd", a, b)
     T.buffer_store(acc, tirx.BufferLoad(acc, lanes) + product, lanes)
 
 
 @T.macro
 def round_rows_to_int16(x, x16, unit, heads, rows, dim):
     # x16[h, r] * unit[h, r] ~ x[h, r] (float32 [heads, rows, dim]), the unit max|x[h, r]| / 32767;
-    # a row holding Inf or NaN gets a NaN unit, so what it feeds is NaN as in float (a max drops NaN)
+    # a row holding Inf or NaN gets a NaN unit, so what it feeds is NaN as in float (a max drops NaN),
+    # and int16 zeros (a NaN cast to int16 is undefined)
     for h, r in T.grid(heads, rows):
-        stats = T.alloc_buffer((2,), "float32", scope="local")  # max |x|, sum x
+        stats = T.alloc_buffer((3,), "float32", scope="local")  # max |x|, sum x, 1 / unit
         stats[0] = T.float32(0)
         stats[1] = T.float32(0)
         for d in range(dim):
             stats[0] = T.max(stats[0], T.abs(x[h, r, d]))
             stats[1] = stats[1] + x[h, r, d]
-        unit[h, r] = T.Select(
-            T.reinterpret("uint32", stats[1]) & T.uint32(0x7F800000) == T.uint32(0x7F800000), T.float32("nan"),
-            T.Select(stats[0] > T.float32(0), stats[0] * T.float32(1.0 / 32767), T.float32(1)))
+        bad = T.meta_var(T.reinterpret("uint32", stats[1]) & T.uint32(0x7F800000) == T.uint32(0x7F800000))
+        unit[h, r] = T.Select(bad, T.float32("nan"),
+                              T.Select(stats[0] > T.float32(0), stats[0] * T.float32(1.0 / 32767), T.float32(1)))
+        stats[2] = T.Select(stats[0] > T.float32(0), T.float32(32767) / stats[0], T.float32(1))
         for d in range(dim):
-            x16[h, r, d] = T.Cast("int16", T.round(x[h, r, d] / unit[h, r]))
+            x16[h, r, d] = T.Cast("int16", T.round(T.Select(bad, T.float32(0), x[h, r, d] * stats[2])))
 
 
 def _element(X, row, col, transposed: bool):

@@ -45,8 +45,9 @@ class CpuTiles:
     value_tokens  streaming decode: tokens whose value rows one accumulator pass adds (the
                 accumulator is read and written once per pass)
     prefetch    streaming decode: software-prefetch the K/V rows of the token this many ahead (0: off)
-    int16_dot   1 where the target multiplies int16 pairs into int32 lanes (x86 AVX2's vpmaddwd):
-                streaming decode over an int8 cache takes q.k in integers (a target fact, not tuned)
+    int16_dot   1 where the target multiplies int16 pairs into int32 lanes (x86 AVX2's vpmaddwd; not
+                with AVX-512, unmeasured there): streaming decode over an int8 cache takes q.k in
+                integers (a target fact, not tuned)
     """
 
     block_q: int = 64
@@ -128,17 +129,20 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
     # whose FMA latency needs the 16 independent chains (measured on Zen 5: 4 x 1 reached 54 % of
     # the FMA peak at hdim 128, 8 x 2 with 128-key tiles 75 %).
     wide = vector_registers(target) >= 32
-    int16_dot = int(target.attrs.get("mcpu") is not None and tvm.target.codegen.target_has_features("avx2", target))
+    # measured on AVX2 (Zen 3) only; with AVX-512 the float path's FMAs are twice as wide
+    int16_dot = int(lanes == 8 and tvm.target.codegen.target_has_features("avx2", target))
     tiles = CpuTiles(lanes=lanes, key_vecs=max(2, 16 // lanes), dim_vecs=2 if head_dim > lanes else 1,
                      micro_rows=8 if wide else 4, block_k=128 if wide else 64, int16_dot=int16_dot)
     if -(-head_dim // lanes) % tiles.dim_vecs:  # e.g. head dim 40 with 8 lanes: 5 vectors
         tiles = replace(tiles, dim_vecs=1)
     if rows is not None and rows <= STREAMING_ROWS:
-        # decode rows stream their keys (no register-tiled GEMM, so no micro tile): a task holds
-        # exactly its rows (padding a group of 1 to 4 rows quadrupled multi-head decode's FMAs;
-        # side by side on Zen 3, B8 H8 hdim 128, 4096 tokens: bfloat16 8.2 -> 6.8 ms, int8 7.3 ->
-        # 4.6 ms), and loads and stores the accumulator once per 4 value rows (~5 % on Zen 5)
-        tiles = replace(tiles, micro_rows=1, block_q=rows, value_tokens=4)
+        # decode rows stream their keys: a task holds exactly its rows (padding a group of 1 to 4 rows
+        # quadrupled multi-head decode's FMAs; side by side on Zen 3, B8 H8 hdim 128, 4096 tokens:
+        # bfloat16 8.2 -> 6.8 ms, int8 7.3 -> 4.6 ms), and loads and stores the accumulator once per
+        # 4 value rows (~5 % on Zen 5). The GEMM paths given these rows (a dense call of <= 8 rows,
+        # TVM-cache decode with in-kernel RoPE) take micro tiles of the largest power of two dividing them
+        micro_rows = min(tiles.micro_rows, 4, rows & -rows)
+        tiles = replace(tiles, micro_rows=micro_rows, block_q=rows, value_tokens=4)
     elif rows is not None and rows < tiles.block_q:
         tiles = replace(tiles, block_q=-(-rows // tiles.micro_rows) * tiles.micro_rows)
     threads = cores(target)

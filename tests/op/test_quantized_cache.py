@@ -66,12 +66,13 @@ def test_matches_dequantized_reference(cache_dtype, form, sq, hq, hkv, kernels):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "int8"])
-def test_half_queries_with_options(dtype, cache_dtype, kernels):
+@pytest.mark.parametrize("cache_dtype,sq", [("float8_e4m3fn", 3), ("int8", 3), ("int8", 1)])
+def test_half_queries_with_options(dtype, cache_dtype, sq, kernels):
     """Half-precision queries (the CUDA register tiles) over an 8-bit cache, with ALiBi, a window,
-    softcap, sinks and head dim 128."""
+    softcap, sinks and head dim 128 (3 queries of a group of 3 pack the tiles; int8 decode streams
+    them, its q.k in integers on AVX2)."""
     rng = np.random.default_rng(5)
-    inputs = paged_inputs(rng, [1, 40, 97], Hq=6, Hkv=2, Sq=3, D=128, dtype=dtype, max_blocks=7)
+    inputs = paged_inputs(rng, [1, 40, 97], Hq=6, Hkv=2, Sq=sq, D=128, dtype=dtype, max_blocks=7)
     inputs, _ = _quantized(rng, inputs, cache_dtype, "head")
     inputs["alibi_slopes"] = (rng.random(6) * 0.2).astype(np.float32)
     inputs["sinks"] = rng.standard_normal(6).astype(np.float32)
@@ -126,6 +127,10 @@ def test_int8_decode_takes_q_k_in_integers(D, hq, hkv, sq):
     k_deq, v_deq = (ref.dequantize(inputs[f"{kind}_cache"], inputs[f"{kind}_scale"]) for kind in "kv")
     bound = np.expm1(2 * _q_rounding_error(inputs["q"].astype(np.float64), k_deq))[..., None] * np.abs(v_deq).max()
     assert np.all(np.abs(out - want) <= bound + 1e-5 + 1e-5 * np.abs(want))  # + float32 rounding
+    if integer:  # and exactly the reference of q rounded so: float32's tolerance, not the bound's
+        q = inputs["q"].astype(np.float64)
+        unit = np.abs(q).max(axis=-1, keepdims=True) / 32767
+        assert_close(out, ref.paged_attn(**dict(inputs, q=np.round(q / unit) * unit), causal=True), "float32")
     assert np.all(out[0] == 0)  # context length 0
 
 
@@ -150,8 +155,8 @@ def test_int8_decode_rows_of_nonfinite_queries_are_nan():
     np.testing.assert_allclose(out[clean], ref.paged_attn(**inputs, causal=True)[clean], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("sq", [1, 5])  # decode streams the cache; 5 rows of a group of 2 pack it
-def test_nan_and_inf_in_dropped_tokens_never_reach_a_row(sq, kernels):
+@pytest.mark.parametrize("sq,D", [(1, 40), (1, 64), (5, 40)])  # decode streams the cache (D 64: int8's integer
+def test_nan_and_inf_in_dropped_tokens_never_reach_a_row(sq, D, kernels):  # q.k); 5 rows of a group of 2 pack it
     """NaN codes (e4m3fn), Inf codes (e5m2) and NaN / Inf scales (int8) in tokens left of the window,
     in tiles that straddle it, and past the context: every output stays finite and equal to the
     clean cache's."""
@@ -159,7 +164,7 @@ def test_nan_and_inf_in_dropped_tokens_never_reach_a_row(sq, kernels):
     lens = [2 * BLOCK + 5, 3 * BLOCK]
     window = dict(window_size=(6, 0))
     for cache_dtype, bad in (("float8_e4m3fn", np.nan), ("float8_e5m2", np.inf), ("int8", np.nan), ("int8", np.inf)):
-        inputs, _ = _quantized(rng, paged_inputs(rng, lens, Hq=4, Hkv=2, Sq=sq, D=40, shared_block=False),
+        inputs, _ = _quantized(rng, paged_inputs(rng, lens, Hq=4, Hkv=2, Sq=sq, D=D, shared_block=False),
                                cache_dtype, "token" if cache_dtype == "int8" else "head")
         (clean,) = run(lambda **a: op.paged_attn(**a, **window), inputs, kernels=kernels)
         dirty = {name: np.array(a) for name, a in inputs.items()}

@@ -165,7 +165,7 @@ def test_hand_picked_register_tiles_follow_the_vector_registers():
     """AVX-512's 32 registers take 8 x 2-vector register tiles over 128-key tiles (16 accumulators:
     the FMA chains its latency needs), AVX2's 16 take 4 x 2 over 64 keys; decode rows (streamed, no
     GEMM) are not padded (a group of 1 padded to 4 rows did 4x its FMAs), add 4 value rows per
-    accumulator pass and prefetch ~64 KiB of rows ahead."""
+    accumulator pass and prefetch ~64 KiB of rows ahead; int8 decode's integer q.k is AVX2's."""
     from tvm_fuel.schedules.cpu.tiles import tiles_for, vector_registers
 
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
@@ -178,8 +178,16 @@ def test_hand_picked_register_tiles_follow_the_vector_registers():
     decode = tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8)
     assert (decode.block_q, decode.value_tokens, decode.prefetch) == (4, 4, 16)
     assert tiles_for(avx512, head_dim=128, rows=4, num_kv_heads=8, batch=8, element_bytes=2).prefetch == 32
-    for rows in (1, 2, 3, 5, 7, 8):  # MHA, GQA groups and multi-query rows up to STREAMING_ROWS
-        assert tiles_for(avx2, head_dim=128, rows=rows).block_q == rows
+    for rows, micro_rows in ((1, 1), (2, 2), (3, 1), (6, 2), (7, 1), (8, 4)):  # up to STREAMING_ROWS
+        tiles = tiles_for(avx2, head_dim=128, rows=rows)
+        assert (tiles.block_q, tiles.micro_rows) == (rows, micro_rows)  # dense GEMMs get whole micro tiles
+    # int8 decode's integer q.k: AVX2 only (its vpmaddwd; measured there)
+    targets = {"haswell": 1, "znver3": 1, "skylake-avx512": 0, "sandybridge": 0}
+    for mcpu, expected in targets.items():
+        assert tiles_for(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}), head_dim=64, rows=1).int16_dot == expected
+    assert tiles_for(tvm.target.Target("llvm"), head_dim=64, rows=1).int16_dot == 0
+    arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"})
+    assert tiles_for(arm, head_dim=64, rows=1).int16_dot == 0
     assert tiles_for(avx512, head_dim=128, rows=None).prefetch == 0  # GEMM paths stream nothing
     assert tiles_for(avx512, head_dim=128, rows=17).block_q == 24  # GEMM rows: whole register tiles
 
