@@ -23,6 +23,14 @@ def randn(rng: np.random.Generator, shape, dtype: str = "float32", scale: float 
     return (rng.standard_normal(shape) * scale).astype(NP_DTYPE.get(dtype, dtype))
 
 
+def int16_rounded(q: np.ndarray) -> np.ndarray:
+    """``q`` as int8 decode's integer q.k takes it (AVX2, ``CpuTiles.int16_dot``): each row rounded
+    to int16 with the unit max|row| / 32767 (float64)."""
+    q = q.astype(np.float64)
+    unit = np.abs(q).max(axis=-1, keepdims=True) / 32767
+    return np.round(q / np.where(unit > 0, unit, 1)) * unit
+
+
 def build(make: Callable[..., relax.Expr], params: Mapping[str, tuple], *, target="llvm") -> tvm.IRModule:
     """A module whose ``main(**params)`` returns ``make(**vars)``; params map name -> (shape, dtype)."""
     bb = relax.BlockBuilder()

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import tvm
-from helpers import BLOCK, HOST, assert_close, build, paged_inputs, run
+from helpers import BLOCK, HOST, assert_close, build, int16_rounded, paged_inputs, run
 from tvm import relax, tirx
 
 import tvm_fuel
@@ -128,9 +128,7 @@ def test_int8_decode_takes_q_k_in_integers(D, hq, hkv, sq):
     bound = np.expm1(2 * _q_rounding_error(inputs["q"].astype(np.float64), k_deq))[..., None] * np.abs(v_deq).max()
     assert np.all(np.abs(out - want) <= bound + 1e-5 + 1e-5 * np.abs(want))  # + float32 rounding
     if integer:  # and exactly the reference of q rounded so: float32's tolerance, not the bound's
-        q = inputs["q"].astype(np.float64)
-        unit = np.abs(q).max(axis=-1, keepdims=True) / 32767
-        assert_close(out, ref.paged_attn(**dict(inputs, q=np.round(q / unit) * unit), causal=True), "float32")
+        assert_close(out, ref.paged_attn(**dict(inputs, q=int16_rounded(inputs["q"])), causal=True), "float32")
     assert np.all(out[0] == 0)  # context length 0
 
 
