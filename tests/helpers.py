@@ -31,6 +31,14 @@ def int16_rounded(q: np.ndarray) -> np.ndarray:
     return np.round(q / np.where(unit > 0, unit, 1)) * unit
 
 
+def integer_q_k(head_dim: int, rows: int) -> bool:
+    """Whether the tuned int8 decode on HOST takes q.k in integers (``int16_rounded`` q): an AVX2
+    target (``CpuTiles.int16_dot``) and a head dim of whole 16-element vpmaddwd vectors."""
+    from tvm_fuel.schedules.cpu.tiles import tiles_for
+
+    return bool(tiles_for(HOST, head_dim=head_dim, rows=rows).int16_dot) and head_dim % 16 == 0
+
+
 def build(make: Callable[..., relax.Expr], params: Mapping[str, tuple], *, target="llvm") -> tvm.IRModule:
     """A module whose ``main(**params)`` returns ``make(**vars)``; params map name -> (shape, dtype)."""
     bb = relax.BlockBuilder()

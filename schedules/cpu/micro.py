@@ -110,9 +110,9 @@ def round_rows_to_int16(x, x16, unit, heads, rows, dim):
             stats[0] = T.max(stats[0], T.abs(x[h, r, d]))
             stats[1] = stats[1] + x[h, r, d]
         bad = T.meta_var(T.reinterpret("uint32", stats[1]) & T.uint32(0x7F800000) == T.uint32(0x7F800000))
-        unit[h, r] = T.Select(bad, T.float32("nan"),
-                              T.Select(stats[0] > T.float32(0), stats[0] * T.float32(1.0 / 32767), T.float32(1)))
-        stats[2] = T.Select(stats[0] > T.float32(0), T.float32(32767) / stats[0], T.float32(1))
+        nonzero = T.meta_var(stats[0] > T.float32(0))
+        unit[h, r] = T.Select(bad, T.float32("nan"), T.Select(nonzero, stats[0] * T.float32(1.0 / 32767), T.float32(1)))
+        stats[2] = T.Select(nonzero, T.float32(32767) / stats[0], T.float32(1))
         for d in range(dim):
             x16[h, r, d] = T.Cast("int16", T.round(T.Select(bad, T.float32(0), x[h, r, d] * stats[2])))
 

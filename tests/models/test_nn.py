@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import HOST, int16_rounded, legalize_checked
+from helpers import HOST, int16_rounded, integer_q_k, legalize_checked
 from tvm import relax
 from tvm.relax.frontend import nn
 
 import tvm_fuel
 import tvm_fuel.nn
 from tvm_fuel import reference
-from tvm_fuel.schedules.cpu.tiles import tiles_for
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +123,7 @@ def test_paged_attention_module_reads_an_int8_cache(kernels):
                   k_scale=k_scale, v_scale=v_scale)
     (out,) = _run(_QuantizedDecode(causal=True), arrays, kernels)
     q = arrays["q"]
-    if kernels == "tuned" and tiles_for(HOST, head_dim=64, rows=4).int16_dot:  # q.k in integers: q rounded to int16
+    if kernels == "tuned" and integer_q_k(64, 4):  # q.k in integers: q rounded to int16
         q = int16_rounded(q)
     want = reference.paged_attn(q, *list(arrays.values())[1:5], k_scale=k_scale, v_scale=v_scale, causal=True)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import tvm
-from helpers import BLOCK, HOST, assert_close, build, int16_rounded, paged_inputs, run
+from helpers import BLOCK, HOST, assert_close, build, int16_rounded, integer_q_k, paged_inputs, run
 from tvm import relax, tirx
 
 import tvm_fuel
@@ -116,11 +116,9 @@ def test_int8_decode_takes_q_k_in_integers(D, hq, hkv, sq):
     """Decode over an int8 cache on an AVX2 CPU takes q.k through vpmaddwd, q rounded per row to
     int16 (``CpuTiles.int16_dot``), for head dims that are multiples of 16 (40: the float path);
     either way it matches the dequantized reference (groups 1, 3 and 7; lengths 0 to 97)."""
-    from tvm_fuel.schedules.cpu.tiles import tiles_for
-
     rng = np.random.default_rng(D + hq)
     inputs, _ = _quantized(rng, paged_inputs(rng, LENS, Hq=hq, Hkv=hkv, Sq=sq, D=D, max_blocks=7), "int8", "token")
-    integer = bool(tiles_for(HOST, head_dim=D, rows=sq * hq // hkv).int16_dot) and D % 16 == 0
+    integer = integer_q_k(D, sq * hq // hkv)
     assert ("vpmaddwd" in _kernel_assembly(inputs)) == integer
     (out,) = run(lambda **a: op.paged_attn(**a, causal=True), inputs, kernels="tuned")
     want = ref.paged_attn(**inputs, causal=True)
