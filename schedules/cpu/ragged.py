@@ -35,7 +35,8 @@ from tvm.script import tirx as T
 from ...op import semantics as sem
 from ..common import F32, KernelSpec, row_position
 from ..layouts import EMPTY_LSE
-from .forward import ForwardMacros, PagedTile, RowTile, Scratch
+from .forward import ForwardMacros, RowTile, Scratch
+from .paged import PagedTile
 from .tiles import CpuTiles
 
 LSE_LOG2 = "log2"  # TVM's: lse[row, head] = m + log2(sum), EMPTY_LSE without keys

@@ -31,7 +31,8 @@ from ...op import SPECS
 from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims, varlen_workload
 from ..workload import NormSpec, Workload
 from .backward import flash_backward
-from .forward import dense_forward, paged_forward
+from .forward import dense_forward
+from .paged import paged_forward
 from .double_backward import flash_double_backward
 from .varlen import varlen_forward
 from .varlen_backward import varlen_backward
