@@ -23,20 +23,63 @@ def randn(rng: np.random.Generator, shape, dtype: str = "float32", scale: float 
     return (rng.standard_normal(shape) * scale).astype(NP_DTYPE.get(dtype, dtype))
 
 
-def int16_rounded(q: np.ndarray) -> np.ndarray:
-    """``q`` as int8 decode's integer q.k takes it (AVX2, ``CpuTiles.int16_dot``): each row rounded
-    to int16 with the unit max|row| / 32767 (float64)."""
-    q = q.astype(np.float64)
-    unit = np.abs(q).max(axis=-1, keepdims=True) / 32767
-    return np.round(q / np.where(unit > 0, unit, 1)) * unit
+def int16_rounded(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32 rows) as the integer decode rounds it: each row to int16 with the unit
+    max|row| / 32767, in float32's arithmetic as the kernel does it (float64 result)."""
+    x = x.astype(np.float32)
+    largest = np.abs(x).max(axis=-1, keepdims=True)
+    nonzero = largest > 0
+    codes = np.round(x * np.where(nonzero, np.float32(32767) / np.where(nonzero, largest, 1), np.float32(1)))
+    return codes.astype(np.float64) * np.where(nonzero, largest * np.float32(1 / 32767), np.float32(1))
+
+
+def integer_decode(q, k_cache, v_cache, block_table, context_lens, k_scale, v_scale) -> tuple[np.ndarray, np.ndarray]:
+    """Causal decode over an int8 cache as the AVX2 kernel takes it in integers (float64): q rounded
+    per row to int16 (``int16_rounded``, after its softmax scale), and each key tile's weights (the
+    online softmax's 2^(s - running max) times the token's V scale) rounded per row to int16 with
+    the unit max weight / 32767 before they multiply V's codes (key tiles of HOST's decode tiles).
+    (out, slack), both [B, Hq, Sq, D]: slack is what a weight within float32's error of a half unit
+    moves out by if the kernel rounds it the other way (a unit times its token's codes)."""
+    from tvm_fuel import reference
+    from tvm_fuel.schedules.cpu.tiles import tiles_for
+
+    B, Hq, Sq, D = q.shape
+    group = Hq // k_cache.shape[2]
+    block_k = tiles_for(HOST, head_dim=D, rows=Sq * group).block_k
+    out, slack = np.zeros((B, Hq, Sq, D)), np.zeros((B, Hq, Sq, D))
+    for b in range(B):
+        n = int(context_lens[b])
+        k, v = (reference.gather_pages(c.astype(np.float64), block_table[b], n) for c in (k_cache, v_cache))
+        ks, vs = (reference.gather_pages(s[..., None].astype(np.float64), block_table[b], n)[..., 0]
+                  for s in (k_scale, v_scale))
+        for h in range(Hq):
+            g = h // group
+            scores = int16_rounded(q[b, h].astype(np.float32) * np.float32(np.log2(np.e) / np.sqrt(D))) @ k[g].T * ks[g]
+            scores[np.arange(n)[None, :] > np.arange(Sq)[:, None] + n - Sq] = -np.inf
+            m, l, o, ties = np.full((Sq, 1), -np.inf), np.zeros((Sq, 1)), np.zeros((Sq, D)), np.zeros((Sq, D))
+            for t in range(0, n, block_k):
+                tile = scores[:, t:t + block_k]
+                m_new = np.maximum(m, tile.max(axis=1, keepdims=True))
+                shift = np.where(np.isfinite(m_new), m_new, 0)
+                p, alpha = np.exp2(tile - shift), np.exp2(m - shift)
+                l, o, ties, m = l * alpha + p.sum(axis=1, keepdims=True), o * alpha, ties * alpha, m_new
+                weights = p * vs[g, t:t + block_k]
+                unit = weights.max(axis=1, keepdims=True) / 32767
+                units = weights / np.where(unit > 0, unit, 1)
+                o += np.round(units) * unit @ v[g, t:t + block_k]
+                # within float32's error of a half unit: the kernel's weight (exp2 to ~2e-7, its score
+                # to float32's rounding) is off by up to ~1e-6 of itself
+                ties += (np.abs(units % 1 - 0.5) < 1e-3 + 2e-6 * units) * unit @ np.abs(v[g, t:t + block_k])
+            out[b, h], slack[b, h] = o / np.where(l > 0, l, 1), ties / np.where(l > 0, l, 1)
+    return out, slack
 
 
 def integer_q_k(head_dim: int, rows: int) -> bool:
     """Whether the tuned int8 decode on HOST takes q.k in integers (``int16_rounded`` q): an AVX2
-    target (``CpuTiles.int16_dot``) and a head dim of whole 16-element vpmaddwd vectors."""
+    target (``CpuTiles.int16_dot``) and a head dim of whole 16-element vpmaddwd vectors, up to 256."""
     from tvm_fuel.schedules.cpu.tiles import tiles_for
 
-    return bool(tiles_for(HOST, head_dim=head_dim, rows=rows).int16_dot) and head_dim % 16 == 0
+    return bool(tiles_for(HOST, head_dim=head_dim, rows=rows).int16_dot) and head_dim % 16 == 0 and head_dim <= 256
 
 
 def build(make: Callable[..., relax.Expr], params: Mapping[str, tuple], *, target="llvm") -> tvm.IRModule:

@@ -24,31 +24,43 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
     threads of TVM's pool, ``tvm_fuel.threads.thread_count``: the physical cores unless set).
 
     LLVM names the CPU from its family and model alone; a virtual machine may hide some of that
-    CPU's vector extensions (a Zen 4 without AVX-512: its instructions fault), so every vector
-    feature of the named CPU that the kernel does not report is turned off (``mattr``)."""
+    CPU's extensions (a Zen 4 without AVX-512: its instructions fault), so every instruction-set
+    feature of the named CPU that Linux does not report is turned off (``mattr``). Elsewhere
+    (no ``/proc/cpuinfo``) the CPU's name stands as LLVM gives it."""
     from .threads import thread_count
 
     cpu = tvm.target.codegen.llvm_get_system_cpu()
     config = {"kind": "llvm", "mcpu": cpu, "num-cores": num_cores or thread_count()}
-    hidden = hidden_vector_features(cpu, _reported_cpu_flags())
+    hidden = hidden_cpu_features(cpu, _reported_cpu_flags())
     if hidden:
         config["mattr"] = [f"-{feature}" for feature in hidden]
     return tvm.target.Target(config)
 
 
-# the feature families whose instructions a kernel's vector code may use (LLVM's names)
-VECTOR_FEATURES = ("avx", "amx", "fma", "f16c", "gfni", "vaes", "vpclmulqdq")
+# the LLVM features whose instructions compiled code may use freely (vector units and the scalar
+# extensions LLVM emits by itself: BMI's shlx, lzcnt, movbe, ...), by LLVM's name prefix
+CHECKED_FEATURES = ("avx", "amx", "fma", "f16c", "gfni", "vaes", "vpclmulqdq", "sse", "ssse3", "aes", "pclmul",
+                    "sha", "bmi", "lzcnt", "popcnt", "movbe", "adx")
+# LLVM's names that Linux spells otherwise (after dropping "_", "-" and ".")
+_LINUX_NAMES = {"bmi": "bmi1", "lzcnt": "abm", "sse3": "pni", "pclmul": "pclmulqdq", "sha": "shani"}
 
 
-def hidden_vector_features(cpu: str, reported: frozenset[str] | None) -> list[str]:
-    """The vector features LLVM enables for ``cpu`` that ``reported`` (the kernel's CPU flags,
-    ``/proc/cpuinfo``'s spelling; None: unknown, nothing is turned off) lacks. Names compare
-    without ``_``, ``-`` and ``.`` (LLVM's ``avx512bf16`` is the kernel's ``avx512_bf16``)."""
+def hidden_cpu_features(cpu: str, reported: frozenset[str] | None) -> list[str]:
+    """The features of ``CHECKED_FEATURES`` that LLVM enables for ``cpu`` and ``reported`` (the
+    kernel's CPU flags, ``/proc/cpuinfo``'s spelling; None: unknown, nothing is turned off) lacks.
+    Names compare without ``_``, ``-`` and ``.`` (LLVM's ``avx512bf16`` is Linux's ``avx512_bf16``),
+    through ``_LINUX_NAMES`` where the names differ."""
     if reported is None:
         return []
     reported = {_plain(flag) for flag in reported}
     features = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
-    return sorted(f for f in features if f.startswith(VECTOR_FEATURES) and _plain(f) not in reported)
+    return sorted(f for f in features if f.startswith(CHECKED_FEATURES) and linux_name(f) not in reported)
+
+
+def linux_name(feature: str) -> str:
+    """An LLVM feature's name as ``/proc/cpuinfo`` spells it, without ``_``, ``-`` and ``.``."""
+    plain = _plain(feature)
+    return _LINUX_NAMES.get(plain, plain)
 
 
 def _plain(name: str) -> str:

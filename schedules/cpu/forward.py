@@ -115,9 +115,10 @@ class RowTile:
 
 @dataclass(frozen=True)
 class Scratch:
-    """A task's float32 scratch: queries Qs [block_q, D], scores S [block_q, block_k], the
-    accumulator O [block_q, DP] and the row statistics m, l, alpha [block_q]. A paged task
-    holds one of each per KV head it streams: [heads, ...] buffers."""
+    """A task's scratch: float32 queries Qs [block_q, D], scores S [block_q, block_k], the
+    accumulator O [block_q, DP] and the row statistics m, l, alpha [block_q] (and the integer
+    decode's int16 / int32 buffers below). A paged task holds one of each per KV head it streams:
+    [heads, ...] buffers."""
 
     Qs: tirx.Buffer
     S: tirx.Buffer
@@ -125,8 +126,13 @@ class Scratch:
     m: tirx.Buffer
     l: tirx.Buffer
     alpha: tirx.Buffer
-    q16: tirx.Buffer | None = None  # Qs rounded to int16 per row, and each row's unit (PagedTile.int_dot)
+    # int8 decode in integers (PagedTile.int_dot): Qs rounded to int16 per row and each row's unit;
+    # a key tile's weights (S) rounded so, and the int32 sums of their products with V's codes
+    q16: tirx.Buffer | None = None
     q_unit: tirx.Buffer | None = None
+    w16: tirx.Buffer | None = None
+    w_unit: tirx.Buffer | None = None
+    acc_i: tirx.Buffer | None = None
 
     def view(self, index) -> Scratch:
         """The scratch of head ``index`` of [heads, ...] buffers, as views (declared in field order)."""

@@ -1,7 +1,8 @@
 """TensorIR building blocks shared by the CPU kernels (TVMScript macros over one task's tiles).
 
-All buffers here are per-task float32 scratch: a score tile S [block_q, block_k], an accumulator
-[block_q, padded_dim], and row statistics [block_q]. Nothing here grows with the sequence.
+All buffers here are per-task scratch: a score tile S [block_q, block_k], an accumulator
+[block_q, padded_dim], and row statistics [block_q], float32 (int16 / int32 for the integer
+decode's rounded rows and sums). Nothing here grows with the sequence.
 
 Contents:
     lane_tree     -- a balanced tree over the scalar lanes of a small buffer
@@ -55,7 +56,7 @@ def store_row_sums(out, buffer, rows: int, lanes: int):
     ramp = tirx.Ramp(0, 1, lanes)
     vectors = [tirx.BufferLoad(buffer, [r, ramp]) for r in range(rows)]
     while len(vectors) & (len(vectors) - 1):
-        vectors.append(tirx.Broadcast(tirx.const(0, "float32"), lanes))
+        vectors.append(tirx.Broadcast(tirx.const(0, buffer.dtype), lanes))
     groups, width = 1, lanes  # each vector holds `groups` rows of `width` partial lanes
     while len(vectors) > 1 and width > 1:
         half = width // 2
@@ -97,24 +98,38 @@ def int16_dot(acc, row, a, b):
     T.buffer_store(acc, tirx.BufferLoad(acc, lanes) + product, lanes)
 
 
+ROUND_LANES = 8  # float32 lanes of round_rows_to_int16's passes (rows of whole vectors)
+
+
 @T.macro
 def round_rows_to_int16(x, x16, unit, heads, rows, dim):
-    # x16[h, r] * unit[h, r] ~ x[h, r] (float32 [heads, rows, dim]), the unit max|x[h, r]| / 32767;
-    # a row holding Inf or NaN gets a NaN unit, so what it feeds is NaN as in float (a max drops NaN),
-    # and int16 zeros (a NaN cast to int16 is undefined)
+    # x16[h, r] * unit[h, r] ~ x[h, r] (float32 [heads, rows, dim], dim a multiple of 8), the unit
+    # max|x[h, r]| / 32767; a row holding Inf or NaN gets a NaN unit, so what it feeds is NaN as in
+    # float (a max drops NaN), and int16 zeros (a NaN cast to int16 is undefined). Vectorized: a
+    # key tile's weights are rounded so per tile
     for h, r in T.grid(heads, rows):
+        part_max = T.alloc_buffer((ROUND_LANES,), "float32", scope="local")  # lane max |x|
+        part_sum = T.alloc_buffer((ROUND_LANES,), "float32", scope="local")  # lane sum x
         stats = T.alloc_buffer((3,), "float32", scope="local")  # max |x|, sum x, 1 / unit
-        stats[0] = T.float32(0)
-        stats[1] = T.float32(0)
-        for d in range(dim):
-            stats[0] = T.max(stats[0], T.abs(x[h, r, d]))
-            stats[1] = stats[1] + x[h, r, d]
-        bad = T.meta_var(T.reinterpret("uint32", stats[1]) & T.uint32(0x7F800000) == T.uint32(0x7F800000))
+        for v in T.vectorized(ROUND_LANES):
+            part_max[v] = T.float32(0)
+            part_sum[v] = T.float32(0)
+        for d0 in range(dim // ROUND_LANES):
+            for v in T.vectorized(ROUND_LANES):
+                part_max[v] = T.max(part_max[v], T.abs(x[h, r, d0 * ROUND_LANES + v]))
+                part_sum[v] = part_sum[v] + x[h, r, d0 * ROUND_LANES + v]
+        stats[0] = lane_tree(T.max, part_max, ROUND_LANES)
+        stats[1] = lane_tree(_add, part_sum, ROUND_LANES)
+        # an Inf shows in the max, a NaN in the sum (an add keeps NaN; finite rows' sums are NaN only
+        # past float32's range in both signs)
+        bad = T.meta_var(T.Or(T.isnan(stats[1]), T.Not(T.isfinite(stats[0]))))
         nonzero = T.meta_var(stats[0] > T.float32(0))
         unit[h, r] = T.Select(bad, T.float32("nan"), T.Select(nonzero, stats[0] * T.float32(1.0 / 32767), T.float32(1)))
         stats[2] = T.Select(nonzero, T.float32(32767) / stats[0], T.float32(1))
-        for d in range(dim):
-            x16[h, r, d] = T.Cast("int16", T.round(T.Select(bad, T.float32(0), x[h, r, d] * stats[2])))
+        for d0 in range(dim // ROUND_LANES):
+            for v in T.vectorized(ROUND_LANES):
+                x16[h, r, d0 * ROUND_LANES + v] = T.Cast("int16", T.round(
+                    T.Select(bad, T.float32(0), x[h, r, d0 * ROUND_LANES + v] * stats[2])))
 
 
 def _element(X, row, col, transposed: bool):

@@ -25,7 +25,8 @@ from ..common import F32, balanced_order, drop_params, finish, KernelSpec, kerne
 from ..layouts import BlockTable
 from .common import absent_inputs, prefetch
 from .forward import ForwardBuffers, ForwardMacros, head_view, RowTile, Scratch
-from .micro import add_term, int16_dot, INT16_DOT_LANES, INT16_DOT_SUMS, round_rows_to_int16, store_row_sums
+from .micro import (add_term, int16_dot, INT16_DOT_LANES, INT16_DOT_SUMS, ROUND_LANES, round_rows_to_int16,
+                    store_row_sums)
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -47,14 +48,22 @@ class PagedTile:
         ROWS_POW2 = 1 << (BQ - 1).bit_length()  # rows of the score shuffle tree
         # an 8-bit cache streams its elements decoded but unscaled: a token's K scale multiplies its
         # scores and its V scale its weights (per token, not per element)
+        SL = next(lanes for lanes in (tiles.lanes, 8, 4, 2, 1) if BK % lanes == 0)  # lanes of the key loops
         QUANT = bool(spec.cache_dtype)
         SCALED = QUANT and (bool(spec.kv_scale) or quant.decode_factor(spec.cache_dtype) != 1)
         # an int8 cache's q.k in integers where the target has vpmaddwd: q rounded per row to int16
         # (2^-15 of its largest element, far under the cache's 2^-8), two multiplies an instruction
         # and no conversion of K (side by side, multi-head decode: int8 3.6 -> 3.2 ms)
-        INT_DOT = bool(tiles.int16_dot) and spec.cache_dtype == "int8" and D % INT16_DOT_LANES == 0
+        INT_DOT = (bool(tiles.int16_dot) and spec.cache_dtype == "int8" and D % INT16_DOT_LANES == 0 and D <= 256
+                   and BK % ROUND_LANES == 0 and BK <= 512)
         DL, DS = INT16_DOT_LANES, INT16_DOT_SUMS
         self.int_dot = INT_DOT  # the task rounds its queries once (round_queries) into Scratch.q16
+        STEP = VT + VT % 2 if INT_DOT else VT  # tokens per value pass (whole pairs in integers)
+        # V's pass in integers too: a tile's weights rounded per row to int16 (Scratch.w16), two
+        # tokens' codes interleaved so one vpmaddwd takes both, summed in int32 over the tile
+        # (Scratch.acc_i: |sum| <= BK * 32767 * 128, under 2^31 for BK <= 512) and added to O once
+        INTERLEAVE = [tirx.const(i, "int32") for half in range(2) for j in range(DS)
+                      for i in (half * DS + j, DL + half * DS + j)]  # x0 y0 x1 y1 ... of two tokens' codes
 
         def element(cache, kind, page, slot, g, d):
             return (cache.raw(kind, page, slot, g, d) if QUANT else getattr(cache, kind)(page, slot, g, d)).astype(F32)
@@ -94,29 +103,78 @@ class PagedTile:
                         heads.O[gi, r, d0 * LD + v] = acc_o[r, v]
 
         @T.macro
+        def add_int_values(heads, cache, tile, tokens, gi, first, pairs: T.int32):
+            # acc_i[gi] += sum over the token pairs from `first` of w16 . V codes (a pair's second
+            # token may be past the live ones: its weight is 0, its page the last live token's)
+            codes = T.alloc_buffer((2, DL), "int16", scope="local")
+            for d0 in range(D // DL):
+                acc = T.alloc_buffer((2 * BQ, DS), "int32", scope="local")
+                for r in T.unroll(BQ):
+                    for half in T.unroll(2):
+                        for v in T.vectorized(DS):
+                            acc[2 * r + half, v] = heads.acc_i[gi, r, d0 * DL + half * DS + v]
+                for u in T.unroll(pairs):
+                    pair = T.meta_var([cache.stored("v", tokens.pages[first + 2 * u + t],
+                                                    cache.slot(tokens.kt * BK + first + 2 * u + t), tile.g + gi,
+                                                    tirx.Ramp(d0 * DL, 1, DL)) for t in range(2)])
+                    T.buffer_store(codes, tirx.Cast(f"int16x{DL}", tirx.Shuffle(pair, INTERLEAVE[:DL])),
+                                   [0, tirx.Ramp(0, 1, DL)])
+                    T.buffer_store(codes, tirx.Cast(f"int16x{DL}", tirx.Shuffle(pair, INTERLEAVE[DL:])),
+                                   [1, tirx.Ramp(0, 1, DL)])
+                    for r in T.unroll(BQ):
+                        weights = T.meta_var(tirx.reinterpret(f"int16x{DL}", tirx.Broadcast(tirx.reinterpret(
+                            "int32", tirx.BufferLoad(heads.w16, [gi, r, tirx.Ramp(first + 2 * u, 1, 2)])), DS)))
+                        for half in T.unroll(2):
+                            int16_dot(acc, 2 * r + half, tirx.BufferLoad(codes, [half, tirx.Ramp(0, 1, DL)]), weights)
+                for r in T.unroll(BQ):
+                    for half in T.unroll(2):
+                        for v in T.vectorized(DS):
+                            heads.acc_i[gi, r, d0 * DL + half * DS + v] = acc[2 * r + half, v]
+
+        @T.macro
         def add_value_rows(heads, cache, tile, tokens, live, skip_zero_weights):
-            # value rows accumulated VT tokens per pass: the accumulator is loaded and stored once per
-            # VT tokens; each token's value row is still read as one contiguous run over the heads
-            for c0 in range(live // VT):
+            # value rows accumulated STEP tokens per pass (the integer path's pairs: an even step): the
+            # accumulator is loaded and stored once per STEP tokens; each token's value row is still
+            # read as one contiguous run over the heads
+            for c0 in range(live // STEP):
                 for gi in range(HT):
                     if PREFETCH > 0:
-                        for u in T.unroll(VT):
-                            prefetch_row(cache, "v", tokens.pages_ahead, tokens.kt * BK + c0 * VT + u,
-                                         tile.kv_len, tile.g + gi, c0 * VT + u)
-                    add_values(heads, cache, tile, tokens, gi, c0 * VT, VT, skip_zero_weights)
-            for c in range(live // VT * VT, live):
+                        for u in T.unroll(STEP):
+                            prefetch_row(cache, "v", tokens.pages_ahead, tokens.kt * BK + c0 * STEP + u,
+                                         tile.kv_len, tile.g + gi, c0 * STEP + u)
+                    if INT_DOT:
+                        add_int_values(heads, cache, tile, tokens, gi, c0 * STEP, STEP // 2)
+                    else:
+                        add_values(heads, cache, tile, tokens, gi, c0 * STEP, STEP, skip_zero_weights)
+            for c in range(live // STEP * STEP, live, 2 if INT_DOT else 1):
                 for gi in range(HT):
-                    add_values(heads, cache, tile, tokens, gi, c, 1, skip_zero_weights)
+                    if INT_DOT:
+                        add_int_values(heads, cache, tile, tokens, gi, c, 1)
+                    else:
+                        add_values(heads, cache, tile, tokens, gi, c, 1, skip_zero_weights)
+
+        @T.macro
+        def add_int_sums(heads):
+            # O += the tile's int32 sums times their row's weight unit (and the sums back to 0)
+            for gi, r in T.grid(HT, BQ):
+                for d0 in range(D // DS):
+                    for v in T.vectorized(DS):
+                        heads.O[gi, r, d0 * DS + v] = heads.O[gi, r, d0 * DS + v] + T.Cast(
+                            F32, heads.acc_i[gi, r, d0 * DS + v]) * heads.w_unit[gi, r]
+                        heads.acc_i[gi, r, d0 * DS + v] = 0
 
         @T.macro
         def round_queries(heads):
             round_rows_to_int16(heads.Qs, heads.q16, heads.q_unit, HT, BQ, D)
 
         @T.macro
-        def integer_scores(heads, sums, cache, tile, page, slot, gi, c):
-            # S[gi, :, c] from int32 lane sums of q16 . k (the K scale and q's unit applied per row)
+        def integer_scores(heads, cache, tile, page, slot, gi, c):
+            # S[gi, :, c] from int32 lane sums of q16 . k (q's unit and the K scale applied to the
+            # tile's scores at once: scale_scores)
+            # (the lane sums folded in int32, an integer add's latency a third of a float one's: at
+            # most D * 32767 * 128, 2^30 at head dim 256)
             acc_i = T.alloc_buffer((BQ, DS), "int32", scope="local")
-            acc_f = T.alloc_buffer((BQ, DS), F32, scope="local")
+            sums_i = T.alloc_buffer((ROWS_POW2,), "int32", scope="local")
             for r in T.unroll(BQ):
                 for v in T.vectorized(DS):
                     acc_i[r, v] = 0
@@ -124,18 +182,24 @@ class PagedTile:
                 for r in T.unroll(BQ):
                     int16_dot(acc_i, r, tirx.BufferLoad(heads.q16, [gi, r, tirx.Ramp(d0 * DL, 1, DL)]), tirx.Cast(
                         f"int16x{DL}", cache.stored("k", page, slot, tile.g + gi, tirx.Ramp(d0 * DL, 1, DL))))
+            store_row_sums(sums_i, acc_i, BQ, DS)
             for r in T.unroll(BQ):
-                for v in T.vectorized(DS):
-                    acc_f[r, v] = T.Cast(F32, acc_i[r, v])
-            store_row_sums(sums, acc_f, BQ, DS)
-            for r in T.unroll(BQ):
-                heads.S[gi, r, c] = scaled(sums[r] * heads.q_unit[gi, r], cache, "k", page, slot, tile.g + gi)
+                heads.S[gi, r, c] = T.Cast(F32, sums_i[r])
+
+        @T.macro
+        def scale_scores(heads, k_scales):
+            # S[gi, r, c] *= q's unit of row r times token c's K scale (0 past the live tokens), a
+            # vector of tokens at a time
+            for gi, r, c0 in T.grid(HT, BQ, BK // SL):
+                for v in T.vectorized(SL):
+                    heads.S[gi, r, c0 * SL + v] = heads.S[gi, r, c0 * SL + v] * (
+                        heads.q_unit[gi, r] * k_scales[gi, c0 * SL + v])
 
         @T.macro
         def stream_tile(heads, params, cache, tile, kt):
             # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
             pages = T.alloc_buffer((BK,), "int64", scope="local")
-            sums = T.alloc_buffer((ROWS_POW2,), F32, scope="local")
+            sums = T.alloc_buffer((ROWS_POW2 if not INT_DOT else 1,), F32, scope="local")
             for c in range(BK):
                 pages[c] = cache.page(T.min(kt * BK + c, tile.kv_len - 1))
             # and of the token PREFETCH ahead of each (the last live one past the end)
@@ -144,13 +208,20 @@ class PagedTile:
                 for c in range(BK):
                     pages_ahead[c] = cache.page(T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
             tokens = T.meta_var(_Tokens(kt, pages, pages_ahead))
+            # the tile's V scales (and K scales, where q.k is taken in integers), a token's for all heads at once
+            v_scales = T.alloc_buffer((HT, BK) if SCALED else (1, 1), F32, scope="local")
+            k_scales = T.alloc_buffer((HT, BK) if INT_DOT else (1, 1), F32, scope="local")
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
                     for gi in range(HT):
+                        if SCALED:
+                            v_scales[gi, c] = cache.scale("v", pages[c], cache.slot(kt * BK + c), tile.g + gi)
+                        if INT_DOT:
+                            k_scales[gi, c] = cache.scale("k", pages[c], cache.slot(kt * BK + c), tile.g + gi)
                         if PREFETCH > 0:
                             prefetch_row(cache, "k", pages_ahead, kt * BK + c, tile.kv_len, tile.g + gi, c)
                         if INT_DOT:
-                            integer_scores(heads, sums, cache, tile, pages[c], cache.slot(kt * BK + c), gi, c)
+                            integer_scores(heads, cache, tile, pages[c], cache.slot(kt * BK + c), gi, c)
                         else:
                             acc = T.alloc_buffer((BQ, LD), F32, scope="local")
                             for r in T.unroll(BQ):
@@ -168,22 +239,32 @@ class PagedTile:
                 else:
                     for gi, r in T.grid(HT, BQ):
                         heads.S[gi, r, c] = T.float32(0)
+                    for gi in range(HT):
+                        if SCALED:
+                            v_scales[gi, c] = T.float32(0)
+                        if INT_DOT:
+                            k_scales[gi, c] = T.float32(0)
+            if INT_DOT:
+                scale_scores(heads, k_scales)
             for gi in range(HT):
                 body.normalize_tile(head_view(heads.S, gi), head_view(heads.m, gi), head_view(heads.l, gi),
                                     head_view(heads.alpha, gi), params, tile.head(gi), kt * BK, BK)
                 body.scale_rows(head_view(heads.O, gi), head_view(heads.alpha, gi), BQ, DP)
-                if SCALED:  # the weights times their token's V scale (a zero weight stays 0: NaN scales of
-                    # dropped tokens never reach a row)
-                    for c in range(BK):
-                        if kt * BK + c < tile.kv_len:
-                            for r in T.unroll(BQ):
-                                heads.S[gi, r, c] = T.Select(
-                                    heads.S[gi, r, c] == T.float32(0), T.float32(0),
-                                    scaled(heads.S[gi, r, c], cache, "v", pages[c], cache.slot(kt * BK + c),
-                                           tile.g + gi))
+                if SCALED:  # the weights times their token's V scale, a vector of tokens at a time (a zero
+                    # weight stays 0: NaN scales of dropped tokens never reach a row)
+                    for r, c0 in T.grid(BQ, BK // SL):
+                        for v in T.vectorized(SL):
+                            heads.S[gi, r, c0 * SL + v] = T.Select(
+                                heads.S[gi, r, c0 * SL + v] == T.float32(0), T.float32(0),
+                                heads.S[gi, r, c0 * SL + v] * v_scales[gi, c0 * SL + v])
             live = T.min(tile.kv_len - kt * BK, BK)
-            # interior tiles drop no token: their value rows need no zero-weight check
-            if tile.is_interior(cfg, kt * BK, BK):
+            # interior tiles drop no token: their value rows need no zero-weight check (an int8
+            # code is never NaN: a dropped token's NaN scale stays out of its weight of 0)
+            if INT_DOT:  # the tile's weights rounded, V's codes summed against them, the sums added to O
+                round_rows_to_int16(heads.S, heads.w16, heads.w_unit, HT, BQ, BK)
+                add_value_rows(heads, cache, tile, tokens, live, False)
+                add_int_sums(heads)
+            elif tile.is_interior(cfg, kt * BK, BK):
                 add_value_rows(heads, cache, tile, tokens, live, False)
             else:
                 add_value_rows(heads, cache, tile, tokens, live, True)
@@ -277,7 +358,11 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             Vt = T.alloc_buffer((BK, DP) if not streaming else (1,), F32)
             q16_all = T.alloc_buffer((HT, BQ, D) if rounded else (1, 1, 1), "int16")
             q_unit_all = T.alloc_buffer((HT, BQ) if rounded else (1, 1), F32)
-            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all))
+            w16_all = T.alloc_buffer((HT, BQ, BK) if rounded else (1, 1, 1), "int16")
+            w_unit_all = T.alloc_buffer((HT, BQ) if rounded else (1, 1), F32)
+            acc_i_all = T.alloc_buffer((HT, BQ, D) if rounded else (1, 1, 1), "int32")
+            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all,
+                                       w16_all, w_unit_all, acc_i_all))
             tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
                                       first_pos=first_pos, last_pos=last_pos))
             cache = T.meta_var(BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size,
@@ -287,6 +372,8 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
                 body.init_state(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi))
             if rounded:
                 paged.round_queries(heads)
+                for gi, r, d in T.grid(HT, BQ, D):
+                    acc_i_all[gi, r, d] = 0
             walk = T.meta_var(tile.key_walk(cfg, BK))
             for t in range(walk.count):
                 kt: T.int64 = walk.tile(t)
