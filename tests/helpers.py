@@ -74,6 +74,13 @@ def integer_decode(q, k_cache, v_cache, block_table, context_lens, k_scale, v_sc
     return out, slack
 
 
+def assert_integer_decode(out, inputs: dict, tol: float = 1e-5):
+    """``out`` is ``integer_decode(**inputs)`` within float32's ``tol`` (absolute and relative) plus
+    its near-tie slack."""
+    emulated, ties = integer_decode(**inputs)
+    assert np.all(np.abs(out - emulated) <= ties + tol + tol * np.abs(emulated))
+
+
 def integer_q_k(head_dim: int, rows: int) -> bool:
     """Whether the tuned int8 decode on HOST takes q.k in integers (``int16_rounded`` q): an AVX2
     target (``CpuTiles.int16_dot``) and a head dim of whole 16-element vpmaddwd vectors, up to 256."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import HOST, integer_decode, integer_q_k, legalize_checked
+from helpers import HOST, assert_integer_decode, integer_q_k, legalize_checked
 from tvm import relax
 from tvm.relax.frontend import nn
 
@@ -123,8 +123,8 @@ def test_paged_attention_module_reads_an_int8_cache(kernels):
                   k_scale=k_scale, v_scale=v_scale)
     (out,) = _run(_QuantizedDecode(causal=True), arrays, kernels)
     if kernels == "tuned" and integer_q_k(64, 4):  # decode in integers: q and each tile's weights rounded to int16
-        want, ties = integer_decode(*arrays.values())
-        assert np.all(np.abs(out - want) <= ties + 2e-5 + 2e-5 * np.abs(want))
+        assert_integer_decode(out, dict(zip(("q", "k_cache", "v_cache", "block_table", "context_lens", "k_scale",
+                                             "v_scale"), arrays.values())), tol=2e-5)
     else:
         want = reference.paged_attn(*list(arrays.values())[:5], k_scale=k_scale, v_scale=v_scale, causal=True)
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)

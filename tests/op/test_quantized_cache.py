@@ -24,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import tvm
-from helpers import BLOCK, HOST, assert_close, build, integer_decode, integer_q_k, paged_inputs, run
+from helpers import BLOCK, HOST, assert_close, assert_integer_decode, build, integer_q_k, paged_inputs, run
 from tvm import relax, tirx
 
 import tvm_fuel
@@ -133,8 +133,7 @@ def test_int8_decode_runs_in_integers(D, hq, hkv, sq):
     bound += _weights_rounding_error(inputs)
     assert np.all(np.abs(out - want) <= bound + 1e-5 + 1e-5 * np.abs(want))  # + float32 rounding
     if integer:  # and exactly the kernel's rounding of q and of each tile's weights: float32's tolerance
-        emulated, ties = integer_decode(**inputs)
-        assert np.all(np.abs(out - emulated) <= ties + 1e-5 + 1e-5 * np.abs(emulated))
+        assert_integer_decode(out, inputs)
     assert np.all(out[0] == 0)  # context length 0
 
 
@@ -233,8 +232,7 @@ def test_fuel_cache_appends_then_decodes(cache_dtype):
                   k_scale=cache.k_scale.numpy(), v_scale=cache.v_scale.numpy())
     (out,) = run(lambda **a: op.paged_attn(**a), inputs, kernels="tuned")
     if cache_dtype == "int8" and integer_q_k(64, 2):  # decode in integers (AVX2): its roundings
-        emulated, ties = integer_decode(**inputs)
-        assert np.all(np.abs(out - emulated) <= ties + 1e-5 + 1e-5 * np.abs(emulated))
+        assert_integer_decode(out, inputs)
     else:
         assert_close(out, ref.paged_attn(**inputs), "float32")
     for i, s in enumerate(seqs):  # against the unquantized rows: the quantization error, no more
