@@ -270,10 +270,13 @@ class BackwardMacros(RegisterTiles):
             load_row_stats(sc, prm, qb, True, tx)
             walk = T.meta_var(key_tiles(spec.cfg, first_pos=qb.i0, last_pos=T.min(qb.i0 + BQ, qb.Sq) - 1,
                                         kv_len=qb.Sk, delta=qb.Sk - qb.Sq, block_k=BK))
+            lo: T.int64 = walk.lo
+            sinks: T.int64 = walk.sinks
+            tile = T.meta_var(walk.bound(sinks, lo))
             pipeline(T.max(walk.count, 0),
                      lambda t, st: load_keys(Rows.stage(sc.Ks, st, BK), Rows.stage(sc.Vs, st, BK), prm, qb.b,
-                                             qb.h // group, walk.tile(t) * BK, qb.Sk, self.stream_keys, tx),
-                     lambda t, st: compute(qb.tile(walk.tile(t) * BK), st))
+                                             qb.h // group, tile(t) * BK, qb.Sk, self.stream_keys, tx),
+                     lambda t, st: compute(qb.tile(tile(t) * BK), st))
 
         self.walk_group_queries, self.walk_keys = walk_group_queries, walk_keys
 

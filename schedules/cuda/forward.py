@@ -165,8 +165,9 @@ class ForwardMacros(RegisterTiles):
     # ---- what every block does: key tiles to walk, loads, logits, results ----
 
     def key_walk(self, blk: RowBlock):
-        """(tile, count): the key tiles this block's split walks (those its rows can see, the sink
-        tokens' included: ``KeyTiles``), its step t's tile ``tile(t)``."""
+        """(walk, first, count): the key tiles this block's split walks (those its rows can see, the
+        sink tokens' included: ``KeyTiles``), its step t's tile ``walk.tile(first + t)`` (the
+        callers bind the walk's bounds: ``KeyTiles.bound``)."""
         SPLITS = self.tiles.splits
         first_pos, last_pos = blk.positions(self.BQ)
         walk = key_tiles(self.spec.cfg, first_pos=first_pos, last_pos=last_pos, kv_len=blk.kv_len,
@@ -177,7 +178,7 @@ class ForwardMacros(RegisterTiles):
         count = T.max(first, T.min(total, first + per)) - first
         if blk.q_start is not None:  # ragged queries: a block past its sequence's rows walks no keys
             count = T.Select(blk.r0 < blk.rows, count, T.int64(0))
-        return (lambda t: walk.tile(first + t)), count
+        return walk, first, count
 
     def needs_mask(self, blk: RowBlock, kt):
         """Whether key tile kt masks any element of the block's rows (interior tiles skip it)."""
@@ -395,8 +396,12 @@ class ForwardMacros(RegisterTiles):
                 l[i] = T.float32(0)
             for i in range(ceil_div(BQ * DP, NT)):
                 O[i] = T.float32(0)
-            tile, steps = T.meta_var(self.key_walk(blk))
+            walk, first, steps = T.meta_var(self.key_walk(blk))
             count: T.int64 = steps
+            start: T.int64 = first
+            lo: T.int64 = walk.lo
+            sinks: T.int64 = walk.sinks
+            tile = T.meta_var(walk.bound(sinks, lo, start))
             pipeline(count, lambda t, st: load_keys(sc, prm, blk, tile(t), st, tx),
                      lambda t, st: simt_tile(sc, prm, blk, tile(t), st, tx))
             for i in range(SLOTS):

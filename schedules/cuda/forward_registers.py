@@ -86,8 +86,12 @@ class RegisterTiles:
             wt.fill(m, R, T.float32(NEG_INF), tx)
             wt.fill(l, R, T.float32(0), tx)
             wt.fill(o, MT * DT * 4, T.float32(0), tx)
-            tile, steps = T.meta_var(self.key_walk(blk))
+            walk, first, steps = T.meta_var(self.key_walk(blk))
             count: T.int64 = steps
+            start: T.int64 = first
+            lo: T.int64 = walk.lo
+            sinks: T.int64 = walk.sinks
+            tile = T.meta_var(walk.bound(sinks, lo, start))
             pipeline(count, lambda t, st: load_keys(sc, prm, blk, tile(t), st, tx),
                      lambda t, st: register_tile(sc, prm, blk, tile(t), st, tx))
             for wi in wt.warp_loop():
