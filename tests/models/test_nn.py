@@ -53,9 +53,9 @@ class _QuantizedDecode(nn.Module):
     def __init__(self, **options):
         self.attn = tvm_fuel.nn.PagedAttention(**options)
 
-    def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, table: nn.Tensor, lens: nn.Tensor,
-                k_scale: nn.Tensor, v_scale: nn.Tensor):
-        return self.attn(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale)
+    def forward(self, q: nn.Tensor, k_cache: nn.Tensor, v_cache: nn.Tensor, block_table: nn.Tensor,
+                context_lens: nn.Tensor, k_scale: nn.Tensor, v_scale: nn.Tensor):
+        return self.attn(q, k_cache, v_cache, block_table, context_lens, k_scale=k_scale, v_scale=v_scale)
 
 
 class _Varlen(nn.Module):
@@ -119,12 +119,11 @@ def test_paged_attention_module_reads_an_int8_cache(kernels):
     (k_cache, k_scale), (v_cache, v_scale) = (reference.quantize_int8(rng.standard_normal((12, 16, 2, 64)))
                                               for _ in range(2))
     arrays = dict(q=rng.standard_normal((2, 8, 1, 64)).astype("float32"), k_cache=k_cache, v_cache=v_cache,
-                  table=rng.permutation(12)[:8].reshape(2, 4).astype("int32"), lens=np.array([17, 64], "int32"),
-                  k_scale=k_scale, v_scale=v_scale)
+                  block_table=rng.permutation(12)[:8].reshape(2, 4).astype("int32"),
+                  context_lens=np.array([17, 64], "int32"), k_scale=k_scale, v_scale=v_scale)
     (out,) = _run(_QuantizedDecode(causal=True), arrays, kernels)
     if kernels == "tuned" and integer_q_k(64, 4):  # decode in integers: q and each tile's weights rounded to int16
-        assert_integer_decode(out, dict(zip(("q", "k_cache", "v_cache", "block_table", "context_lens", "k_scale",
-                                             "v_scale"), arrays.values())), tol=2e-5)
+        assert_integer_decode(out, arrays, tol=2e-5)
     else:
         want = reference.paged_attn(*list(arrays.values())[:5], k_scale=k_scale, v_scale=v_scale, causal=True)
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
