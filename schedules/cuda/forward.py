@@ -157,6 +157,7 @@ class ForwardMacros(RegisterTiles):
         self.BQ, self.BK, self.DP, self.NT = tiles.block_q, tiles.block_k, padded_dim(spec.head_dim), launch.threads
         self._loads()
         self._emits()
+        self.walk_keys = self._walk_keys()
         # float16/bfloat16: register tiles (mma.sync), on the device and, lane by lane, in the emulation
         attend = self._attend_registers() if spec.dtype in HALF_TYPES else self._attend_simt()
         self.attend = attend  # macro attend(prm, blk, tx): one block's rows (a RowBlock), for other grids
@@ -179,6 +180,24 @@ class ForwardMacros(RegisterTiles):
         if blk.q_start is not None:  # ragged queries: a block past its sequence's rows walks no keys
             count = T.Select(blk.r0 < blk.rows, count, T.int64(0))
         return walk, first, count
+
+    def _walk_keys(self):
+        """Macro ``walk_keys(blk, issue, compute)``: the block's key tiles (``key_walk``) through the
+        copy pipeline, ``issue(kt, st)`` then ``compute(kt, st)`` for key tile kt in stage st. The
+        walk's bounds are bound to variables once (``KeyTiles.bound``)."""
+        pipeline = self.ops.pipeline(self.tiles.stages)
+
+        @T.macro
+        def walk_keys(blk, issue, compute):
+            walk, first, steps = T.meta_var(self.key_walk(blk))
+            count: T.int64 = steps
+            start: T.int64 = first
+            lo: T.int64 = walk.lo
+            sinks: T.int64 = walk.sinks
+            tile = T.meta_var(walk.bound(sinks, lo, start))
+            pipeline(count, lambda t, st: issue(tile(t), st), lambda t, st: compute(tile(t), st))
+
+        return walk_keys
 
     def needs_mask(self, blk: RowBlock, kt):
         """Whether key tile kt masks any element of the block's rows (interior tiles skip it)."""
@@ -297,8 +316,8 @@ class ForwardMacros(RegisterTiles):
         spec, launch, ops, STAGES = self.spec, self.launch, self.ops, self.tiles.stages
         BQ, BK, DP, NT, dtype, local = self.BQ, self.BK, self.DP, self.NT, spec.dtype, launch.local
         qk = ops.gemm(BQ, BK, DP, b_trans=True)
-        pipeline = ops.pipeline(STAGES)
         load_queries, load_keys, emit, emit_lse = self.load_queries, self.load_keys, self.emit, self.emit_lse
+        walk_keys = self.walk_keys
         out_row, out_col = self.out_row, self.out_col
 
         # RT threads share a row of the softmax update (a power of two within a warp, combined by
@@ -396,14 +415,8 @@ class ForwardMacros(RegisterTiles):
                 l[i] = T.float32(0)
             for i in range(ceil_div(BQ * DP, NT)):
                 O[i] = T.float32(0)
-            walk, first, steps = T.meta_var(self.key_walk(blk))
-            count: T.int64 = steps
-            start: T.int64 = first
-            lo: T.int64 = walk.lo
-            sinks: T.int64 = walk.sinks
-            tile = T.meta_var(walk.bound(sinks, lo, start))
-            pipeline(count, lambda t, st: load_keys(sc, prm, blk, tile(t), st, tx),
-                     lambda t, st: simt_tile(sc, prm, blk, tile(t), st, tx))
+            walk_keys(blk, lambda kt, st: load_keys(sc, prm, blk, kt, st, tx),
+                      lambda kt, st: simt_tile(sc, prm, blk, kt, st, tx))
             for i in range(SLOTS):
                 if tirx.all(i * NT + tx < BQ * RT, slot_part(i, tx) == 0):
                     row_max[slot_row(i, tx)] = m[i]

@@ -31,10 +31,10 @@ class RegisterTiles:
         # once at the end), rescales O in place and feeds P (converted to the input dtype in
         # registers: S's C fragments are P's A fragments) to P V. Key-split warps merge their
         # (max, sum, O) through shared memory at the end.
-        spec, launch, ops, tiles = self.spec, self.launch, self.ops, self.tiles
+        spec, launch, tiles = self.spec, self.launch, self.tiles
         BQ, BK, DP, dtype, local = self.BQ, self.BK, self.DP, spec.dtype, launch.local
         STAGES, PAD = tiles.stages, TILE_PAD
-        pipeline = ops.pipeline(STAGES)
+        walk_keys = self.walk_keys
         layout = WarpLayout.of(tiles)
         wt = WarpTiles(launch, dtype, tiles.warps)
         WN, MT, NS = layout.key_warps, layout.m_tiles, layout.key_slice // 8
@@ -86,14 +86,8 @@ class RegisterTiles:
             wt.fill(m, R, T.float32(NEG_INF), tx)
             wt.fill(l, R, T.float32(0), tx)
             wt.fill(o, MT * DT * 4, T.float32(0), tx)
-            walk, first, steps = T.meta_var(self.key_walk(blk))
-            count: T.int64 = steps
-            start: T.int64 = first
-            lo: T.int64 = walk.lo
-            sinks: T.int64 = walk.sinks
-            tile = T.meta_var(walk.bound(sinks, lo, start))
-            pipeline(count, lambda t, st: load_keys(sc, prm, blk, tile(t), st, tx),
-                     lambda t, st: register_tile(sc, prm, blk, tile(t), st, tx))
+            walk_keys(blk, lambda kt, st: load_keys(sc, prm, blk, kt, st, tx),
+                      lambda kt, st: register_tile(sc, prm, blk, kt, st, tx))
             for wi in wt.warp_loop():
                 wt.quad_sum(l, R, wt.warp_of(wi, tx), tx)
             if WN == 1:
