@@ -12,6 +12,7 @@ Contents:
     (the shapes and their work counts live in ``tvm_fuel.bench.cases``)
     read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
+    fma_chains           -- the FMA probe's independent chains (they fit the vector registers)
     measure, measure_side_by_side -- median timings (side by side: in turns)
     torch_with_our_threads -- PyTorch (None without it) on the threads TVM uses
     peak_rss_mib, child_probe -- this process's peak resident memory; a probe run in a child process
@@ -44,7 +45,7 @@ from ..build import compile as fuel_compile
 from ..target import host_target
 from ..deploy.node.peers import paged_gather_sdpa
 from .cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite, head_dim_suite
-from ..schedules.cpu.tiles import vector_lanes
+from ..schedules.cpu.tiles import vector_lanes, vector_registers
 from ..threads import physical_cores, thread_count
 
 def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int = 10) -> tuple[float, int]:
@@ -115,7 +116,9 @@ def _read_kernel(n: int, parts: int, lanes: int = 16):
 
 def _fma_kernel(parts: int, lanes: int, chains: int = 16, iters: int = 1 << 20):
     """``parts`` tasks of ``chains`` independent vector FMA chains each, all in registers: the
-    FMA units' throughput, not their latency, bounds it."""
+    FMA units' throughput, not their latency, bounds it. The chains and the two operands must fit
+    the vector registers (``fma_chains``): 16 chains on AVX2's 16 spill, and the probe read 126
+    GFLOP/s of a 182 GFLOP/s peak on a 2-core Zen 4 (AVX2)."""
 
     @T.prim_func
     def fma_peak(x: T.Buffer((2,), "float32"), out: T.Buffer((parts,), "float32")):
@@ -135,6 +138,12 @@ def _fma_kernel(parts: int, lanes: int, chains: int = 16, iters: int = 1 << 20):
                 out[p] = out[p] + acc[c, v]
 
     return fma_peak, parts * iters * chains * lanes * 2
+
+
+def fma_chains(target: tvm.target.Target) -> int:
+    """FMA chains for the peak probe: enough to cover the FMA latency (two units, 4 cycles: 8),
+    with the operands and a spare in registers (12 of AVX2's 16, 16 of AVX-512's 32)."""
+    return min(16, vector_registers(target) - 4)
 
 
 def read_probe(target: tvm.target.Target):
@@ -160,7 +169,7 @@ def machine_peaks(target: tvm.target.Target) -> dict:
     read_all, nbytes = read_probe(target)
     read = nbytes / measure(read_all)[0] / 1e9
     cores = int(target.attrs.get("num-cores", 1) or 1)
-    kernel, flops = _fma_kernel(cores, vector_lanes(target))
+    kernel, flops = _fma_kernel(cores, vector_lanes(target), fma_chains(target))
     fma = tvm.compile(kernel, target=target)
     scale_shift = tvm.runtime.tensor(np.array([0.999, 1e-3], np.float32))
     sums = tvm.runtime.tensor(np.zeros(cores, np.float32))
