@@ -76,7 +76,7 @@ class PagedTile:
             # one head's row of the token PREFETCH ahead: its K in the score pass, its V in the value
             # pass. The hardware prefetchers restart at every 4 KiB page and at every jump through the
             # block table (measured: bfloat16 1.7x faster with it, float32 0-16 % by the memory load).
-            ahead: T.int64 = T.min(token + PREFETCH, kv_len - 1)
+            ahead: T.let[T.int64] = T.min(token + PREFETCH, kv_len - 1)
             for line in T.unroll(LINES):
                 prefetch(T.address_of(cache.stored(kind, pages_ahead[c], cache.slot(ahead), g,
                                                    T.min(line * PER_LINE, D - 1))))
@@ -86,7 +86,7 @@ class PagedTile:
             # O[gi] += sum over tokens first .. first + count - 1 of P[gi, :, token] * V[token, head g + gi]
             # (skip_zero_weights: a dropped token's P is 0 and its V may be NaN, see the module docstring)
             for d0 in range(D // LD):
-                acc_o = T.alloc_buffer((BQ, LD), F32, scope="local")
+                acc_o = T.alloc_buffer((BQ, LD), F32)
                 for r in T.unroll(BQ):
                     for v in T.vectorized(LD):
                         acc_o[r, v] = heads.O[gi, r, d0 * LD + v]
@@ -106,9 +106,9 @@ class PagedTile:
         def add_int_values(heads, cache, tile, tokens, gi, first, pairs: T.int32):
             # acc_i[gi] += sum over the token pairs from `first` of w16 . V codes (a pair's second
             # token may be past the live ones: its weight is 0, its page the last live token's)
-            codes = T.alloc_buffer((2, DL), "int16", scope="local")
+            codes = T.alloc_buffer((2, DL), "int16")
             for d0 in range(D // DL):
-                acc = T.alloc_buffer((2 * BQ, DS), "int32", scope="local")
+                acc = T.alloc_buffer((2 * BQ, DS), "int32")
                 for r in T.unroll(BQ):
                     for half in T.unroll(2):
                         for v in T.vectorized(DS):
@@ -173,8 +173,8 @@ class PagedTile:
             # tile's scores at once: scale_scores)
             # (the lane sums folded in int32, an integer add's latency a third of a float one's: at
             # most D * 32767 * 128, 2^30 at head dim 256)
-            acc_i = T.alloc_buffer((BQ, DS), "int32", scope="local")
-            sums_i = T.alloc_buffer((ROWS_POW2,), "int32", scope="local")
+            acc_i = T.alloc_buffer((BQ, DS), "int32")
+            sums_i = T.alloc_buffer((ROWS_POW2,), "int32")
             for r in T.unroll(BQ):
                 for v in T.vectorized(DS):
                     acc_i[r, v] = 0
@@ -198,19 +198,19 @@ class PagedTile:
         @T.macro
         def stream_tile(heads, params, cache, tile, kt):
             # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
-            pages = T.alloc_buffer((BK,), "int64", scope="local")
-            sums = T.alloc_buffer((ROWS_POW2 if not INT_DOT else 1,), F32, scope="local")
+            pages = T.alloc_buffer((BK,), "int64")
+            sums = T.alloc_buffer((ROWS_POW2 if not INT_DOT else 1,), F32)
             for c in range(BK):
                 pages[c] = cache.page(T.min(kt * BK + c, tile.kv_len - 1))
             # and of the token PREFETCH ahead of each (the last live one past the end)
-            pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64", scope="local")
+            pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64")
             if PREFETCH > 0:
                 for c in range(BK):
                     pages_ahead[c] = cache.page(T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
             tokens = T.meta_var(_Tokens(kt, pages, pages_ahead))
             # the tile's V scales (and K scales, where q.k is taken in integers), a token's for all heads at once
-            v_scales = T.alloc_buffer((HT, BK) if SCALED else (1, 1), F32, scope="local")
-            k_scales = T.alloc_buffer((HT, BK) if INT_DOT else (1, 1), F32, scope="local")
+            v_scales = T.alloc_buffer((HT, BK) if SCALED else (1, 1), F32)
+            k_scales = T.alloc_buffer((HT, BK) if INT_DOT else (1, 1), F32)
             for c in range(BK):
                 if kt * BK + c < tile.kv_len:
                     for gi in range(HT):
@@ -223,7 +223,7 @@ class PagedTile:
                         if INT_DOT:
                             integer_scores(heads, cache, tile, pages[c], cache.slot(kt * BK + c), gi, c)
                         else:
-                            acc = T.alloc_buffer((BQ, LD), F32, scope="local")
+                            acc = T.alloc_buffer((BQ, LD), F32)
                             for r in T.unroll(BQ):
                                 for v in T.vectorized(LD):
                                     acc[r, v] = T.float32(0)
@@ -257,7 +257,7 @@ class PagedTile:
                             heads.S[gi, r, c0 * SL + v] = T.Select(
                                 heads.S[gi, r, c0 * SL + v] == T.float32(0), T.float32(0),
                                 heads.S[gi, r, c0 * SL + v] * v_scales[gi, c0 * SL + v])
-            live = T.min(tile.kv_len - kt * BK, BK)
+            live: T.let[T.int64] = T.min(tile.kv_len - kt * BK, BK)
             # interior tiles drop no token: their value rows need no zero-weight check (an int8
             # code is never NaN: a dropped token's NaN scale stays out of its weight of 0)
             if INT_DOT:  # the tile's weights rounded, V's codes summed against them, the sums added to O
@@ -275,7 +275,7 @@ class PagedTile:
             # nonfinite[0]: how many of Vt's elements are NaN or Inf
             for c in range(BK):
                 if kt * BK + c < kv_len:
-                    block: T.int64 = cache.page(kt * BK + c)
+                    block: T.let[T.int64] = cache.page(kt * BK + c)
                     for d in range(D):
                         Kt[d, c] = cache.k(block, cache.slot(kt * BK + c), g, d).astype(F32)
                         Vt[c, d] = cache.v(block, cache.slot(kt * BK + c), g, d).astype(F32)
@@ -289,7 +289,7 @@ class PagedTile:
 
         @T.macro
         def packed_tile(heads, Kt, Vt, params, cache, tile, kt):
-            nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            nonfinite = T.alloc_buffer((1,), F32)
             pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt)
             body.attend_tile(heads.view(0), Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
@@ -339,15 +339,15 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, k_scale_h, v_scale_h, out_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
                                       table=table, sinks=sinks))
-        rows = Sq * group
-        n_row_tiles = (rows + BQ - 1) // BQ
+        rows: T.let[T.int64] = Sq * group
+        n_row_tiles: T.let[T.int64] = (rows + BQ - 1) // BQ
         for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
-            b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
-            g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
-            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
-            kv_len: T.int64 = T.Cast("int64", lens[b])
-            first_pos: T.int64 = row_position(r0, group)
-            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
+            b: T.let[T.int64] = task // ((Hkv // HT) * n_row_tiles)
+            g0: T.let[T.int64] = task // n_row_tiles % (Hkv // HT) * HT
+            r0: T.let[T.int64] = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
+            kv_len: T.let[T.int64] = T.Cast("int64", lens[b])
+            first_pos: T.let[T.int64] = row_position(r0, group)
+            last_pos: T.let[T.int64] = row_position(T.min(r0 + BQ, rows) - 1, group)
             Qs_all = T.alloc_buffer((HT, BQ, D), F32)
             S_all = T.alloc_buffer((HT, BQ, BK), F32)
             O_all = T.alloc_buffer((HT, BQ, DP), F32)
@@ -376,7 +376,7 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
                     acc_i_all[gi, r, d] = 0
             walk = T.meta_var(tile.key_walk(cfg, BK))
             for t in range(walk.count):
-                kt: T.int64 = walk.tile(t)
+                kt: T.let[T.int64] = walk.tile(t)
                 if streaming:
                     paged.stream_tile(heads, params, cache, tile, kt)
                 else:

@@ -1,0 +1,68 @@
+"""TVM 0.27 lowers every ``local``-scope buffer of a CPU PrimFunc, and every mutable TVMScript scalar
+(``x: T.int64 = e``, ``x = e``: a ``local`` buffer of one element), to a ``TVMBackendAllocWorkspace``
+heap block (``LowerTVMBuiltin`` keeps only small ``global`` buffers as allocas). LLVM cannot keep
+such a block in registers or drop its dead stores, and must assume it aliases every other one: the
+int8 decode stored, zeroed and reloaded its score accumulators for every token and head. The paged
+kernel allocates its own scratch in the default scope (an alloca, promoted to registers) and binds
+its scalars with ``T.let``. The FMA probe of ``bench`` (the "of peak" figures) must not spill its
+chains either."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import tvm
+from helpers import HOST
+from tvm import relax
+
+import tvm_fuel
+from tvm_fuel import op
+from tvm_fuel.bench.attention import _fma_kernel, fma_chains
+from tvm_fuel.schedules.cpu.tiles import vector_lanes
+
+pytestmark = pytest.mark.integration
+
+# a call through TVM's workspace allocator: (name, bytes)
+_HEAP = re.compile(r"%([\w.]+) = tail call ptr %\d+\(i32 1, i32 %dev_id, i64 (\d+)")
+# the decode kernel's own per-tile and per-token scratch and scalars (the softmax and rounding
+# macros it shares with the other kernels, forward.py's and micro.py's, still use local buffers)
+PAGED_SCRATCH = {"acc", "acc_i", "sums", "sums_i", "codes", "pages", "pages_ahead", "ahead", "kt", "live", "block",
+                 "b", "g0", "r0", "kv_len", "first_pos", "last_pos", "rows", "n_row_tiles"}
+
+
+def _decode_module(cache_dtype: str) -> tvm.IRModule:
+    cache = ((24, 16, 2, 64), cache_dtype)
+    shapes = dict(q=((2, 8, 1, 64), "bfloat16"), k_cache=cache, v_cache=cache, block_table=((2, 6), "int32"),
+                  context_lens=((2,), "int32"))
+    if cache_dtype == "int8":
+        shapes.update(k_scale=((24, 16, 2), "float32"), v_scale=((24, 16, 2), "float32"))
+    elif cache_dtype.startswith("float8"):
+        shapes.update(k_scale=((2,), "float32"), v_scale=((2,), "float32"))
+    params = {name: relax.Var(name, relax.TensorType(*shape)) for name, shape in shapes.items()}
+    bb = relax.BlockBuilder()
+    with bb.function("main", list(params.values())):
+        bb.emit_func_output(bb.emit(op.paged_attn(**params)))
+    return bb.get()
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16", "float8_e4m3fn"])
+def test_the_decode_kernel_keeps_its_scratch_off_the_heap(cache_dtype):
+    ex = tvm_fuel.compile(_decode_module(cache_dtype), HOST, kernels="tuned")
+    llvm_ir = ex.mod.imports[0].inspect_source("ll")
+    assert re.search(r"define .*@fuel_paged_attn_kernel_compute_\(", llvm_ir), "no fuel kernel ran (the floor did)"
+    heap = {re.sub(r"\d+$", "", name): int(size) for name, size in _HEAP.findall(llvm_ir)}
+    assert "S_all" in heap  # the task's large buffers stay heap blocks: the pattern finds them
+    assert not {name: size for name, size in heap.items() if name in PAGED_SCRATCH}
+
+
+@pytest.mark.parametrize("mcpu", ["znver3", "znver4"])  # AVX2 (16 vector registers), AVX-512 (32)
+def test_the_fma_probe_keeps_its_chains_in_registers(mcpu):
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    kernel, _ = _fma_kernel(2, vector_lanes(target), fma_chains(target), iters=64)
+    asm = tvm.compile(kernel, target=target).mod.inspect_source("asm")
+    fma_lines = [line for line in asm.splitlines() if "vfmadd" in line]
+    assert len(fma_lines) >= fma_chains(target)
+    # the loop body: from the first FMA to the last, no load or store of a spilled chain
+    body = asm[asm.index(fma_lines[0]):asm.rindex(fma_lines[-1])]
+    assert "(%rsp)" not in body
