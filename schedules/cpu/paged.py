@@ -339,15 +339,15 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, k_scale_h, v_scale_h, out_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
                                       table=table, sinks=sinks))
-        rows: T.let[T.int64] = Sq * group
-        n_row_tiles: T.let[T.int64] = (rows + BQ - 1) // BQ
+        rows = Sq * group
+        n_row_tiles = (rows + BQ - 1) // BQ
         for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
-            b: T.let[T.int64] = task // ((Hkv // HT) * n_row_tiles)
-            g0: T.let[T.int64] = task // n_row_tiles % (Hkv // HT) * HT
-            r0: T.let[T.int64] = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
-            kv_len: T.let[T.int64] = T.Cast("int64", lens[b])
-            first_pos: T.let[T.int64] = row_position(r0, group)
-            last_pos: T.let[T.int64] = row_position(T.min(r0 + BQ, rows) - 1, group)
+            b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
+            g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
+            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
+            kv_len: T.int64 = T.Cast("int64", lens[b])
+            first_pos: T.int64 = row_position(r0, group)
+            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
             Qs_all = T.alloc_buffer((HT, BQ, D), F32)
             S_all = T.alloc_buffer((HT, BQ, BK), F32)
             O_all = T.alloc_buffer((HT, BQ, DP), F32)
