@@ -34,7 +34,9 @@ class PagedTile:
     """The macros that run one key tile of a paged task, its tokens placed by ``cache`` (a
     ``BlockTable`` or a layout like it): ``stream_tile`` reads the tile's K and V rows in place
     (decode), ``pack_tile`` packs them, ``packed_tile`` packs them and runs the register-tiled
-    GEMMs."""
+    GEMMs. Their scratch is allocated in the default scope and their per-tile scalars are ``T.let``
+    bindings: TVM 0.27 lowers a CPU kernel's ``local`` buffers and mutable scalars to heap
+    workspaces, which LLVM cannot keep in registers (tests/schedules/test_cpu_stack_scratch.py)."""
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, body: ForwardMacros):
         cfg, D = spec.cfg, spec.head_dim
