@@ -4,7 +4,7 @@ heap block (``LowerTVMBuiltin`` keeps only small ``global`` buffers as allocas).
 such a block in registers or drop its dead stores, and must assume it aliases every other one: the
 int8 decode stored, zeroed and reloaded its score accumulators for every token and head. The paged
 kernel allocates its own scratch in the default scope (an alloca, promoted to registers) and binds
-its scalars with ``T.let``. The FMA probe of ``bench`` (the "of peak" figures) must not spill its
+its per-tile and per-token scalars with ``T.let``. The FMA probe of ``bench`` (the "of peak" figures) must not spill its
 chains either."""
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ import re
 
 import pytest
 import tvm
-from helpers import HOST
-from tvm import relax
+from helpers import HOST, build
 
 import tvm_fuel
 from tvm_fuel import op
-from tvm_fuel.bench.attention import _fma_kernel, fma_chains
-from tvm_fuel.schedules.cpu.tiles import vector_lanes
+from tvm_fuel.bench.attention import fma_chains, fma_kernel
 
 pytestmark = pytest.mark.integration
 
@@ -39,11 +37,7 @@ def _decode_module(cache_dtype: str) -> tvm.IRModule:
         shapes.update(k_scale=((24, 16, 2), "float32"), v_scale=((24, 16, 2), "float32"))
     elif cache_dtype.startswith("float8"):
         shapes.update(k_scale=((2,), "float32"), v_scale=((2,), "float32"))
-    params = {name: relax.Var(name, relax.TensorType(*shape)) for name, shape in shapes.items()}
-    bb = relax.BlockBuilder()
-    with bb.function("main", list(params.values())):
-        bb.emit_func_output(bb.emit(op.paged_attn(**params)))
-    return bb.get()
+    return build(op.paged_attn, shapes)
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16", "float8_e4m3fn"])
@@ -59,7 +53,7 @@ def test_the_decode_kernel_keeps_its_scratch_off_the_heap(cache_dtype):
 @pytest.mark.parametrize("mcpu", ["znver3", "znver4"])  # AVX2 (16 vector registers), AVX-512 (32)
 def test_the_fma_probe_keeps_its_chains_in_registers(mcpu):
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
-    kernel, _ = _fma_kernel(2, vector_lanes(target), fma_chains(target), iters=64)
+    kernel, _ = fma_kernel(target, 2, iters=64)
     asm = tvm.compile(kernel, target=target).mod.inspect_source("asm")
     fma_lines = [line for line in asm.splitlines() if "vfmadd" in line]
     assert len(fma_lines) >= fma_chains(target)

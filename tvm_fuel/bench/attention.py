@@ -12,7 +12,8 @@ Contents:
     (the shapes and their work counts live in ``tvm_fuel.bench.cases``)
     read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
-    fma_chains           -- the FMA probe's independent chains (they fit the vector registers)
+    fma_kernel, fma_chains -- the FMA probe's kernel, and its independent chains (they fit the vector
+                          registers)
     measure, measure_side_by_side -- median timings (side by side: in turns)
     torch_with_our_threads -- PyTorch (None without it) on the threads TVM uses
     peak_rss_mib, child_probe -- this process's peak resident memory; a probe run in a child process
@@ -114,17 +115,18 @@ def _read_kernel(n: int, parts: int, lanes: int = 16):
     return read_sum
 
 
-def _fma_kernel(parts: int, lanes: int, chains: int = 16, iters: int = 1 << 20):
-    """``parts`` tasks of ``chains`` independent vector FMA chains each, all in registers: the
-    FMA units' throughput, not their latency, bounds it. The chains and the two operands must fit
-    the vector registers (``fma_chains``): 16 chains on AVX2's 16 spill, and the probe read 126
-    GFLOP/s of a 182 GFLOP/s peak on a 2-core Zen 4 (AVX2)."""
+def fma_kernel(target: tvm.target.Target, parts: int, *, iters: int = 1 << 20):
+    """``(kernel, flops)``: ``parts`` tasks of ``fma_chains(target)`` independent FMA chains of the
+    target's vector width each, all in registers: the FMA units' throughput, not their latency,
+    bounds it. The chains and the two operands must fit the vector registers: 16 chains on AVX2's
+    16 spilled, and the probe read 126 GFLOP/s of a 182 GFLOP/s peak on a 2-core Zen 4 (AVX2)."""
+    lanes, chains = vector_lanes(target), fma_chains(target)
 
     @T.prim_func
     def fma_peak(x: T.Buffer((2,), "float32"), out: T.Buffer((parts,), "float32")):
         T.func_attr({"tirx.noalias": True})
         for p in T.parallel(parts):
-            scale = x[0]  # let-bound scalars: the chains stay in registers (no reload each step)
+            scale = x[0]  # read once: the loop stores nothing they could alias (no reload each step)
             shift = x[1]
             acc = T.alloc_buffer((chains, lanes), "float32", scope="local")
             for c, v in T.grid(chains, lanes):
@@ -169,7 +171,7 @@ def machine_peaks(target: tvm.target.Target) -> dict:
     read_all, nbytes = read_probe(target)
     read = nbytes / measure(read_all)[0] / 1e9
     cores = int(target.attrs.get("num-cores", 1) or 1)
-    kernel, flops = _fma_kernel(cores, vector_lanes(target), fma_chains(target))
+    kernel, flops = fma_kernel(target, cores)
     fma = tvm.compile(kernel, target=target)
     scale_shift = tvm.runtime.tensor(np.array([0.999, 1e-3], np.float32))
     sums = tvm.runtime.tensor(np.zeros(cores, np.float32))
