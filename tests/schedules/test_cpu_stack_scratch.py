@@ -2,10 +2,11 @@
 (``x: T.int64 = e``, ``x = e``: a ``local`` buffer of one element), to a ``TVMBackendAllocWorkspace``
 heap block (``LowerTVMBuiltin`` keeps only small ``global`` buffers as allocas). LLVM cannot keep
 such a block in registers or drop its dead stores, and must assume it aliases every other one: the
-int8 decode stored, zeroed and reloaded its score accumulators for every token and head. The paged
-kernel allocates its own scratch in the default scope (an alloca, promoted to registers) and binds
-its per-tile and per-token scalars with ``T.let``. The FMA probe of ``bench`` (the "of peak" figures) must not spill its
-chains either."""
+int8 decode stored, zeroed and reloaded its score accumulators for every token and head, and the
+online softmax called the allocator for every row and key tile. The paged kernel allocates its own
+scratch in the default scope (an alloca, promoted to registers) and binds its per-tile and
+per-token scalars with ``T.let``; so do the softmax and int16 rounding macros. The FMA probe of
+``bench`` (the "of peak" figures) must not spill its chains either."""
 
 from __future__ import annotations
 
@@ -23,10 +24,19 @@ pytestmark = pytest.mark.integration
 
 # a call through TVM's workspace allocator: (name, bytes)
 _HEAP = re.compile(r"%([\w.]+) = tail call ptr %\d+\(i32 1, i32 %dev_id, i64 (\d+)")
-# the decode kernel's own per-tile and per-token scratch and scalars (the softmax and rounding
-# macros it shares with the other kernels, forward.py's and micro.py's, still use local buffers;
-# its per-task scalars stay mutable: as T.let bindings they cost TVM's passes 28 % of the build)
-PAGED_SCRATCH = {"acc", "acc_i", "sums", "sums_i", "codes", "pages", "pages_ahead", "ahead", "kt", "live", "block"}
+# the per-row scratch of the softmax and int16 rounding macros (micro.py) that every kernel shares
+ROW_SCRATCH = {"part_max", "part_sum", "row", "stats", "shift"}
+# the decode kernel's own per-tile and per-token scratch and scalars (its per-task scalars stay
+# mutable: as T.let bindings they cost TVM's passes 28 % of the build)
+PAGED_SCRATCH = {"acc", "acc_i", "sums", "sums_i", "codes", "pages", "pages_ahead", "ahead", "kt", "live",
+                 "block"} | ROW_SCRATCH
+
+
+def _heap_blocks(ex, kernel: str) -> dict[str, int]:
+    # the workspace calls of a built module's LLVM IR, by buffer name (LLVM's numeric suffixes dropped)
+    llvm_ir = ex.mod.imports[0].inspect_source("ll")
+    assert re.search(rf"define .*@{kernel}_compute_\(", llvm_ir), "no fuel kernel ran (the floor did)"
+    return {re.sub(r"\d+$", "", name): int(size) for name, size in _HEAP.findall(llvm_ir)}
 
 
 def _decode_module(cache_dtype: str) -> tvm.IRModule:
@@ -42,12 +52,19 @@ def _decode_module(cache_dtype: str) -> tvm.IRModule:
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16", "float8_e4m3fn"])
 def test_the_decode_kernel_keeps_its_scratch_off_the_heap(cache_dtype):
-    ex = tvm_fuel.compile(_decode_module(cache_dtype), HOST, kernels="tuned")
-    llvm_ir = ex.mod.imports[0].inspect_source("ll")
-    assert re.search(r"define .*@fuel_paged_attn_kernel_compute_\(", llvm_ir), "no fuel kernel ran (the floor did)"
-    heap = {re.sub(r"\d+$", "", name): int(size) for name, size in _HEAP.findall(llvm_ir)}
+    heap = _heap_blocks(tvm_fuel.compile(_decode_module(cache_dtype), HOST, kernels="tuned"),
+                        "fuel_paged_attn_kernel")
     assert "S_all" in heap  # the task's large buffers stay heap blocks: the pattern finds them
     assert not {name: size for name, size in heap.items() if name in PAGED_SCRATCH}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_forward_keeps_its_row_scratch_off_the_heap(causal):
+    shape = ((1, 4, 37, 64), "float32")
+    mod = build(lambda q, k, v: op.flash_attn(q, k, v, causal=causal), dict(q=shape, k=shape, v=shape))
+    heap = _heap_blocks(tvm_fuel.compile(mod, HOST, kernels="tuned"), "fuel_flash_attn_kernel")
+    assert "S" in heap and "acc" in heap  # the score tile and the gemm's local register tile: the pattern finds them
+    assert not {name: size for name, size in heap.items() if name in ROW_SCRATCH}
 
 
 @pytest.mark.parametrize("mcpu", ["znver3", "znver4"])  # AVX2 (16 vector registers), AVX-512 (32)
