@@ -77,3 +77,25 @@ def test_the_fma_probe_keeps_its_chains_in_registers(mcpu):
     # the loop body: from the first FMA to the last, no load or store of a spilled chain
     body = asm[asm.index(fma_lines[0]):asm.rindex(fma_lines[-1])]
     assert "(%rsp)" not in body
+
+
+def test_the_peak_probes_run_for_their_whole_half_second(monkeypatch):
+    # ten ~2 ms calls of the FMA probe (measure's default cap) read 75-125 of a 2-vCPU VM's
+    # 181 GFLOP/s when cold or just after a GEMM: the probes' runs must fill measure's half second
+    from tvm_fuel.bench import attention
+
+    calls = []
+
+    def fake_measure(fn, *, min_seconds=0.5, max_runs=10):
+        calls.append((fn, min_seconds, max_runs))
+        return 1e-3, 1
+
+    monkeypatch.setattr(attention, "measure", fake_measure)
+    monkeypatch.setattr(attention, "torch_with_our_threads", lambda: None)
+    monkeypatch.setattr(attention, "read_probe", lambda target: ((lambda: None), 1 << 20))
+    peaks = attention.machine_peaks(HOST)
+    assert set(peaks) >= {"fma_gflops", "read_gbps", "gemm_gflops"}
+    numpy_gemm, read, fma = calls
+    assert numpy_gemm[2] == 10  # a 2048^3 GEMM takes ~50 ms: ten runs fill the half second
+    for _, min_seconds, max_runs in (read, fma):
+        assert min_seconds >= 0.5 and max_runs * 2e-3 >= 2 * min_seconds  # 2 ms runs never hit the cap
