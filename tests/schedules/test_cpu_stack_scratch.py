@@ -50,11 +50,17 @@ def _decode_module(cache_dtype: str) -> tvm.IRModule:
     return build(op.paged_attn, shapes)
 
 
+# built, never run: the integer decode (and its int16 rounding) exists on AVX2 targets only
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+
+
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16", "float8_e4m3fn"])
 def test_the_decode_kernel_keeps_its_scratch_off_the_heap(cache_dtype):
-    heap = _heap_blocks(tvm_fuel.compile(_decode_module(cache_dtype), HOST, kernels="tuned"),
-                        "fuel_paged_attn_kernel")
+    ex = tvm_fuel.compile(_decode_module(cache_dtype), AVX2, kernels="tuned")
+    heap = _heap_blocks(ex, "fuel_paged_attn_kernel")
     assert "S_all" in heap  # the task's large buffers stay heap blocks: the pattern finds them
+    if cache_dtype == "int8":  # the integer path, which rounds rows to int16, is the one built
+        assert "llvm.x86.avx2.pmadd.wd" in ex.mod.imports[0].inspect_source("ll")
     assert not {name: size for name, size in heap.items() if name in PAGED_SCRATCH}
 
 
@@ -63,7 +69,7 @@ def test_the_forward_keeps_its_row_scratch_off_the_heap(causal):
     shape = ((1, 4, 37, 64), "float32")
     mod = build(lambda q, k, v: op.flash_attn(q, k, v, causal=causal), dict(q=shape, k=shape, v=shape))
     heap = _heap_blocks(tvm_fuel.compile(mod, HOST, kernels="tuned"), "fuel_flash_attn_kernel")
-    assert "S" in heap and "acc" in heap  # the score tile and the gemm's local register tile: the pattern finds them
+    assert "S" in heap  # the score tile (over 1 KiB) stays a heap block: the pattern finds it
     assert not {name: size for name, size in heap.items() if name in ROW_SCRATCH}
 
 
@@ -95,7 +101,7 @@ def test_the_peak_probes_run_for_their_whole_half_second(monkeypatch):
     monkeypatch.setattr(attention, "read_probe", lambda target: ((lambda: None), 1 << 20))
     peaks = attention.machine_peaks(HOST)
     assert set(peaks) >= {"fma_gflops", "read_gbps", "gemm_gflops"}
-    numpy_gemm, read, fma = calls
+    numpy_gemm, read, fma = calls  # torch is patched away: numpy's GEMM, then the two probes
     assert numpy_gemm[2] == 10  # a 2048^3 GEMM takes ~50 ms: ten runs fill the half second
     for _, min_seconds, max_runs in (read, fma):
         assert min_seconds >= 0.5 and max_runs * 2e-3 >= 2 * min_seconds  # 2 ms runs never hit the cap
