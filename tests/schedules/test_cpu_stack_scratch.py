@@ -32,9 +32,8 @@ PAGED_SCRATCH = {"acc", "acc_i", "sums", "sums_i", "codes", "pages", "pages_ahea
                  "block"} | ROW_SCRATCH
 
 
-def _heap_blocks(ex, kernel: str) -> dict[str, int]:
+def _heap_blocks(llvm_ir: str, kernel: str) -> dict[str, int]:
     # the workspace calls of a built module's LLVM IR, by buffer name (LLVM's numeric suffixes dropped)
-    llvm_ir = ex.mod.imports[0].inspect_source("ll")
     assert re.search(rf"define .*@{kernel}_compute_\(", llvm_ir), "no fuel kernel ran (the floor did)"
     return {re.sub(r"\d+$", "", name): int(size) for name, size in _HEAP.findall(llvm_ir)}
 
@@ -56,11 +55,11 @@ AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16", "float8_e4m3fn"])
 def test_the_decode_kernel_keeps_its_scratch_off_the_heap(cache_dtype):
-    ex = tvm_fuel.compile(_decode_module(cache_dtype), AVX2, kernels="tuned")
-    heap = _heap_blocks(ex, "fuel_paged_attn_kernel")
+    llvm_ir = tvm_fuel.compile(_decode_module(cache_dtype), AVX2, kernels="tuned").mod.imports[0].inspect_source("ll")
+    heap = _heap_blocks(llvm_ir, "fuel_paged_attn_kernel")
     assert "S_all" in heap  # the task's large buffers stay heap blocks: the pattern finds them
     if cache_dtype == "int8":  # the integer path, which rounds rows to int16, is the one built
-        assert "llvm.x86.avx2.pmadd.wd" in ex.mod.imports[0].inspect_source("ll")
+        assert "llvm.x86.avx2.pmadd.wd" in llvm_ir
     assert not {name: size for name, size in heap.items() if name in PAGED_SCRATCH}
 
 
@@ -68,7 +67,8 @@ def test_the_decode_kernel_keeps_its_scratch_off_the_heap(cache_dtype):
 def test_the_forward_keeps_its_row_scratch_off_the_heap(causal):
     shape = ((1, 4, 37, 64), "float32")
     mod = build(lambda q, k, v: op.flash_attn(q, k, v, causal=causal), dict(q=shape, k=shape, v=shape))
-    heap = _heap_blocks(tvm_fuel.compile(mod, HOST, kernels="tuned"), "fuel_flash_attn_kernel")
+    llvm_ir = tvm_fuel.compile(mod, HOST, kernels="tuned").mod.imports[0].inspect_source("ll")
+    heap = _heap_blocks(llvm_ir, "fuel_flash_attn_kernel")
     assert "S" in heap  # the score tile (over 1 KiB) stays a heap block: the pattern finds it
     assert not {name: size for name, size in heap.items() if name in ROW_SCRATCH}
 
