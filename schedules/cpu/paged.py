@@ -46,10 +46,11 @@ class PagedTile:
         BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
         HT = tiles.kv_heads  # KV heads per streaming task
         # lanes of the head-dim loops: two AVX2 vectors where a few rows leave the registers for
-        # them (each row's accumulators two vectors wide; side by side on a Zen 4, decode took 0.92x
-        # the time over a bfloat16 cache and 0.79-0.94x over fp8 ones; at 8 rows 1.04-1.16x, its 16
-        # accumulators spilling; AVX-512's 16 lanes unmeasured)
-        wide = (2 * tiles.lanes,) if BQ <= WIDE_ROWS and tiles.lanes == 8 else ()
+        # them (each row's accumulators two vectors wide; side by side on a Zen 4, decode took 0.93x
+        # the time over a bfloat16 cache and 0.79-0.96x over fp8 ones; at 8 rows 1.04-1.16x, its 16
+        # accumulators spilling). AVX2 targets only (int16_dot, which no record changes, says so):
+        # AVX-512 is unmeasured, whichever lanes its record picks
+        wide = (16,) if BQ <= WIDE_ROWS and tiles.lanes == 8 and tiles.int16_dot else ()
         LD = next(lanes for lanes in wide + (tiles.lanes, 8, 4, 2, 1) if D % lanes == 0)
         VT = tiles.value_tokens
         PREFETCH = tiles.prefetch

@@ -47,7 +47,7 @@ class CpuTiles:
     prefetch    streaming decode: software-prefetch the K/V rows of the token this many ahead (0: off)
     int16_dot   1 where the target multiplies int16 pairs into int32 lanes (x86 AVX2's vpmaddwd; not
                 with AVX-512, unmeasured there): streaming decode over an int8 cache takes q.k in
-                integers (a target fact, not tuned)
+                integers, and a few rows' float loops go two vectors wide (a target fact, not tuned)
     """
 
     block_q: int = 64
