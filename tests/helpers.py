@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Callable, Mapping
 
 import ml_dtypes
@@ -352,6 +353,14 @@ class PinnedKnobs:
 
     def lookup(self, workload, target):
         return KnobMatch(dict(self.knobs), f"pinned {self.knobs}")
+
+
+def kernel_llvm_ir(lib, kernel: str) -> str:
+    """The LLVM IR of an executable built by ``tvm_fuel.compile`` for a CPU, after asserting that
+    ``kernel``'s compute function is in it (the fuel kernel ran, not the floor)."""
+    llvm_ir = lib.mod.imports[0].inspect_source("ll")
+    assert re.search(rf"define .*@{kernel}_compute_\(", llvm_ir), f"no {kernel} was built (the floor ran)"
+    return llvm_ir
 
 
 def applied_knobs(func: tirx.PrimFunc) -> dict:
