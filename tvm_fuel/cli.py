@@ -11,6 +11,9 @@ Commands:
               (``--model M``: every task of a model, fuel kernels and its other TIR functions;
               ``--import results.json``: a bundle run's CUDA measurements as records)
     logs   -- which kernels hit a tuning record (shipped logs and --database) and which fall back
+
+Every output folder is checked before any work (``tvm_fuel.outputs``), and no command writes over
+or removes a file there that it did not write.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 _MAX_DIM = 2**31 - 1  # a larger dim is no workload to tune: it would only fail deep in the build
 
@@ -84,22 +88,30 @@ def _int_at_least(least: int):
 
 
 def _work_dir(text: str) -> str:
-    """argparse type of tune's --work-dir: a directory this user can write (created later, by tune)."""
-    from .tuning.kernels import check_writable_dir
+    """argparse type of tune's --work-dir: a folder this user can write (created later, by tune),
+    outside the package's own folders but for the shipped logs' root (``--work-dir tuning_logs`` in a
+    checkout writes those, on purpose)."""
+    from .outputs import check_output_dir
+    from .tuning.kernels import WORK_DIR_ENV
+    from .tuning.records import shipped_logs
 
     try:
-        check_writable_dir(text, "--work-dir", who="tvm_fuel tune")
+        check_output_dir(text, "--work-dir", who="tvm_fuel tune", allow=(shipped_logs(),),
+                         hint=f"give a writable --work-dir, or set ${WORK_DIR_ENV}")
     except ValueError as err:
         raise argparse.ArgumentTypeError(re.sub(r"^tvm_fuel tune: --work-dir ", "", str(err))) from None
     return text
 
 
 def _log_root(text: str) -> str:
-    """argparse type of logs' --database: a log root directory, not a file (a file matched nothing, silently)."""
+    """argparse type of logs' --database: an existing log root folder (a file or a mistyped path
+    matched nothing, silently); only read, so a read-only folder or the shipped logs are fine."""
     if os.path.isfile(text):
         raise argparse.ArgumentTypeError(
             f"{text} is a file; give the log root directory (tune's --work-dir) or the folder holding "
             f"database_tuning_record.json")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such folder: {text}")
     return text
 
 
@@ -122,53 +134,54 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# the row groups a CPU bench run writes after the kernel rows: (option that skips it, bench module, its rows)
+_ROW_GROUPS = (("no_decoder", "decoder", "decoder_rows"), ("no_norm", "norm", "norm_rows"),
+               ("no_sinks", "sinks", "sink_rows"), ("no_quantized", "quantized", "quantized_rows"),
+               ("no_varlen", "varlen", "varlen_rows"))
+_KERNEL_FILES = ("bench.json", "bench.png")  # what run_bench writes
+
+
+def _bench_groups(args: argparse.Namespace) -> list[tuple[str, str, Callable]]:
+    """(file, bench module, its report from the module) of each row group a CPU bench run of these
+    options writes besides the kernel rows, in order: the files are claimed before any runs."""
+    if args.tvm_cache:
+        return [("tvm_cache.json", "tvm_cache", lambda module: module.tvm_cache_rows())]
+    if args.models:
+        return [("models.json", "models",
+                 lambda module: module.model_rows(module.MODEL_ROWS if "all" in args.models else args.models))]
+    groups = [(f"{name}.json", name, lambda module, rows=rows: getattr(module, rows)())
+              for option, name, rows in _ROW_GROUPS if not args.higher_order_only and not getattr(args, option)]
+    if not args.no_higher_order:
+        groups.append(("higher_order.json", "higher_order",
+                       lambda module: module.higher_order_rows(memory=not args.no_long_context)))
+    return groups
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.target == "cuda":
         from .deploy.gpucheck import run_gpucheck
 
-        return run_gpucheck(out_dir=args.out, suite="bench")
-    if args.tvm_cache:
-        from .bench import tvm_cache as bench_tvm_cache
+        return run_gpucheck(out_dir=args.out, suite="bench")  # it checks --out before anything runs
+    import importlib
 
-        _bench_rows(args.out, "tvm_cache.json", bench_tvm_cache.tvm_cache_rows(), bench_tvm_cache.print_rows)
-        return 0
-    if args.models:
-        from .bench import models as bench_models
+    from .outputs import OutputFiles
 
-        rows = bench_models.MODEL_ROWS if "all" in args.models else args.models
-        _bench_rows(args.out, "models.json", bench_models.model_rows(rows), bench_models.print_rows)
-        return 0
-    from .bench.attention import run_bench
+    groups = _bench_groups(args)
+    kernel_rows = not (args.tvm_cache or args.models or args.higher_order_only)
+    outputs = OutputFiles(args.out, [*(_KERNEL_FILES if kernel_rows else ()), *(file for file, _, _ in groups)],
+                          command="bench")
+    outputs.claim()  # a bad --out or a file of the user's there: refused now, not after minutes of benchmark
+    if kernel_rows:
+        from .bench.attention import run_bench
 
-    if not args.higher_order_only:
         run_bench(out_dir=args.out, floor_all=args.floor_all, long_context=not args.no_long_context,
                   sweep=not args.no_sweep)
-    if not args.higher_order_only and not args.no_decoder:
-        from .bench import decoder as bench_decoder
-
-        _bench_rows(args.out, "decoder.json", bench_decoder.decoder_rows(), bench_decoder.print_rows)
-    if not args.higher_order_only and not args.no_norm:
-        from .bench import norm as bench_norm
-
-        _bench_rows(args.out, "norm.json", bench_norm.norm_rows(), bench_norm.print_rows)
-    if not args.higher_order_only and not args.no_sinks:
-        from .bench import sinks as bench_sinks
-
-        _bench_rows(args.out, "sinks.json", bench_sinks.sink_rows(), bench_sinks.print_rows)
-    if not args.higher_order_only and not args.no_quantized:
-        from .bench import quantized as bench_quantized
-
-        _bench_rows(args.out, "quantized.json", bench_quantized.quantized_rows(), bench_quantized.print_rows)
-    if not args.higher_order_only and not args.no_varlen:
-        from .bench import varlen as bench_varlen
-
-        _bench_rows(args.out, "varlen.json", bench_varlen.varlen_rows(), bench_varlen.print_rows)
-    if not args.no_higher_order:
-        from .bench import higher_order as bench_higher_order
-
-        _bench_rows(args.out, "higher_order.json",
-                    bench_higher_order.higher_order_rows(memory=not args.no_long_context),
-                    bench_higher_order.print_rows)
+        outputs.record(_KERNEL_FILES)
+    for file, name, rows in groups:
+        module = importlib.import_module(f"{__package__}.bench.{name}")
+        report = rows(module)
+        module.print_rows(report)
+        print(f"wrote {outputs.write_text(file, json.dumps(report, indent=2))}")
     return 0
 
 
@@ -184,14 +197,6 @@ def _model_row(text: str) -> tuple[int, int, str] | str:
     if dtype not in ("float32", "bfloat16") or seq < 1 or batch < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the dtype is float32 or bfloat16, the lengths at least 1")
     return seq, batch, dtype
-
-
-def _bench_rows(out: str, file_name: str, report: dict, print_rows) -> None:
-    """Print one group of benchmark rows and write its report into ``out``."""
-    print_rows(report)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / file_name).write_text(json.dumps(report, indent=2))
-    print(f"wrote {Path(out) / file_name}")
 
 
 def _gpucheck(args: argparse.Namespace) -> int:
@@ -457,7 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="benchmark the floor, the tuned kernels and PyTorch")
-    bench.add_argument("--out", default="bench_results", help="folder for bench.json and bench.png")
+    bench.add_argument("--out", default="bench_results",
+                       help="folder for bench.json, bench.png and each row group's JSON (default bench_results); "
+                            "a file of those names that this command did not write there (its record: "
+                            ".tvm_fuel-outputs.json) makes it refuse before running, anything else there is left "
+                            "alone; with --target cuda as gpucheck's --out")
     bench.add_argument("--floor-all", action="store_true", help="also time the floor on the large cases (slow)")
     bench.add_argument("--no-long-context", action="store_true", help="skip the S=16384 memory probe")
     bench.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep of the chart")
@@ -490,7 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)
     gpucheck = commands.add_parser("gpucheck", help="on a CUDA device: build the bundle for it and run it here")
-    gpucheck.add_argument("--out", default="bench_results", help="folder for the bundle and results.json")
+    gpucheck.add_argument("--out", default="bench_results",
+                          help="folder for the bundle (bundle-ARCH) and results.json (default bench_results); a "
+                               "rerun replaces both, but a results.json that is not the results of the bundle "
+                               "there (another bundle's, your own) makes it refuse before building")
     gpucheck.add_argument("--suite", default="all", choices=["smoke", "check", "bench", "tune", "all"])
     gpucheck.set_defaults(run=_gpucheck)
     bundle = commands.add_parser("bundle", help="build a suite's modules for a node without TVM (run.py runs them)")
@@ -498,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     bundle.add_argument("--arch", help="cuda: sm_80, sm_86, sm_89 or sm_90 (default sm_90)")
     bundle.add_argument("--suite", default="all", choices=["smoke", "check", "bench", "tune", "all"])
     bundle.add_argument("--python", help="the node's Python, e.g. 3.12 (default: this one)")
-    bundle.add_argument("--out", required=True, help="the bundle folder (replaced if it holds a bundle)")
+    bundle.add_argument("--out", required=True,
+                        help="the bundle folder: new or empty, or one holding an earlier bundle, which is replaced "
+                             "(a folder holding anything else is refused before building, and left as it is)")
     bundle.add_argument("--small", action="store_true", help="a reduced check matrix (quick)")
     bundle.add_argument("--tune-points", type=_int_at_least(1),
                         help="at most this many knob points per tune bucket (default 64)")

@@ -226,7 +226,7 @@ def test_bundle_out_refuses_a_folder_that_is_not_an_earlier_bundle(tmp_path, cap
     assert len(err) == 2
     assert err[0].startswith(f"python -m tvm_fuel bundle: error: --out {thesis} is not empty and is not an earlier "
                              "bundle: ") and "schema None" in err[0]
-    assert err[1] == f"python -m tvm_fuel bundle: error: --out {text} is not a folder; choose another --out"
+    assert err[1] == f"python -m tvm_fuel bundle: error: --out {text} is a file; give a folder (choose another --out)"
 
 
 def test_bundle_replaces_an_earlier_bundle_only_when_it_holds_nothing_else(venv, llvm_bundle, tmp_path, capsys,

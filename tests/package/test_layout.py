@@ -23,6 +23,7 @@ LAYERS = {
     # leaves: no tvm_fuel import outside themselves (deploy.node runs on GPU nodes without TVM)
     "tvm_fuel.diagnostics": 0, "tvm_fuel.threads": 0, "tvm_fuel.target": 0, "tvm_fuel.reference": 0,
     "tvm_fuel.bench.cases": 0, "tvm_fuel.deploy.node": 0, "tvm_fuel.deploy.nvcc": 0, "tvm_fuel.tuning_logs": 0,
+    "tvm_fuel.outputs": 0,
     "tvm_fuel.op": 1,
     "tvm_fuel.schedules": 2, "tvm_fuel.autodiff": 2,
     "tvm_fuel.transform": 3, "tvm_fuel.tuning.records": 3, "tvm_fuel.tuning.log_database": 3,

@@ -48,6 +48,7 @@ from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
 from .. import __version__
+from ..outputs import check_output_dir
 from . import nvcc as cuda
 from ..transform.legalize_fuel import legalize
 from ..schedules import rule_for
@@ -221,7 +222,10 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
     """Build the bundle of ``suite`` for ``target`` (cuda with ``arch``, or llvm) into ``out``;
     return its manifest. ``small``: a reduced check matrix (the CI test's); ``tune_points``: at
     most this many knob points per tune bucket (the hand-picked ones and a seeded sample; default
-    ``TUNE_POINTS``)."""
+    ``TUNE_POINTS``). ``out`` is checked first (``tvm_fuel.outputs.check_output_dir``, then
+    ``_earlier_bundle``): refused now, not after minutes of building."""
+    out = check_output_dir(out, "--out", who="tvm_fuel bundle")
+    _earlier_bundle(out)
     tvm_target, arch = _target(target, arch)
     node_python = _python(python)
     cases = suites.cases(suite, target, small=small)  # validates the suite name
@@ -234,8 +238,6 @@ def build_bundle(out: str | os.PathLike, *, target: str = "cuda", arch: str | No
         raise ValueError(f"tvm_fuel bundle: --tune-points must be >= 1, got {tune_points}")
     if target == "cuda" and not cuda.nvcc_available():
         raise RuntimeError("tvm_fuel bundle: a cuda bundle needs nvcc here (the node compiles nothing)")
-    out = Path(out)
-    _earlier_bundle(out)  # refused now, not after minutes of building
     # built in a fresh folder beside ``out`` and moved in only when complete: a failed build
     # leaves ``out`` as it was
     real = out.resolve()
