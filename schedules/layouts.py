@@ -7,6 +7,8 @@ keys may be rotated in the kernel).
   table [B, max_blocks] (``BlockTable``); an 8-bit cache's ``k`` and ``v`` are dequantized, and
   ``raw`` and ``scale`` give the decoded element and what multiplies it (a streaming decode
   applies the scale per token).
+* fuel's dense k, v [B, Hkv, Sk, D] (``DenseKeys``): a decode-shaped dense call streams its keys
+  in place as a paged decode does.
 * TVM's runtime cache (``relax.frontend.nn.llm``'s PagedKVCache, MLC-LLM's): pages
   [max_num_pages, 2, Hkv, page_size, D] (K, then V), a sequence's pages in CSR form
   (``page_indptr`` [B + 1] into ``page_values``), ``length_info`` [B] (the last page's used
@@ -17,7 +19,7 @@ keys may be rotated in the kernel).
   sequence's lse, ``EMPTY_LSE`` (log2 units).
 
 Contents:
-    BlockTable, TvmPages, RaggedKeys, TreeMask, tvm_lengths, tvm_kv_len, tvm_cached_keys, EMPTY_LSE
+    BlockTable, DenseKeys, TvmPages, RaggedKeys, TreeMask, tvm_lengths, tvm_kv_len, tvm_cached_keys, EMPTY_LSE
 """
 
 from __future__ import annotations
@@ -91,6 +93,31 @@ class BlockTable:
     def _scaled(self, kind: str, page, slot, g, d):
         value, scale = self.raw(kind, page, slot, g, d), self.scale(kind, page, slot, g)
         return value if scale is None else value * scale
+
+
+@dataclass(frozen=True)
+class DenseKeys:
+    """Batch b's keys of the dense k, v [B, Hkv, Sk, D] as ``BlockTable``'s methods read them: token
+    j's "page" is its row, its slot 0 (a head's rows of one batch are one contiguous run)."""
+
+    k_rows: tirx.Buffer
+    v_rows: tirx.Buffer
+    b: tirx.PrimExpr
+
+    def page(self, j):
+        return sem.as_int64(j)
+
+    def slot(self, j):
+        return tirx.const(0, "int64")
+
+    def k(self, page, slot, g, d):
+        return self.k_rows[self.b, g, page, d]
+
+    def v(self, page, slot, g, d):
+        return self.v_rows[self.b, g, page, d]
+
+    def stored(self, kind: str, page, slot, g, d):
+        return getattr(self, kind)(page, slot, g, d)
 
 
 @dataclass(frozen=True)
@@ -221,5 +248,5 @@ class TreeMask:
                                                        self.order[parent, 1]))
 
 
-__all__ = ["BlockTable", "TvmPages", "RaggedKeys", "TreeMask", "tvm_lengths", "tvm_kv_len", "tvm_cached_keys",
-           "EMPTY_LSE"]
+__all__ = ["BlockTable", "DenseKeys", "TvmPages", "RaggedKeys", "TreeMask", "tvm_lengths", "tvm_kv_len",
+           "tvm_cached_keys", "EMPTY_LSE"]

@@ -11,7 +11,8 @@ Three parallel stages in one PrimFunc:
 3. dq: the splits' partial sums added (each split owns its partial buffer: no races, and the
    result does not depend on thread timing).
 
-Scratch per task is O((block_q + block_k) * D); the dq partials are [splits, B, Hq, Sq, D].
+Scratch per task is O((block_q + block_k) * D); the dq partials are [splits, B, Hq, Sq, DP] (a
+query tile adds only its live rows into them).
 
 The NaN rule (``tvm_fuel.op.semantics``): dS is 0 wherever P is (a dropped key's dP may be NaN),
 and a GEMM whose values (a key tile, or a query tile's q or do) hold a NaN or Inf skips zero
@@ -82,8 +83,8 @@ class _QueryRows:
 @dataclass(frozen=True)
 class _TaskScratch:
     """A task's scratch besides its key tile: the query tile's rows, the score tiles S (then P),
-    dP (then dS) and the capped scores [block_q, block_k], and the NaN/Inf counts of the key tile,
-    the query tile's q and its do."""
+    dP (then dS) and the capped scores [block_q, block_k], the NaN/Inf counts of the key tile,
+    the query tile's q and its do, and the tile's dq term dS K [block_q, DP]."""
 
     keys: _KeyTile
     rows: _QueryRows
@@ -93,6 +94,7 @@ class _TaskScratch:
     keys_nonfinite: tirx.Buffer
     q_nonfinite: tirx.Buffer
     do_nonfinite: tirx.Buffer
+    dQ: tirx.Buffer
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,8 @@ class DenseRows:
 @dataclass(frozen=True)
 class BackwardKernel:
     """What every task reads: the grid, the parameters, the rows' layout (``DenseRows`` or the
-    packed one), D = rowsum(do * out) (laid out as lse) and the float32 dq partials (one
-    [block_q, DP] run per (split, query head, query tile), at ``grid.pair(...).partial_start``)."""
+    packed one), D = rowsum(do * out) (laid out as lse) and the flat float32 dq partials (a query
+    tile's live rows, DP apart, from ``grid.pair(...).partial_start``)."""
 
     grid: KeySplitGrid
     params: BackwardBuffers
@@ -146,7 +148,7 @@ class _Body:
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...]):
         dtype, D, cfg, scale = spec.dtype, spec.head_dim, spec.cfg, spec.scale
-        BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
+        BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
         want_dk, want_dv = "dk" in grads, "dv" in grads
         # with a softcap the capped score is stored, for the softcap derivative (dq, dk) and for dv
         # alone too: inlined into the probability, the fast tanh's expression is duplicated until
@@ -161,7 +163,14 @@ class _Body:
 
         @T.macro
         def load_keys(keys, params, seq, b, g, kt):
-            # key tile kt of KV head g, and its dk, dv accumulators zeroed
+            # key tile kt of KV head g, and its dk, dv accumulators zeroed. The transposed tiles of a
+            # tile past the last key are zeroed a vector at a time first (column by column, the
+            # stores of a one-key tile's 63 dead columns had cost more than its GEMMs)
+            if kt * BK + BK > seq.k_len(b):
+                for d, c0 in T.grid(D, BK // L):
+                    for v in T.vectorized(L):
+                        keys.Kt[d, c0 * L + v] = T.float32(0)
+                        keys.Vt[d, c0 * L + v] = T.float32(0)
             for c in range(BK):
                 if kt * BK + c < seq.k_len(b):
                     for d in range(D):
@@ -169,10 +178,8 @@ class _Body:
                         keys.Kt[d, c] = seq.key(params.k, b, g, kt * BK + c, d).astype(F32)
                         keys.Vt[d, c] = seq.key(params.v, b, g, kt * BK + c, d).astype(F32)
                 else:
-                    for d in range(D):
+                    for d in T.vectorized(D):
                         keys.Kn[c, d] = T.float32(0)
-                        keys.Kt[d, c] = T.float32(0)
-                        keys.Vt[d, c] = T.float32(0)
                 for d in range(D, DP):
                     keys.Kn[c, d] = T.float32(0)
                 for d in T.vectorized(DP):
@@ -273,9 +280,15 @@ class BackwardTask:
                     micro.nan_safe_gemm(keys.dK, scratch.dP, rows.Qs, BK, DP, BQ, DV,
                                         scratch.q_nonfinite[0] == T.float32(0), a_transposed=True, accumulate=True)
                 if want_dq:
-                    dQv = T.decl_buffer((BQ, DP), F32, data=kernel.dq_part.data, elem_offset=pair.partial_start)
-                    micro.nan_safe_gemm(dQv, scratch.dP, keys.Kn, BQ, DP, BK, DV,
-                                        scratch.keys_nonfinite[0] == T.float32(0), accumulate=True)
+                    # dS K into the task's tile, then its live rows added to the partial: the partials
+                    # hold the sequences' own rows, not whole query tiles (a batch of many one-row
+                    # sequences padded each to block_q rows)
+                    micro.nan_safe_gemm(scratch.dQ, scratch.dP, keys.Kn, BQ, DP, BK, DV,
+                                        scratch.keys_nonfinite[0] == T.float32(0))
+                    for r in range(T.min(BQ, kernel.seq.q_len(pair.b) - pair.i0)):
+                        for d in T.vectorized(DP):
+                            kernel.dq_part[pair.partial_start + r * DP + d] = (
+                                kernel.dq_part[pair.partial_start + r * DP + d] + scratch.dQ[r, d])
 
         @T.macro
         def key_task(kernel, b, g, split):
@@ -295,9 +308,10 @@ class BackwardTask:
             keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
+            dQ = T.alloc_buffer((BQ, DP) if want_dq else (1, 1), F32)
             keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
             scratch = T.meta_var(_TaskScratch(keys, _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap, keys_nonfinite,
-                                              q_nonfinite, do_nonfinite))
+                                              q_nonfinite, do_nonfinite, dQ))
             grid = T.meta_var(kernel.grid)
             for i in range(grid.first_tile(split), grid.end_tile(split)):
                 kt: T.int64 = grid.key_tile(i)
@@ -333,10 +347,9 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         params = T.meta_var(BackwardBuffers.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi,
                                                mask=mask))
         row_dot = T.alloc_buffer((B, Hq, Sq), F32)
-        dq_part = T.alloc_buffer((splits, B, Hq, (Sq + BQ - 1) // BQ * BQ, DP) if want_dq else (1,), F32)
+        dq_part = T.alloc_buffer((splits * B * Hq * Sq * DP,) if want_dq else (1,), F32)  # [splits, B, Hq, Sq, DP]
         n_key_tiles = (Sk + BK - 1) // BK
         per_split = (n_key_tiles + splits - 1) // splits
-        padded_sq = (Sq + BQ - 1) // BQ * BQ
         # 1. D = rowsum(do * out); zero the dq partials
         for bh in T.parallel(B * Hq):
             for i in range(Sq):
@@ -346,16 +359,18 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                     acc[0] = acc[0] + do[bh // Hq, bh % Hq, i, d].astype(F32) * out[bh // Hq, bh % Hq, i, d].astype(F32)
                 row_dot[bh // Hq, bh % Hq, i] = acc[0]
             if want_dq:
-                for c, i in T.grid(splits, padded_sq):
+                for c, i in T.grid(splits, Sq):
                     for d in T.vectorized(DP):
-                        dq_part[c, bh // Hq, bh % Hq, i, d] = T.float32(0)
+                        dq_part[((c * B + bh // Hq) * Hq + bh % Hq) * Sq * DP + i * DP + d] = T.float32(0)
         # 2. per (batch, KV head, split): dk, dv of each key tile; dq partials
+        # the partials' rows per head are Sq (KeySplitGrid.padded_sq): a tile adds its live rows only
         grid = T.meta_var(KeySplitGrid(cfg, B, Sq, Sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
-                                       padded_sq))
+                                       Sq))
         key_split_tasks(grid, BackwardKernel(grid, params, DenseRows(Sq, Sk), row_dot, dq_part), task.key_task)
         # 3. dq = sum of the splits' partials
         if want_dq:
-            sum_split_partials(dq_part, dq, B, Hq, Sq, D, splits, dtype)
+            parts = T.decl_buffer((splits, B, Hq, Sq, DP), F32, data=dq_part.data)
+            sum_split_partials(parts, dq, B, Hq, Sq, D, splits, dtype)
     # fmt: on
 
     return finish(drop_params(fuel_flash_attn_backward_cpu, unused))

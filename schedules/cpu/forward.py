@@ -148,7 +148,7 @@ class ForwardMacros:
     def __init__(self, spec: KernelSpec, tiles: CpuTiles):
         micro = Micro(tiles)
         cfg, dtype, D = spec.cfg, spec.dtype, spec.head_dim
-        BQ, BK, L = tiles.block_q, tiles.block_k, tiles.lanes
+        BQ, BK, L, MR = tiles.block_q, tiles.block_k, tiles.lanes, tiles.micro_rows
         DP = tiles.padded_dim(D)
         # scores are taken in log2 units (q pre-scaled by scale * log2 e): the online softmax's
         # exponentials are then exp2, whose range reduction is one subtraction
@@ -188,23 +188,26 @@ class ForwardMacros:
                         S[r, c] = logit(S[r, c], params, tile, r, key_start + c)
 
         @T.macro
-        def normalize_tile(S, m, l, alpha, params, tile, key_start, width):
+        def normalize_tile(S, m, l, alpha, params, tile, key_start, width, rows=BQ):
             # scores -> masked logits -> 2^(logit - running max), log2 units; alpha: O's rescale to the new max
+            # (of the tile's first `rows` rows)
             if spec.elementwise_logits:
                 logits(S, params, tile, key_start)
             else:
                 if not tile.is_interior(cfg, key_start, BK):
                     logits(S, params, tile, key_start)
-            micro.online_softmax(S, m, l, alpha, BQ, width)
+            micro.online_softmax(S, m, l, alpha, rows, width)
 
         @T.macro
         def attend_tile(scratch, Kt, Vt, params, tile, key_start, values_finite):
             # a packed key tile: both products are register-tiled GEMMs over its first `width` keys
-            # (past them no row sees a key: the rest of a causal diagonal tile is skipped)
+            # (past them no row sees a key: the rest of a causal diagonal tile is skipped) and the
+            # task's live rows, in whole register tiles (a one-row sequence's task is not 64 rows)
             width: T.int64 = tile.width(cfg, key_start, BK, tiles.key_vecs * L)
-            micro.gemm(scratch.S, scratch.Qs, Kt, BQ, width, D, tiles.key_vecs)
-            normalize_tile(scratch.S, scratch.m, scratch.l, scratch.alpha, params, tile, key_start, width)
-            micro.nan_safe_gemm(scratch.O, scratch.S, Vt, BQ, DP, width, tiles.dim_vecs, values_finite,
+            rows: T.let[T.int64] = T.min(T.int64(BQ), (tile.head_rows - tile.r0 + MR - 1) // MR * MR)
+            micro.gemm(scratch.S, scratch.Qs, Kt, rows, width, D, tiles.key_vecs)
+            normalize_tile(scratch.S, scratch.m, scratch.l, scratch.alpha, params, tile, key_start, width, rows)
+            micro.nan_safe_gemm(scratch.O, scratch.S, Vt, rows, DP, width, tiles.dim_vecs, values_finite,
                                 accumulate=True, row_scale=scratch.alpha)
 
         def row_sum(m, l, params, tile, r):

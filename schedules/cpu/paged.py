@@ -281,10 +281,10 @@ class PagedTile:
                 add_value_rows(heads, cache, tile, tokens, live, True)
 
         @T.macro
-        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt):
-            # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len);
-            # nonfinite[0]: how many of Vt's elements are NaN or Inf
-            for c in range(BK):
+        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, keys=BK):
+            # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len), its first
+            # `keys` only (the GEMMs read no further); nonfinite[0]: how many of their Vt elements are NaN or Inf
+            for c in range(keys):
                 if kt * BK + c < kv_len:
                     block: T.let[T.int64] = cache.page(kt * BK + c)
                     for d in range(D):
@@ -296,7 +296,7 @@ class PagedTile:
                         Vt[c, d] = T.float32(0)
                 for d in range(D, DP):
                     Vt[c, d] = T.float32(0)
-            body.count_nonfinite(nonfinite, Vt, BK, DP)
+            body.count_nonfinite(nonfinite, Vt, keys, DP)
 
         @T.macro
         def packed_tile(heads, Kt, Vt, params, cache, tile, kt):
@@ -304,7 +304,48 @@ class PagedTile:
             pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt)
             body.attend_tile(heads.view(0), Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
+        STREAMING = BQ <= STREAMING_ROWS
+        ROUNDED = STREAMING and INT_DOT  # int8 decode's q.k in integers: q rounded once per task
+        TASK_HEADS = HT if STREAMING else 1
+
+        @T.macro
+        def attend_task(params, cache, tile):
+            # one task: the rows of ``tile`` for its TASK_HEADS KV heads over the keys they see (read
+            # through ``cache``), streamed in place (at most STREAMING_ROWS rows) or packed per tile
+            Qs_all = T.alloc_buffer((TASK_HEADS, BQ, D), F32)
+            S_all = T.alloc_buffer((TASK_HEADS, BQ, BK), F32)
+            O_all = T.alloc_buffer((TASK_HEADS, BQ, DP), F32)
+            m_all = T.alloc_buffer((TASK_HEADS, BQ), F32)
+            l_all = T.alloc_buffer((TASK_HEADS, BQ), F32)
+            alpha_all = T.alloc_buffer((TASK_HEADS, BQ), F32)
+            Kt = T.alloc_buffer((D, BK) if not STREAMING else (1,), F32)
+            Vt = T.alloc_buffer((BK, DP) if not STREAMING else (1,), F32)
+            q16_all = T.alloc_buffer((TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int16")
+            q_unit_all = T.alloc_buffer((TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
+            w16_all = T.alloc_buffer((TASK_HEADS, BQ, BK) if ROUNDED else (1, 1, 1), "int16")
+            w_unit_all = T.alloc_buffer((TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
+            acc_i_all = T.alloc_buffer((TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int32")
+            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all,
+                                       w16_all, w_unit_all, acc_i_all))
+            for gi in range(TASK_HEADS):
+                body.load_queries(head_view(Qs_all, gi), params, tile.head(gi))
+                body.init_state(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi))
+            if ROUNDED:
+                round_queries(heads)
+                for gi, r, d in T.grid(TASK_HEADS, BQ, D):
+                    acc_i_all[gi, r, d] = 0
+            walk = T.meta_var(tile.key_walk(cfg, BK))
+            for t in range(walk.count):
+                kt: T.let[T.int64] = walk.tile(t)
+                if STREAMING:
+                    stream_tile(heads, params, cache, tile, kt)
+                else:
+                    packed_tile(heads, Kt, Vt, params, cache, tile, kt)
+            for gi in range(TASK_HEADS):
+                body.store(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi), params, tile.head(gi))
+
         self.stream_tile, self.pack_tile, self.packed_tile = stream_tile, pack_tile, packed_tile
+        self.attend_task, self.task_heads, self.block_q = attend_task, TASK_HEADS, BQ
         self.round_queries = round_queries
 
 
@@ -316,6 +357,25 @@ class _Tokens:
     kt: tirx.PrimExpr
     pages: tirx.Buffer
     pages_ahead: tirx.Buffer
+
+
+@T.macro
+def decode_tasks(paged, params, B, Sq, spec, kv_len_of, keys_of):
+    # the tasks of a paged (or dense decode-shaped) forward: (batch, paged.task_heads KV heads, row
+    # tile), each over its sequence's kv_len_of(b) keys, read through keys_of(b) (a layout)
+    BQ, HT, group, Hkv = T.meta_var((paged.block_q, paged.task_heads, spec.group, spec.num_kv_heads))
+    rows = Sq * group
+    n_row_tiles = (rows + BQ - 1) // BQ
+    for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
+        b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
+        g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
+        r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
+        kv_len: T.int64 = kv_len_of(b)
+        first_pos: T.int64 = row_position(r0, group)
+        last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
+        tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
+                                  first_pos=first_pos, last_pos=last_pos))
+        paged.attend_task(params, keys_of(b), tile)
 
 
 def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
@@ -332,12 +392,6 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
     B, Sq, num_blocks, max_blocks = sizes.values()
     body = ForwardMacros(spec, tiles)
     paged = PagedTile(spec, tiles, body)
-    Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
-    BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-    cfg = spec.cfg
-    streaming = BQ <= STREAMING_ROWS
-    rounded = streaming and paged.int_dot  # int8 decode's q.k in integers: q rounded once per task
-    HT = tiles.kv_heads if streaming else 1  # KV heads per task
     unused = absent_inputs(spec)
     scaled = bool(spec.kv_scale)
 
@@ -350,50 +404,9 @@ def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,
             spec, sizes, q_h, k_cache_h, v_cache_h, table_h, lens_h, alibi_h, sinks_h, k_scale_h, v_scale_h, out_h)
         params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, k_cache=k_cache, v_cache=v_cache,
                                       table=table, sinks=sinks))
-        rows = Sq * group
-        n_row_tiles = (rows + BQ - 1) // BQ
-        for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
-            b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
-            g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
-            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
-            kv_len: T.int64 = T.Cast("int64", lens[b])
-            first_pos: T.int64 = row_position(r0, group)
-            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
-            Qs_all = T.alloc_buffer((HT, BQ, D), F32)
-            S_all = T.alloc_buffer((HT, BQ, BK), F32)
-            O_all = T.alloc_buffer((HT, BQ, DP), F32)
-            m_all = T.alloc_buffer((HT, BQ), F32)
-            l_all = T.alloc_buffer((HT, BQ), F32)
-            alpha_all = T.alloc_buffer((HT, BQ), F32)
-            Kt = T.alloc_buffer((D, BK) if not streaming else (1,), F32)
-            Vt = T.alloc_buffer((BK, DP) if not streaming else (1,), F32)
-            q16_all = T.alloc_buffer((HT, BQ, D) if rounded else (1, 1, 1), "int16")
-            q_unit_all = T.alloc_buffer((HT, BQ) if rounded else (1, 1), F32)
-            w16_all = T.alloc_buffer((HT, BQ, BK) if rounded else (1, 1, 1), "int16")
-            w_unit_all = T.alloc_buffer((HT, BQ) if rounded else (1, 1), F32)
-            acc_i_all = T.alloc_buffer((HT, BQ, D) if rounded else (1, 1, 1), "int32")
-            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all,
-                                       w16_all, w_unit_all, acc_i_all))
-            tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
-                                      first_pos=first_pos, last_pos=last_pos))
-            cache = T.meta_var(BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size,
+        decode_tasks(paged, params, B, Sq, spec, lambda b: T.Cast("int64", lens[b]),
+                     lambda b: BlockTable(table, k_cache, v_cache, b, num_blocks, spec.block_size,
                                           *((k_scale, v_scale) if scaled else ())))
-            for gi in range(HT):
-                body.load_queries(head_view(Qs_all, gi), params, tile.head(gi))
-                body.init_state(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi))
-            if rounded:
-                paged.round_queries(heads)
-                for gi, r, d in T.grid(HT, BQ, D):
-                    acc_i_all[gi, r, d] = 0
-            walk = T.meta_var(tile.key_walk(cfg, BK))
-            for t in range(walk.count):
-                kt: T.let[T.int64] = walk.tile(t)
-                if streaming:
-                    paged.stream_tile(heads, params, cache, tile, kt)
-                else:
-                    paged.packed_tile(heads, Kt, Vt, params, cache, tile, kt)
-            for gi in range(HT):
-                body.store(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi), params, tile.head(gi))
     # fmt: on
 
     return finish(drop_params(fuel_paged_attn_cpu, unused))

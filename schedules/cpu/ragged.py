@@ -4,8 +4,10 @@ rows ``q_start(b) ..`` of q [total_q, Hq, D] and its keys come from a layout (``
 TVM's pages, or rows of k, v [total_kv, Hkv, D]), both read through a ``tvm_params.TvmArgs``.
 
 A task is one (sequence, KV head, row tile): its rows pack (query position, head of the group) as
-fuel's dense forward packs them, its key tiles are packed once per (sequence, KV head) into flat
-workspaces of O(total keys * D) and run through the dense forward's online-softmax macros
+fuel's dense forward packs them, a sequence's whole key tiles are packed once per (sequence, KV
+head) into flat workspaces of at most total keys * D floats per KV head (a sequence's last, partial
+tile is packed by each task that sees it, into its own scratch: one-token sequences would
+otherwise cost a whole tile each), and run through the dense forward's online-softmax macros
 (``ForwardMacros``), so the cost follows each sequence's own Sq * Sk.
 
 The lse conventions (``LSE_LOG2``, ``LSE_NATURAL``): TVM's log2 units, lse [total_q, Hq] and -5e4
@@ -99,13 +101,14 @@ class RaggedTask:
                         Qs[r, d] = Qs[r, d] * sm_scale * log2e
 
         @T.macro
-        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, rope_scale, rope_theta):
-            # the paged kernels' packing (PagedTile.pack_tile), then the keys rotated in place where
-            # rotary_mode is 1: key j at cache.rope_position(j), rounded to the cache dtype as TVM rounds
-            paged.pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt)
+        def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, rotary_mode, rope_scale, rope_theta, keys=BK):
+            # the paged kernels' packing (PagedTile.pack_tile) of the tile's first `keys`, then the keys
+            # rotated in place where rotary_mode is 1: key j at cache.rope_position(j), rounded to the
+            # cache dtype as TVM rounds
+            paged.pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, keys)
             if rotary_mode == 1:
                 row = T.alloc_buffer((D,), F32, scope="local")
-                for c in range(BK):
+                for c in range(keys):
                     j: T.int64 = kt * BK + c  # (bound first: LLVM codegen fails on the loop vars in RoPE's Lets)
                     if j < kv_len:
                         for d in range(D):
@@ -115,9 +118,11 @@ class RaggedTask:
 
         @T.macro
         def packed_tile(scratch, Kt, Vt, params, cache, tile, kt, rotary_mode, rope_scale, rope_theta):
-            # key tile kt packed, then both GEMMs over it
+            # key tile kt packed (the keys its rows see: a short sequence's tile is not packed whole),
+            # then both GEMMs over it
             nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, rope_scale, rope_theta)
+            pack_tile(Kt, Vt, nonfinite, cache, tile.g, tile.kv_len, kt, rotary_mode, rope_scale, rope_theta,
+                      tile.width(cfg, kt * BK, BK, tiles.key_vecs * tiles.lanes))
             body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
 
         @T.macro
@@ -136,18 +141,24 @@ class RaggedTask:
                             sem.safe_row_max(scratch.m[r]) * T.float32(sem.LN2), scratch.l[r])
 
         @T.macro
-        def attend_packed(scratch, params, packed, tile, kt):
-            Kt, Vt, nonfinite = T.meta_var(packed.tile(kt))
-            body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+        def attend_packed(scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale, rope_theta):
+            # a whole key tile was packed beforehand (``packed.tile(kt)``: Kt, Vt and Vt's non-finite
+            # count); the sequence's last, partial one is packed by the task into its own Kt, Vt
+            if kt < tile.kv_len // BK:
+                Kp, Vp, nonfinite = T.meta_var(packed.tile(kt))
+                body.attend_tile(scratch, Kp, Vp, params, tile, kt * BK, nonfinite[0] == T.float32(0))
+            else:
+                packed_tile(scratch, Kt, Vt, params, keys, tile, kt, rotary_mode, rope_scale, rope_theta)
 
         @T.macro
-        def attend_rows(q, output, lse_out, params, packed, b, g, t, kv_len, qo_len, q_start, q_rope_position,
+        def attend_rows(q, output, lse_out, params, packed, keys, b, g, t, kv_len, qo_len, q_start, q_rope_position,
                         rotary_mode, rope_scale, rope_theta, sm_scale):
             # row tile t of (sequence b, KV head g): its rows' queries against the sequence's key
-            # tiles, packed beforehand (``packed.tile(kt)``: Kt, Vt and Vt's non-finite count)
+            # tiles (``attend_packed``; ``keys``: the sequence's layout, for its partial tile)
             rows: T.int64 = qo_len * group
             if t * BQ < rows:
-                scratch = T.meta_var(task_scratch(tiles, D, packed=False)[0].view(0))
+                own, Kt, Vt = T.meta_var(task_scratch(tiles, D))
+                scratch = T.meta_var(own.view(0))
                 tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len,
                                           delta=kv_len if queries_after_keys else kv_len - qo_len,
                                           first_pos=row_position(t * BQ, group),
@@ -160,11 +171,13 @@ class RaggedTask:
                     walk = T.meta_var(tile.key_walk(cfg, BK))
                     for step in range(walk.count):
                         kt: T.int64 = walk.tile(step)
-                        attend_packed(scratch, params, packed, tile, kt)
+                        attend_packed(scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale,
+                                      rope_theta)
                 else:
                     lo, hi = T.meta_var(tile.key_tiles(cfg, BK))
                     for kt in range(lo, hi):
-                        attend_packed(scratch, params, packed, tile, kt)
+                        attend_packed(scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale,
+                                      rope_theta)
                 store(scratch, output, lse_out, lambda position: q_start + position, tile)
 
         self.load_queries, self.pack_tile, self.packed_tile, self.store = load_queries, pack_tile, packed_tile, store
@@ -252,9 +265,9 @@ def dealt_tasks(workers, n_tasks, first, B, stride, task_body, context, spread=F
 
 
 def _tvm_key_tiles(a, BK: int):
-    # each sequence's keys fill its pages (its rows of k) but the last
+    # the whole key tiles of all sequences: at most the pages' (k's rows') slots over BK
     return (T.Cast("int64", a.nnz_pages) * a.page_size if a.pages is not None
-            else T.Cast("int64", a.total_kv)) // BK + a.B
+            else T.Cast("int64", a.total_kv)) // BK
 
 
 def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_task: RaggedTask | None, *,
@@ -286,8 +299,8 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
                     first_tile, b, g, t):
         # row tile t of (sequence b, KV head g) over the sequence's packed key tiles
         packed = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
-        args = T.meta_var((a.q, a.output, a.lse, params, packed, b, g, t, a.kv_len(b), a.q_len(b), a.q_start(b),
-                           a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
+        args = T.meta_var((a.q, a.output, a.lse, params, packed, a.keys(b), b, g, t, a.kv_len(b), a.q_len(b),
+                           a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
         if causal_task is None:
             plain.attend_rows(*args)
         elif causal > 0:
@@ -314,7 +327,7 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
         first_row_tile[0] = T.int64(0)
         most_rows[0] = T.int64(0)
         for b in range(B):
-            first_tile[b + 1] = first_tile[b] + (a.kv_len(b) + BK - 1) // BK
+            first_tile[b + 1] = first_tile[b] + a.kv_len(b) // BK  # whole tiles: the last is the tasks'
             first_row_tile[b + 1] = first_row_tile[b] + (a.q_len(b) * group + BQ - 1) // BQ
             most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
         assert first_tile[B] <= max_tiles, overflow

@@ -31,6 +31,7 @@ from ...op import SPECS
 from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims, varlen_workload
 from ..workload import NormSpec, Workload
 from .backward import flash_backward
+from .decode import dense_decode_forward
 from .forward import dense_forward
 from .paged import paged_forward
 from .double_backward import flash_double_backward
@@ -38,7 +39,8 @@ from .varlen import varlen_forward
 from .varlen_backward import varlen_backward
 from .tangent import COTANGENTS, JVP_TANGENTS, flash_jvp
 from .norm import NormTiles, norm_backward, norm_tiles
-from .tiles import CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, nearest, streaming_space, tile_space, tiles_for
+from .tiles import (CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, fit_keys, fit_rows, nearest, streaming_space,
+                    tile_space, tiles_for)
 
 
 def _rows(workload: Workload) -> int | None:
@@ -110,7 +112,8 @@ class _DenseRule(_CpuRule):
 
 
 class FlashForward(_DenseRule):
-    """flash_attn on llvm: tiled online softmax, K/V packed once per KV head."""
+    """flash_attn on llvm: tiled online softmax, K/V packed once per KV head; decode-shaped calls (at
+    most STREAMING_ROWS static rows per KV head) stream their keys in place (``decode``)."""
 
     op = "flash_attn"
 
@@ -118,10 +121,34 @@ class FlashForward(_DenseRule):
         return self._dense_workload(call, target)
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
-        return asdict(tiles_for(target, head_dim=workload.spec.head_dim, rows=_rows(workload)))
+        spec, rows = workload.spec, _rows(workload)
+        if _streams(workload):
+            tiles = tiles_for(target, head_dim=spec.head_dim, rows=rows, num_kv_heads=spec.num_kv_heads,
+                              batch=workload.dim["B"])
+            # a head's keys are one contiguous run here (not pages): the hardware prefetchers follow
+            # it. The key loops take a vector of keys at a time (key_vecs is the GEMMs')
+            tiles = replace(tiles, prefetch=0, key_vecs=1)
+        else:
+            tiles = tiles_for(target, head_dim=spec.head_dim, rows=rows)
+        return asdict(fit_keys(tiles, workload.dim["Sk"]))
+
+    def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+        if _streams(workload):
+            return streaming_space(target, num_kv_heads=workload.spec.num_kv_heads)
+        return super().knob_space(workload, target)
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        if _streams(workload):
+            # Sq is static wherever a call streams (its rows chose the path): the row loops unroll
+            dims = workload.dim if static else {"Sq": workload.dim["Sq"]}
+            return dense_decode_forward(workload.spec, CpuTiles(**knobs), dims=dims)
         return dense_forward(workload.spec, CpuTiles(**knobs), dims=workload.dim if static else None)
+
+
+def _streams(workload: Workload) -> bool:
+    """Whether a dense forward call is decode-shaped: few enough static rows per KV head to stream."""
+    rows = _rows(workload)
+    return rows is not None and rows <= STREAMING_ROWS
 
 
 class FlashBackward(_DenseRule):
@@ -143,7 +170,10 @@ class FlashBackward(_DenseRule):
         batch = workload.dim["B"]
         # enough (batch, kv head, split) tasks for every core twice over; one split when unknown
         splits = 1 if batch is None else max(1, -(-2 * cores(target) // (batch * workload.spec.num_kv_heads)))
-        return asdict(replace(tiles_for(target, head_dim=workload.spec.head_dim, rows=None), splits=splits))
+        tiles = tiles_for(target, head_dim=workload.spec.head_dim, rows=None)
+        # query and key tiles no longer than the call's static Sq and Sk need (one-row sequences)
+        tiles = fit_rows(fit_keys(tiles, workload.dim["Sk"]), workload.dim["Sq"])
+        return asdict(replace(tiles, splits=splits))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         space = tile_space(target, rows=None)

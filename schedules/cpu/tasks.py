@@ -6,6 +6,7 @@ Contents:
     key_split_tasks     -- the parallel loop over the grid's tasks
     visible_query_tiles -- the query tiles of a KV head's group that can see a key tile
     sum_split_partials  -- a gradient from the per-split partials of the key-split tasks (no races)
+    split_sum           -- the partials of one element summed in split order, as one expression
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op.config import AttnConfig
-from ..common import F32, balanced_order, query_tile_range
+from ..common import balanced_order, query_tile_range
 
 
 @dataclass(frozen=True)
 class KeySplitGrid:
     """The task grid of the kernels that own key tiles (the backward, the double backward): one
     task per (batch ``b``, KV head ``g``, ``split``), a split a contiguous run of ``per_split`` of
-    the ``n_key_tiles`` key tiles; each key tile meets the query tiles (of ``padded_sq`` rows) of
-    every query head of g's group that can see it. ``n_key_tiles``, ``per_split`` and
+    the ``n_key_tiles`` key tiles; each key tile meets the query tiles of every query head of g's
+    group that can see it. ``padded_sq``: the partials' rows per query head (whole query tiles in
+    the double backward; the backward's Sq, its tiles adding their live rows only). ``n_key_tiles``, ``per_split`` and
     ``padded_sq`` are the kernel's own bound variables; a Python value inside the kernel."""
 
     cfg: AttnConfig
@@ -100,15 +102,25 @@ def visible_query_tiles(grid, kernel, scratch, b, g, split, kt, pair_body):
             pair_body(kernel, scratch, grid.pair(b, g, split, hr, qt, kt))
 
 
+def split_sum(partial, splits: int, live=None):
+    """``partial(0) + partial(1) + ... + partial(splits - 1)`` in split order, as one expression; with
+    ``live`` (a run-time count) the splits from ``live`` on count 0."""
+    total = T.float32(0)
+    for c in range(splits):
+        total = total + (partial(c) if live is None else T.Select(c < live, partial(c), T.float32(0)))
+    return total
+
+
 @T.macro
 def sum_split_partials(part, out, B, Hq, Sq, D, splits, dtype):
     # out[b, h, i, d] = sum over the splits c of part[c, b, h, i, d], in split order (deterministic):
     # the key-split tasks (the backward's dq, the double backward's q_grad) each write their own
     # partial, so no two tasks add into one row
+    # (the sum is one expression over the splits, a vector of d at a time: a local accumulator per
+    # element was a heap block per element in TVM 0.27, a million allocations at S 2048)
     for bh in T.parallel(B * Hq):
-        for i, d in T.grid(Sq, D):
-            total = T.alloc_buffer((1,), F32, scope="local")
-            total[0] = T.float32(0)
-            for c in range(splits):
-                total[0] = total[0] + part[c, bh // Hq, bh % Hq, i, d]
-            out[bh // Hq, bh % Hq, i, d] = total[0].astype(dtype)
+        for i in range(Sq):
+            for d in T.vectorized(D):
+                out[bh // Hq, bh % Hq, i, d] = split_sum(lambda c: part[c, bh // Hq, bh % Hq, i, d],
+                                                         splits).astype(dtype)
+

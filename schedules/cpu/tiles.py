@@ -6,6 +6,8 @@ Contents:
     vector_lanes  -- float32 lanes of the target's widest vector unit (4, 8 or 16)
     vector_registers -- the target's architectural vector registers (16 or 32)
     tiles_for     -- the hand-picked tiles for a target, head dim and row count
+    fit_keys, fit_rows -- tiles whose key tile (query tile) is no longer than a call's static key
+                  (query) count needs
     tile_space, streaming_space -- the knob candidates the tuner samples
     cores         -- the target's thread count
     CORE_KNOBS    -- the knobs that set how many parallel tasks a kernel has (they depend on cores)
@@ -155,6 +157,28 @@ def tiles_for(target: tvm.target.Target, *, head_dim: int, rows: int | None, num
         row_bytes = kv_heads * head_dim * element_bytes
         tiles = replace(tiles, prefetch=max(4, min(64, (64 << 10) // row_bytes)))
     return tiles
+
+
+def fit_keys(tiles: CpuTiles, keys: int | None) -> CpuTiles:
+    """``tiles`` with block_k cut to ``keys`` (static; None: unknown) rounded up to what the kernels'
+    key loops take at once: a call with few keys (Sk 1 at B 2048) packs and walks no key slots
+    that no call has (64 per key, at block_k 64)."""
+    if keys is None:
+        return tiles
+    if keys < tiles.key_vecs * tiles.lanes:  # fewer keys than a register tile's row: one vector of them
+        tiles = replace(tiles, key_vecs=1)
+    step = math.lcm(tiles.key_vecs * tiles.lanes, tiles.micro_rows)
+    return replace(tiles, block_k=min(tiles.block_k, max(step, -(-keys // step) * step)))
+
+
+def fit_rows(tiles: CpuTiles, rows: int | None) -> CpuTiles:
+    """``tiles`` with block_q cut to ``rows`` (static; None: unknown) rounded up to a register tile
+    (of fewer rows where ``rows`` is below one): a backward over one-row sequences computes one
+    row per query tile, not 64."""
+    if rows is None or rows >= tiles.block_q:
+        return tiles
+    micro_rows = min(tiles.micro_rows, 1 << (max(rows, 1).bit_length() - 1))
+    return replace(tiles, micro_rows=micro_rows, block_q=max(micro_rows, -(-rows // micro_rows) * micro_rows))
 
 
 def tile_space(target: tvm.target.Target, *, rows: int | None) -> dict[str, tuple[int, ...]]:

@@ -9,7 +9,8 @@ visible key gets an output of 0 and an lse of -inf (as ``reference.flash_attn_va
 does a row past the last sequence.
 
 It is TVM's ragged prefill (``ragged.prefill_phases``) with FlashAttention's conventions: every
-(sequence, KV head) packs its key tiles once into workspaces of O(total_k * D), then every
+(sequence, KV head) packs its whole key tiles once into workspaces of at most total_k * D floats
+per KV head (the last, partial one is packed by each task), then every
 (sequence, KV head, tile of block_q rows) runs the dense forward's register-tiled online softmax
 over the key tiles its rows can see, so the cost follows sum_b Sq_b * Sk_b, not B * max^2.
 
@@ -70,11 +71,10 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     task = RaggedTask(spec, tiles, lse=LSE_NATURAL if spec.return_lse else None)
     total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
     sizes = dict(total_q=total_q, total_k=total_k, B1=B1)
-    # the workspaces (allocated before the checks run) hold every sequence's key tiles: at most
-    # total_k // block_k plus one partial tile per sequence with keys, of which there are at most
-    # min(B, total_k); never negative, even where cu_seqlens are empty ([]: B1 = 0)
+    # the workspaces (allocated before the checks run) hold every sequence's whole key tiles: at
+    # most total_k // block_k (a partial tile is packed by its tasks); never negative
     run = prefill_phases(spec, tiles, task, None, where=OP, workers=workers,
-                         key_tiles=lambda a, block_k: total_k // block_k + tirx.min(B1, total_k))
+                         key_tiles=lambda a, block_k: total_k // block_k)
     unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
 
     # fmt: off

@@ -11,10 +11,10 @@ them, are dealt to parallel workers (``ragged.dealt_tasks``, bit-reversed so tha
 tasks reach every thread), and each walks only the query tiles of its sequence that can see its
 key tiles, so the cost follows sum_b Sq_b * Sk_b, not B * max^2.
 
-dq: each task adds into its own float32 partial, [splits, Hq, padded rows, DP] with every
-sequence's query tiles padded to block_q (splits * Hq * (total_q + B * block_q) * DP floats: the
-rule keeps splits <= 4); a last pass sums a row's
-partials in split order (deterministic, no races). Rows past cu_seqlens_q[B] get dq = 0 and keys
+dq: each task adds into its own float32 partial, [splits, Hq, total_q, DP] (a query tile adds its
+live rows only, so the partials are O(splits * total_q * D) however short the sequences; the rule
+keeps splits <= 4); a last pass sums a row's partials in split order (deterministic, no races).
+Rows past cu_seqlens_q[B] get dq = 0 and keys
 past cu_seqlens_k[B] dk = dv = 0; a sequence without keys gives its rows dq = 0.
 
 cu_seqlens are validated in the kernel before anything is read through them (``varlen.check_packed_offsets``).
@@ -36,7 +36,7 @@ from tvm.script import tirx as T
 from ..common import F32, KernelSpec, check_packed, drop_params, finish, kernel_params
 from .backward import BackwardBuffers, BackwardKernel, BackwardTask
 from .ragged import dealt_tasks, find_sequence
-from .tasks import KeySplitGrid, TilePair
+from .tasks import KeySplitGrid, TilePair, split_sum
 from .tiles import CpuTiles
 from .varlen import check_packed_offsets
 
@@ -77,7 +77,7 @@ class PackedSequence:
 class SequenceGrid(KeySplitGrid):
     """A task's grid over one sequence (Sq, Sk, its key tiles and their splits are the sequence's);
     the dq partial of query tile qt of head h, split c starts at row ``first_row + qt * block_q``
-    of the [splits, Hq, padded_rows, DP] partials."""
+    (first_row: the sequence's first row) of the [splits, Hq, padded_rows, DP] partials."""
 
     first_row: tirx.PrimExpr = 0
     padded_rows: tirx.PrimExpr = 0
@@ -105,10 +105,9 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
     task = BackwardTask(spec, tiles, ("dq", "dk", "dv"))
     total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
     sizes = dict(total_q=total_q, total_k=total_k, B1=B1)
-    # the partials' rows per (split, query head): every sequence's query tiles padded to block_q, at
-    # most total_q plus a partial tile per sequence with queries (at most min(B, total_q) of them);
-    # from the shapes alone (allocated with the function, before the offsets are checked)
-    padded_rows = total_q + tirx.min(B1, total_q) * BQ
+    # the partials' rows per (split, query head): the packed rows themselves (a query tile adds its
+    # live rows only)
+    padded_rows = total_q
     unused = set() if spec.has_alibi else {"alibi_slopes"}
 
     @T.macro
@@ -123,9 +122,9 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
         per_split: T.int64 = (n_key_tiles + T.min(n_key_tiles, splits) - 1) // T.min(n_key_tiles, splits)
         split: T.int64 = (task_id - first_task[b]) // Hkv
         g: T.int64 = (task_id - first_task[b]) % Hkv
-        first_row: T.int64 = first_row_tile[b] * BQ
+        first_row: T.int64 = q0
         # the task's own dq partial rows zeroed (no other task writes them)
-        for hr, row in T.grid(group, (sq + BQ - 1) // BQ * BQ):
+        for hr, row in T.grid(group, sq):
             for d in T.vectorized(DP):
                 dq_part[((split * Hq + g * group + hr) * padded_rows + first_row + row) * DP + d] = T.float32(0)
         grid = T.meta_var(SequenceGrid(cfg, 1, sq, sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
@@ -180,12 +179,11 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
                                       // BK, splits)
             for r in range(BQ):
                 if (t - first_row_tile[bounds[0]]) * BQ + r < sq:
-                    for h, d in T.grid(Hq, D):
-                        total = T.alloc_buffer((1,), F32, scope="local")
-                        total[0] = T.float32(0)
-                        for c in range(n_splits):
-                            total[0] = total[0] + dq_part[((c * Hq + h) * padded_rows + t * BQ + r) * DP + d]
-                        dq[q0 + (t - first_row_tile[bounds[0]]) * BQ + r, h, d] = total[0].astype(dtype)
+                    for h in range(Hq):
+                        for d in T.vectorized(D):
+                            dq[q0 + (t - first_row_tile[bounds[0]]) * BQ + r, h, d] = split_sum(
+                                lambda c: dq_part[((c * Hq + h) * padded_rows + q0 + (t - first_row_tile[bounds[0]])
+                                                   * BQ + r) * DP + d], splits, n_splits).astype(dtype)
         # rows and keys of no sequence: no gradient
         for i in T.parallel(total_q - q_end):
             for h, d in T.grid(Hq, D):

@@ -45,7 +45,7 @@ from .. import op
 from ..build import compile as fuel_compile
 from ..target import host_target
 from ..deploy.node.peers import paged_gather_sdpa
-from .cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite, head_dim_suite
+from .cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite, head_dim_suite, tiny_rows_suite
 from ..schedules.cpu.tiles import vector_lanes, vector_registers
 from ..threads import physical_cores, thread_count
 
@@ -376,7 +376,7 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
                     "threads": {"tvm": tvm.runtime.num_threads(), "torch": torch.get_num_threads() if torch else None},
                     "platform": platform.platform(), "tvm": tvm.__version__,
                     "torch": torch.__version__ if torch is not None else None, "target": str(target)},
-        "cases": [], "head_dims": [], "sweep": [],
+        "cases": [], "head_dims": [], "tiny_rows": [], "sweep": [],
     }
     report["machine"].update(machine_peaks(target))
     peaks = report["machine"]
@@ -396,6 +396,8 @@ def run_bench(*, out_dir: str | Path = "bench_results", floor_all: bool = False,
     report["paged_bf16_time_ratio"] = half_width["results"]["tuned"]["ms"] / full["results"]["tuned"]["ms"]
     for case in head_dim_suite():
         report["head_dims"].append(_summarize(case, _flash_timings(case, target, with_floor=False), peaks))
+    for case in tiny_rows_suite():  # the floor's scores are few here: it is the row's reference
+        report["tiny_rows"].append(_summarize(case, _flash_timings(case, target, with_floor=True), peaks))
     if sweep:
         for s in (256, 512, 1024, 2048):
             for causal in (False, True):
@@ -438,7 +440,7 @@ def _print(report: dict) -> None:
 
     print(f"\n{'case':<48} {'tuned':>20} {'hand-picked':>20} {'torch':>20} {'floor':>20} {'tuned/torch':>11} "
           f"{'floor/tuned':>11} {'hand/tuned':>10} {'of peak':>8}")
-    for c in report["cases"] + report.get("head_dims", []):
+    for c in report["cases"] + report.get("head_dims", []) + report.get("tiny_rows", []):
         unit = "gbps" if c["kind"] == "paged" else "gflops"
         r = c["results"]
         frac = c.get("read_fraction", c.get("fma_fraction"))

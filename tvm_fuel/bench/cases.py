@@ -8,6 +8,7 @@ Contents:
     FlashCase, PagedCase      -- one benchmark shape (with a dtype)
     default_suite             -- the CPU benchmark's shapes
     head_dim_suite            -- forward rows at the head dims models use beyond 64 and 128
+    tiny_rows_suite           -- many one- to sixteen-token sequences (B 2048), forward and backward
     cuda_suite                -- the CUDA benchmark's shapes (bf16, H200-sized)
     FLOOR_MAX_SCORES
 """
@@ -89,6 +90,12 @@ def head_dim_suite() -> list[FlashCase]:
     """Forward at S 2048 over head dims 80, 96, 112, 160, 192 and 256 (Phi, Mixtral-era models,
     Gemma): not tuning buckets, so their rows run the rules' hand-picked knobs."""
     return [FlashCase(1, 8, 2048, d, causal) for d in (80, 96, 112, 160, 192, 256) for causal in (False, True)]
+
+
+def tiny_rows_suite() -> list[FlashCase]:
+    """B 2048 x H 8 sequences of S 1, 4 and 16 tokens (D 64, causal), forward and backward: a batch of
+    decode-shaped rows, where the cost must follow the rows, not whole tiles (timed against the floor)."""
+    return [FlashCase(2048, 8, s, 64, True, backward) for backward in (False, True) for s in (1, 4, 16)]
 
 
 def cuda_suite() -> tuple[list[FlashCase], list[PagedCase]]:

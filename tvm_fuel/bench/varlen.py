@@ -38,7 +38,8 @@ class VarlenCase:
 
     @property
     def name(self) -> str:
-        return f"varlen causal B{len(self.lens)} S{'/'.join(map(str, self.lens))} Hq{self.Hq} Hkv{self.Hkv} D{self.D}"
+        lens = f"S{self.lens[0]}" if len(set(self.lens)) == 1 else f"S{'/'.join(map(str, self.lens))}"
+        return f"varlen causal B{len(self.lens)} {lens} Hq{self.Hq} Hkv{self.Hkv} D{self.D}"
 
     @property
     def flops(self) -> float:
@@ -47,6 +48,8 @@ class VarlenCase:
 
 
 VARLEN_ROW = VarlenCase((1536, 512, 96, 17, 1024, 1), 8, 2, 64)
+# many tiny sequences (issue 55): each costs its own row and key, not a whole tile
+MANY_SHORT_ROW = VarlenCase((1,) * 2048, 8, 8, 64)
 
 
 def _modules(case: VarlenCase):
@@ -199,7 +202,8 @@ def varlen_rows() -> dict:
     """The varlen row and its backward on this CPU (fuel's tuned build, its shipped logs)."""
     from ..target import host_target
 
-    return {"rows": [_row(VARLEN_ROW, host_target())], "backward_rows": [backward_row(VARLEN_ROW, host_target())]}
+    return {"rows": [_row(case, host_target()) for case in (VARLEN_ROW, MANY_SHORT_ROW)],
+            "backward_rows": [backward_row(VARLEN_ROW, host_target())]}
 
 
 def _print_row(row: dict, names: tuple[str, ...], subject: str, prefix: str, meaning: str) -> None:
