@@ -15,6 +15,7 @@ Contents (``pool``: fuel's own cache; ``tvm_cache``: TVM's runtime cache):
     PagedKVCache  -- the block pool, tables and tensors
     append_kernel -- the PrimFunc that writes K/V rows into their slots
     tvm_kernels   -- fuel's kernels for the attention slots of TVM's PagedKVCache (``TVM_SLOTS``)
+    TVM_PAGE_SIZE -- 16, the page size TVM 0.27 builds into its own cache's kernels
     tvm_own_kernels -- TVM 0.27's own kernels for those slots, for a target
     FuelPagedKVCache -- TVM's TIRPagedKVCache (relax.frontend.nn) with those slots filled by fuel
     runtime_kernels, runtime_cache -- every slot compiled (fuel's or TVM's), and the runtime cache
@@ -34,7 +35,8 @@ array([17], dtype=int32)
 from __future__ import annotations
 
 from .pool import PagedKVCache, append_kernel
-from .tvm_cache import FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_SLOTS, tvm_kernels, tvm_own_kernels
+from .tvm_cache import (FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_PAGE_SIZE, TVM_SLOTS, tvm_kernels,
+                        tvm_own_kernels)
 
-__all__ = ["PagedKVCache", "append_kernel", "TVM_SLOTS", "tvm_kernels", "tvm_own_kernels", "runtime_kernels",
-           "runtime_cache", "FuelPagedKVCache"]
+__all__ = ["PagedKVCache", "append_kernel", "TVM_SLOTS", "TVM_PAGE_SIZE", "tvm_kernels", "tvm_own_kernels",
+           "runtime_kernels", "runtime_cache", "FuelPagedKVCache"]

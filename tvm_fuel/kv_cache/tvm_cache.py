@@ -4,6 +4,7 @@ Relax model, and ``FuelPagedKVCache`` for models written with ``relax.frontend.n
 
 Contents:
     TVM_SLOTS        -- the attention slots fuel fills
+    TVM_PAGE_SIZE    -- 16, the page size TVM 0.27 builds into its own cache's kernels
     tvm_kernels      -- fuel's kernels for them (llvm; cuda sm_80+; the CUDA emulation)
     tvm_own_kernels  -- TVM 0.27's kernels for them, for a target (what fuel's are checked against)
     runtime_kernels, runtime_cache -- every slot compiled (fuel's or TVM's), and the runtime cache
@@ -26,6 +27,9 @@ from ..op.config import as_int, positive_int
 # the attention slots of TVM's PagedKVCache, all filled by fuel's kernels (append, copy, rotary and debug stay TVM's)
 TVM_SLOTS = ("prefill", "decode", "prefill_sliding_window", "decode_sliding_window", "prefill_ragged",
              "prefill_with_tree_mask", "prefill_with_tree_mask_paged_kv_cache", "merge_state")
+# the page size TVM 0.27 builds into its own cache: TIRPagedKVCache's append and compact kernels and its
+# tree-attention kernels over pages (relax/frontend/nn/llm/kv_cache.py, tree_attn.py) take pages of 16
+TVM_PAGE_SIZE = 16
 
 
 def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, target, *, page_size: int = 16,
@@ -172,8 +176,9 @@ def tvm_own_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     from ..target import as_target
 
     target = as_target(target)
-    if page_size != 16:  # TVM's tree kernels read pages of 16 whatever they are given
-        raise ValueError(f"kv_cache.tvm_own_kernels: TVM's kernels are built for pages of 16, got {page_size}")
+    if page_size != TVM_PAGE_SIZE:  # TVM's tree kernels read pages of 16 whatever they are given
+        raise ValueError(f"kv_cache.tvm_own_kernels: page_size must be {TVM_PAGE_SIZE} (TVM's kernels are built for "
+                         f"pages of {TVM_PAGE_SIZE}), got {page_size}")
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
     if target.kind.name == "cuda":
         funcs = dict(
@@ -221,27 +226,50 @@ def runtime_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     """Every slot of TVM's runtime cache compiled for this CPU, by slot name: TVM 0.27's CPU
     kernels (as ``TIRPagedKVCache`` builds them for llvm, scheduled as TVM's tests do), with fuel's
     in ``TVM_SLOTS`` unless ``kernels`` is "tvm". For driving the runtime cache without a Relax
-    model (``runtime_cache``: benchmarks, tests); a model uses ``FuelPagedKVCache``."""
+    model (``runtime_cache``: benchmarks, tests); a model uses ``FuelPagedKVCache``.
+
+    ``page_size``: the tokens per page every slot is built for; the answer's ``page_size``
+    attribute records it, and ``runtime_cache`` refuses any other. With fuel's kernels any
+    positive size: TVM 0.27's append, copy and compact kernels take the page size as a parameter
+    (it is passed to them here; ``relax/frontend/nn/llm/_page_kernels.py``), its debug kernel
+    reads it from the pages. With ``kernels="tvm"`` only 16: TVM's tree-attention kernel over
+    pages (``tree_attn_with_paged_kv_cache_cpu``, ``tree_attn.py``) has pages of 16 built in.
+    """
     from ..target import host_target
 
+    where = "kv_cache.runtime_kernels"
     if kernels not in ("fuel", "tvm"):
-        raise ValueError(f"kv_cache.runtime_kernels: kernels must be 'fuel' or 'tvm', got {kernels!r}")
+        raise ValueError(f"{where}: kernels must be 'fuel' or 'tvm', got {kernels!r}")
+    page_size = positive_int(where, "page_size", page_size)
+    if kernels == "tvm" and page_size != TVM_PAGE_SIZE:  # refused before anything is built
+        raise ValueError(f"{where}: page_size must be {TVM_PAGE_SIZE} with kernels='tvm' (TVM 0.27's tree-attention "
+                         f"kernel over pages is built for pages of {TVM_PAGE_SIZE}), got {page_size}; "
+                         "kernels='fuel' serves any page size")
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
     target = host_target()
     # the other slots' CPU kernels: TIRPagedKVCache builds them from these (TVM's own tests import them too)
     funcs = dict(
-        transpose_append=tvm_llm_kv._kv_cache_transpose_append(hkv, d, dtype),  # noqa: SLF001
+        transpose_append=tvm_llm_kv._kv_cache_transpose_append(hkv, d, dtype, page_size),  # noqa: SLF001
         debug_get_kv=tvm_llm_kv._kv_cache_debug_get_kv(num_layers, hkv, d, dtype),  # noqa: SLF001
         split_rotary=tvm_llm_kv.llama_rope_with_position_map(rope_theta, rope_scale, d, hq, hkv, dtype, {}),
         copy_single_page=tvm_llm_kv._copy_single_page_cpu(hkv, page_size, d, dtype),  # noqa: SLF001
-        compact_kv_copy=tvm_llm_kv._compact_kv_copy_cpu(hkv, d, dtype))  # noqa: SLF001
+        compact_kv_copy=tvm_llm_kv._compact_kv_copy_cpu(hkv, d, dtype, page_size))  # noqa: SLF001
     slots = tvm_own_kernels if kernels == "tvm" else tvm_kernels
     funcs |= slots(hkv, hq, d, dtype, target, page_size=page_size, sliding_window_size=sliding_window_size)
-    built = {}
+    built = _RuntimeSlots(page_size)
     for slot, func in funcs.items():
         symbol = str(func.attrs["global_symbol"]) if "global_symbol" in func.attrs else "main"
         built[slot] = tvm.compile(tvm.IRModule({"main": _scheduled(func, target)}), target=target)[symbol]
     return built
+
+
+class _RuntimeSlots(dict):
+    """``runtime_kernels``' answer: slot name -> compiled function, and ``page_size``, the tokens
+    per page they were built for (what ``runtime_cache`` checks its own ``page_size`` against)."""
+
+    def __init__(self, page_size: int):
+        super().__init__()
+        self.page_size = page_size
 
 
 def runtime_cache(slots: dict, *, num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, num_layers: int,
@@ -253,10 +281,21 @@ def runtime_cache(slots: dict, *, num_kv_heads: int, num_qo_heads: int, head_dim
     do, e.g. one that counts its calls), driven by ``vm.builtin.kv_state_*`` and
     ``attention_kv_cache_attention_with_fused_qkv``. No KV transfer; ``layer_kinds``: each
     layer's "mha" (the default) or "mha_sliding" (a window of ``layer_sliding_window_size``, the
-    size the slots' sliding-window kernels were built for)."""
+    size the slots' sliding-window kernels were built for).
+
+    ``page_size`` must be the one the slots were built for: their append, copy and attention
+    kernels take pages of that fixed size, and the runtime's pages of any other fail in the first
+    forward. Checked against ``slots.page_size`` where ``slots`` is ``runtime_kernels``' answer
+    (a dict of other functions is taken as built for ``page_size``)."""
+    where = "kv_cache.runtime_cache"
+    page_size = positive_int(where, "page_size", page_size)
+    built_for = getattr(slots, "page_size", None)
+    if built_for is not None and page_size != built_for:
+        raise ValueError(f"{where}: page_size must be {built_for}, the page size runtime_kernels built these slots "
+                         f"for (TVM's append and copy kernels index pages of that size), got {page_size}")
     kinds = layer_kinds or ["mha"] * num_layers
     if len(kinds) != num_layers or not set(kinds) <= {"mha", "mha_sliding"}:
-        raise ValueError(f"kv_cache.runtime_cache: layer_kinds must be {num_layers} of 'mha' / 'mha_sliding', "
+        raise ValueError(f"{where}: layer_kinds must be {num_layers} of 'mha' / 'mha_sliding', "
                          f"got {layer_kinds!r}")
     create = tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")
     shape = tvm.runtime.ShapeTuple
@@ -343,9 +382,10 @@ class FuelPagedKVCache(tvm_llm_kv.TIRPagedKVCache, _FuelSlots):
                              f"{a['attn_kind']!r}")
         if a["qk_head_dim"] != a["v_head_dim"]:
             raise ValueError(f"{where}: v_head_dim ({a['v_head_dim']}) must equal qk_head_dim ({a['qk_head_dim']})")
-        page_size = a["page_size"]
-        if isinstance(page_size, (int, tvm.tirx.IntImm)) and int(page_size) != 16:
-            raise ValueError(f"{where}: page_size must be 16 (the page fuel's kernels are built for), got "
+        page_size = a["page_size"]  # mostly a tirx.Var, given at run time: LlamaCacheEngine checks that one
+        if isinstance(page_size, (int, tvm.tirx.IntImm)) and int(page_size) != TVM_PAGE_SIZE:
+            raise ValueError(f"{where}: page_size must be {TVM_PAGE_SIZE} (TIRPagedKVCache builds its append and "
+                             f"compact kernels, and fuel's slots here, for pages of {TVM_PAGE_SIZE}), got "
                              f"{int(page_size)}")
         from ..target import as_target
 

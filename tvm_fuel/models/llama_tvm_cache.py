@@ -45,7 +45,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 
-from ..kv_cache import FuelPagedKVCache
+from ..kv_cache import FuelPagedKVCache, TVM_PAGE_SIZE
 from ..target import host_target
 from .llama import LlamaConfig, LlamaDecoder, init_weights
 
@@ -134,12 +134,17 @@ class LlamaCacheEngine:
         Default ``llama.init_weights(config, names, seed=seed)``.
     max_batch_size, max_total_seq_len, prefill_chunk_size, page_size :
         The runtime cache's: sequences per step, tokens held in all (its pages), tokens per step,
-        tokens per page (16: the CPU kernels').
+        tokens per page. ``page_size`` must be 16 (``kv_cache.TVM_PAGE_SIZE``): TVM 0.27's
+        ``TIRPagedKVCache``, which both kernel sets build on, builds its append and compact kernels
+        for pages of 16 whatever page size the cache is created with; refused before the build.
     """
 
     def __init__(self, config: LlamaConfig, *, kernels: str = "fuel", weights: dict[str, np.ndarray] | None = None,
                  seed: int = 0, max_batch_size: int = 8, max_total_seq_len: int = 2048, prefill_chunk_size: int = 512,
                  page_size: int = 16, target=None):
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size != TVM_PAGE_SIZE:
+            raise ValueError(f"LlamaCacheEngine: page_size must be {TVM_PAGE_SIZE} (TVM's TIRPagedKVCache builds its "
+                             f"append and compact kernels for pages of {TVM_PAGE_SIZE}), got {page_size!r}")
         self.config, self.kernels = config, kernels
         self.target = target or host_target()
         self.module, self.param_names = export(config, kernels=kernels, target=self.target)
