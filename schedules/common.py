@@ -15,8 +15,8 @@ Contents:
     row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased, masked_logit, probability -- the element-wise mask, logit and softmax weight (via
                       tvm_fuel.op.semantics)
-    is_key_mask, key_mask_heads, without_mask, key_term, add_key_term -- a mask the same for every query
-                      row (a key mask or bias), read once per key tile instead of per score
+    is_key_mask, key_mask_heads, without_mask, key_term, add_key_term, key_masked_probability -- a mask the
+                      same for every query row (a key mask or bias), read once per key tile instead of per score
     mask_shape, mask_at, drop_params, finish
     ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima
 """
@@ -303,6 +303,16 @@ def add_key_term(logit, term):
     """``logit`` + a key's ``key_term``; -inf where the term is -inf, even for a NaN logit (the
     mask drops the key whatever the score)."""
     return tirx.Select(term == sem.NEG_INF, sem.NEG_INF, logit + term)
+
+
+def key_masked_probability(spec: KernelSpec, capped, alibi, term, b, h, i, j, kv_len, delta, lse, *,
+                           fast: bool = False):
+    """``probability`` under a key mask (``is_key_mask``) from key j's ``key_term`` (natural units),
+    read once per key tile: 0 where the window/length rule or the term drops the key."""
+    plain = without_mask(spec)
+    keep = tirx.all(visible(plain, None, b, h, i, j, kv_len, delta), term != sem.NEG_INF)
+    return T.Select(keep, sem.probability(biased(plain, capped, alibi, None, b, h, i, j, delta) + term, lse,
+                                          fast=fast), T.float32(0))
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

@@ -28,11 +28,14 @@ F32_MIN = float(np.finfo(np.float32).min)
 OPTIONS = {"full": dict(), "causal": dict(causal=True), "window": dict(window_size=(24, 5)),
            "softcap_alibi": dict(causal=True, softcap=5.0)}
 # (mask kind, options): bool and additive [B, 1, 1, Sk] under every window; the other shapes causal
-CASES = [("bool", name) for name in ("full", "causal", "window")] + [("bias", name) for name in OPTIONS] + [
+CASES = [("bool", name) for name in ("full", "causal", "window")] + [
+    ("bias", name) for name in ("full", "causal", "window", "softcap_alibi")] + [
     ("bool_shared", "causal"), ("bias_per_head", "causal"), ("bias_per_head", "window")]
 MASK_SHAPES = {"bool": (B, 1, 1), "bool_shared": (1, 1, 1), "bias": (B, 1, 1), "bias_per_head": (B, HQ, 1)}
 PATTERNS = ("all_kept", "random", "whole_tiles_dropped", "batch_dropped")
 SIZES = [(sq, sk) for sk in (1, 17, 97, 130) for sq in sorted({1, sk})]
+# (ALiBi or a softcap cost the backward kernel's build 5 s more: the forward checks them beside a key mask)
+BACKWARD_CASES = [("bool", "causal"), ("bias_per_head", "window"), ("bias", "full")]
 
 
 def _mask_heads(kind: str) -> int:
@@ -40,23 +43,29 @@ def _mask_heads(kind: str) -> int:
 
 
 @functools.cache
-def _kernel(kind: str, options: str):
-    """(the legalized kernel PrimFunc, a VM running the module) of flash_attn with a ``kind`` mask."""
+def _kernel(kind: str, options: str, backward: bool = False):
+    """(the legalized kernel PrimFunc, a VM running the module) of flash_attn (out, lse) or, ``backward``,
+    flash_attn_backward (dq, dk, dv; its forward kernel too) with a ``kind`` mask."""
     mask_dtype = "bool" if kind.startswith("bool") else "float32"
     params = dict(q=((B, HQ, SQ, D), "float32"), k=((B, HKV, SK, D), "float32"), v=((B, HKV, SK, D), "float32"),
                   mask=((*MASK_SHAPES[kind], SK), mask_dtype))
+    if backward:
+        params["do"] = ((B, HQ, SQ, D), "float32")
     if options == "softcap_alibi":
         params["slopes"] = ((HQ,), "float32")
 
-    def make(q, k, v, mask, slopes=None):
+    def make(q, k, v, mask, do=None, slopes=None):
+        if backward:
+            return op.flash_attn_backward(q, k, v, do, slopes, mask, **OPTIONS[options])
         return op.flash_attn(q, k, v, slopes, mask, return_lse=True, **OPTIONS[options])
 
     legalized = legalize_checked(build(make, params), HOST, "tuned")
-    kernel = legalized["fuel_flash_attn_kernel"]
+    kernel = legalized["fuel_flash_attn_backward_kernel" if backward else "fuel_flash_attn_kernel"]
     return kernel, relax.VirtualMachine(tvm.compile(legalized, target=HOST), tvm.cpu())
 
 
-def _mask(kind: str, pattern: str, sk: int, rng) -> np.ndarray:
+def _mask(kind: str, pattern: str, sk: int, rng, *, huge: float = F32_MIN) -> np.ndarray:
+    """A ``kind`` mask of ``pattern``; ``huge``: the large finite bias that weighs keys down."""
     shape = (*MASK_SHAPES[kind], sk)
     if kind.startswith("bool"):
         keep = {"all_kept": np.ones(shape, bool), "random": rng.random(shape) < 0.7}.get(pattern)
@@ -73,10 +82,10 @@ def _mask(kind: str, pattern: str, sk: int, rng) -> np.ndarray:
         return np.zeros(shape, np.float32)
     if pattern == "random":
         bias[rng.random(shape) < 0.2] = -np.inf
-        bias[rng.random(shape) < 0.1] = F32_MIN
+        bias[rng.random(shape) < 0.1] = huge
     elif pattern == "whole_tiles_dropped":
         bias[..., :min(sk, 130)] = -np.inf
-        bias[0, ..., 1:min(sk, 70)] = F32_MIN  # a finite bias only weighs its keys down
+        bias[0, ..., 1:min(sk, 70)] = huge  # a finite bias only weighs its keys down
         bias[..., -1:] = 0.5
     else:
         bias[-1] = -np.inf
@@ -115,6 +124,15 @@ def test_the_key_mask_is_read_once_per_key_tile(kind, options):
     assert counts, "the kernel reads no mask"
     # one read per key (and per query head of the group for a per-head bias), not one per score
     assert max(counts) <= _mask_heads(kind) * block_k, (counts, block_k)
+
+
+@pytest.mark.parametrize("kind, options", BACKWARD_CASES)
+def test_the_backward_reads_the_key_mask_once_per_key_tile_and_query_head(kind, options):
+    kernel, _ = _kernel(kind, options, backward=True)
+    counts, block_k = _per_tile_mask_loads(kernel), _block_k(kernel)
+    assert counts, "the kernel reads no mask"
+    # per (key tile, query tile) pair the loops over the group's heads and the tile's keys, not its rows
+    assert max(counts) <= HQ // HKV * block_k, (counts, block_k)
 
 
 def test_a_full_mask_stays_per_score():
@@ -162,3 +180,22 @@ def test_a_nan_bias_reaches_only_the_rows_that_see_its_key():
     want = ref.flash_attn(q, k, v, None, bias, causal=True)
     assert np.isnan(out[:, :, -1]).all()
     assert_close(out[:, :, :-1], want[:, :, :-1], "float32", what="out")
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 17), (97, 97), (130, 130)])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("kind, options", BACKWARD_CASES)
+def test_key_mask_gradients_match_the_reference(kind, options, pattern, sq, sk):
+    """dq, dk, dv with the mask read per tile (biases of -30, not finfo.min: a float32 lse cannot
+    hold log(n) beside a huge bias, see test_finite_bias.py)."""
+    rng = np.random.default_rng(sq * 1000 + sk)
+    q, do = (rng.standard_normal((B, HQ, sq, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, HKV, sk, D)).astype(np.float32) for _ in range(2))
+    mask = _mask(kind, pattern, sk, rng, huge=-30.0)
+    slopes = rng.uniform(0.0, 0.5, HQ).astype(np.float32) if options == "softcap_alibi" else None
+    _, vm = _kernel(kind, options, backward=True)
+    args = [q, k, v, mask, do] + ([slopes] if slopes is not None else [])
+    got = flatten(vm["main"](*[tvm.runtime.tensor(a) for a in args]))
+    want = ref.flash_attn_backward(q, k, v, do, slopes, mask, **OPTIONS[options])
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, "float32", scale=2.0, what=name)
