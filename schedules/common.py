@@ -15,13 +15,15 @@ Contents:
     row_head, row_position -- the GQA row packing of the forward kernels
     visible, biased, masked_logit, probability -- the element-wise mask, logit and softmax weight (via
                       tvm_fuel.op.semantics)
+    is_key_mask, key_mask_heads, without_mask, key_term, add_key_term, key_masked_probability -- a mask the
+                      same for every query row (a key mask or bias), read once per key tile instead of per score
     mask_shape, mask_at, drop_params, finish
     ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -264,6 +266,53 @@ def probability(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta
     return T.Select(visible(spec, mask, b, h, i, j, kv_len, delta),
                     sem.probability(biased(spec, capped, alibi, mask, b, h, i, j, delta), lse, fast=fast),
                     T.float32(0))
+
+
+def is_key_mask(spec: KernelSpec) -> bool:
+    """Whether the spec's mask is the same for every query row: its query dim broadcast ([B, 1, 1, Sk],
+    [B, Hq, 1, Sk], [1, Sk], ...; a [Sk] mask too). Such a mask is a per-key term (``key_term``) that a
+    kernel reads once per key tile and adds to whole columns of scores."""
+    broadcast = spec.mask_broadcast
+    return spec.mask_dtype is not None and (len(broadcast) == 1 or (len(broadcast) >= 2 and broadcast[-2]))
+
+
+def key_mask_heads(spec: KernelSpec) -> int:
+    """How many of a KV head's query heads have a key mask of their own: the group where the mask
+    has a query-head dim, else 1 (one term per key serves every row)."""
+    broadcast = spec.mask_broadcast
+    return spec.group if len(broadcast) >= 3 and not broadcast[-3] else 1
+
+
+def without_mask(spec: KernelSpec) -> KernelSpec:
+    """The spec less its mask: the other parts of a logit (softcap, ALiBi, window, length)."""
+    return replace(spec, mask_dtype=None, mask_broadcast=())
+
+
+def key_term(spec: KernelSpec, mask, b, h, j, *, unit: float = 1.0):
+    """The key mask's term of key j for query head h of batch b (``is_key_mask``), ``unit`` the
+    logits' (LOG2E where they are in log2 units): 0 where a boolean mask keeps the key and -inf
+    where it drops it; an additive mask's value bounded as ``semantics.add_mask`` bounds it, times
+    ``unit`` (-inf and NaN stay as they are). ``add_key_term`` adds it to a logit."""
+    value = mask_at(mask, b, h, 0, j)
+    if spec.mask_dtype == "bool":
+        return tirx.Select(value, tirx.const(0.0, F32), sem.NEG_INF)
+    return sem.add_mask(tirx.const(0.0, F32), value) * tirx.const(unit, F32)
+
+
+def add_key_term(logit, term):
+    """``logit`` + a key's ``key_term``; -inf where the term is -inf, even for a NaN logit (the
+    mask drops the key whatever the score)."""
+    return tirx.Select(term == sem.NEG_INF, sem.NEG_INF, logit + term)
+
+
+def key_masked_probability(spec: KernelSpec, capped, alibi, term, b, h, i, j, kv_len, delta, lse, *,
+                           fast: bool = False):
+    """``probability`` under a key mask (``is_key_mask``) from key j's ``key_term`` (natural units),
+    read once per key tile: 0 where the window/length rule or the term drops the key."""
+    plain = without_mask(spec)
+    keep = tirx.all(visible(plain, None, b, h, i, j, kv_len, delta), term != sem.NEG_INF)
+    return T.Select(keep, sem.probability(biased(plain, capped, alibi, None, b, h, i, j, delta) + term, lse,
+                                          fast=fast), T.float32(0))
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

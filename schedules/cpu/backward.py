@@ -34,7 +34,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, kernel_sizes
+from ..common import (F32, KernelSpec, drop_params, finish, is_key_mask, kernel_params, key_masked_probability,
+                      key_term, probability, kernel_sizes)
 from .common import Buffers, absent_inputs
 from .micro import Micro
 from .tasks import KeySplitGrid, key_split_tasks, sum_split_partials, visible_query_tiles
@@ -155,9 +156,16 @@ class _Body:
         # LLVM takes 70 s to compile the dv kernel
         capped_stored = cfg.softcap > 0
 
-        def pair_probability(capped, lse_row, params, seq, pair, r, c):
+        # a key mask (the same for every query row) is read once per (query tile, key tile) pair into
+        # per-key terms, not per score
+        KEY_MASK = is_key_mask(spec)
+
+        def pair_probability(capped, lse_row, params, seq, pair, r, c, terms):
             # P = exp(logit - lse) of one score from its capped value, 0 where the key is dropped
             Sq, Sk = seq.q_len(pair.b), seq.k_len(pair.b)
+            if KEY_MASK:
+                return key_masked_probability(spec, capped, params.alibi, terms[c], pair.b, pair.h, pair.i0 + r,
+                                              pair.key_start + c, Sk, Sk - Sq, lse_row, fast=True)
             return probability(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c,
                                Sk, Sk - Sq, lse_row, fast=True)
 
@@ -209,15 +217,19 @@ class _Body:
         def probabilities(S, Cap, lse_r, params, seq, pair):
             # S holds q.k^T; it becomes P = exp(logit - lse), 0 where the key is dropped (a vectorized
             # exp: LLVM's vector exp is 16 libm calls, which had cost the backward ~30 % of its time)
+            terms = T.alloc_buffer((BK if KEY_MASK else 1,), F32)
+            if KEY_MASK:
+                for c in T.vectorized(BK):
+                    terms[c] = key_term(spec, params.mask, pair.b, pair.h, pair.key_start + c)
             for r in range(BQ):
                 if pair.i0 + r < seq.q_len(pair.b):
                     for c in T.vectorized(BK):
                         if capped_stored:
                             Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
-                            S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, seq, pair, r, c)
+                            S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, seq, pair, r, c, terms)
                         else:
                             S[r, c] = pair_probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True),
-                                                       lse_r[r], params, seq, pair, r, c)
+                                                       lse_r[r], params, seq, pair, r, c, terms)
                 else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                     for c in T.vectorized(BK):
                         S[r, c] = T.float32(0)

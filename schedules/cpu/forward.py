@@ -32,10 +32,11 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...op import semantics as sem
-from ..common import (F32, balanced_order, drop_params, finish, KernelSpec, KeyTiles, key_tile_range, key_tiles,
-                      masked_logit, kernel_params, row_head, row_position, kernel_sizes, tile_is_interior, tile_width)
+from ..common import (F32, add_key_term, balanced_order, biased, drop_params, finish, is_key_mask, KernelSpec,
+                      key_mask_heads, key_term, KeyTiles, key_tile_range, key_tiles, masked_logit, kernel_params,
+                      row_head, row_position, kernel_sizes, tile_is_interior, tile_width, visible, without_mask)
 from .common import absent_inputs, Buffers
-from .micro import Micro
+from .micro import lane_tree, Micro
 from .tiles import CpuTiles
 
 
@@ -187,11 +188,63 @@ class ForwardMacros:
                     for c in T.vectorized(BK):
                         S[r, c] = logit(S[r, c], params, tile, r, key_start + c)
 
+        # A key mask (or bias: the same for every query row) is read once per key tile into terms
+        # [MH, BK] (log2 units) and added to whole columns, not loaded per score; an interior tile
+        # whose terms are all 0 (an all-true mask) is left as it is.
+        KEY_MASK = is_key_mask(spec)
+        plain = without_mask(spec)  # the logit's other parts, per score where plain.elementwise_logits
+        MH = key_mask_heads(spec)  # rows of terms: one per query head of the group, or one for all
+
+        def key_masked_logit(score, term, params, tile, r, key, boundary: bool):
+            # the logit of row r and key `key` (log2 units) from its score and its key's term; the
+            # window/length rule only on a boundary tile (an interior one keeps every key)
+            x = score
+            if plain.elementwise_logits:
+                capped = sem.softcap(cfg, score * T.float32(sem.LN2), fast=True)
+                x = biased(plain, capped, params.alibi, None, tile.b, tile.row_head(r), tile.row_position(r), key,
+                           tile.delta) * T.float32(sem.LOG2E)
+            x = add_key_term(x, term)
+            if boundary:
+                x = sem.masked(visible(plain, None, tile.b, tile.row_head(r), tile.row_position(r), key,
+                                       tile.kv_len, tile.delta), x)
+            return x
+
+        @T.macro
+        def add_key_terms(S, terms, params, tile, key_start, boundary):
+            for r in range(BQ):
+                if tile.r0 + r < tile.head_rows:
+                    for c in T.vectorized(BK):
+                        S[r, c] = key_masked_logit(S[r, c], terms[(tile.r0 + r) % MH, c], params, tile, r,
+                                                   key_start + c, boundary)
+
+        @T.macro
+        def key_masked_logits(S, params, tile, key_start):
+            terms = T.alloc_buffer((MH, BK), F32)
+            marked = T.alloc_buffer((L,), F32)  # per lane: 1 where a term of its columns is not 0
+            flag = T.alloc_buffer((1,), F32)
+            for v in T.vectorized(L):
+                marked[v] = T.float32(0)
+            for hi, c0 in T.grid(MH, BK // L):
+                for v in T.vectorized(L):
+                    terms[hi, c0 * L + v] = key_term(spec, params.mask, tile.b, tile.g * spec.group + hi,
+                                                     key_start + c0 * L + v, unit=sem.LOG2E)
+                    marked[v] = T.max(marked[v], T.Select(terms[hi, c0 * L + v] == T.float32(0), T.float32(0),
+                                                          T.float32(1)))
+            flag[0] = lane_tree(T.max, marked, L)
+            if not tile.is_interior(cfg, key_start, BK):
+                add_key_terms(S, terms, params, tile, key_start, True)
+            elif plain.elementwise_logits:
+                add_key_terms(S, terms, params, tile, key_start, False)
+            elif flag[0] != T.float32(0):
+                add_key_terms(S, terms, params, tile, key_start, False)
+
         @T.macro
         def normalize_tile(S, m, l, alpha, params, tile, key_start, width, rows=BQ):
             # scores -> masked logits -> 2^(logit - running max), log2 units; alpha: O's rescale to the new max
             # (of the tile's first `rows` rows)
-            if spec.elementwise_logits:
+            if KEY_MASK:
+                key_masked_logits(S, params, tile, key_start)
+            elif spec.elementwise_logits:
                 logits(S, params, tile, key_start)
             else:
                 if not tile.is_interior(cfg, key_start, BK):

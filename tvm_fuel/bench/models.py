@@ -11,9 +11,16 @@ time is a whole call, logits copied out to numpy, runs alternated in blocks (``t
 the first-call time of each (export, import and build for tvm_fuel, the first compiled call for
 inductor) is reported beside it.
 
+The mask rows (issue 55, item 5) time the same model, exported once with the all-ones
+``attention_mask`` every Hugging Face pipeline passes (fused as causal plus a bool [B, 1, 1, S] key
+mask) and once without it, both built by tvm_fuel and timed in blocks that take turns: the key
+mask's cost is their ratio.
+
 Contents:
     MODEL_ROWS  -- the rows: (sequence length, batch, dtype)
-    model_rows  -- run the rows, return their report
+    MASK_ROWS   -- the mask rows: (sequence length, batch, dtype)
+    model_rows  -- run the rows (and the mask rows), return their report
+    mask_row    -- one mask row: with and without the all-ones attention_mask
     print_rows  -- the rows as text
 """
 
@@ -28,6 +35,7 @@ from .timing import in_blocks
 
 MODEL_ROWS = tuple((seq, batch, dtype) for dtype in ("float32", "bfloat16") for seq in (512, 2048)
                    for batch in (1, 4))
+MASK_ROWS = ((512, 1, "float32"),)
 SMOLLM_4 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096, tie_word_embeddings=True)
 
@@ -93,21 +101,75 @@ def _row(seq: int, batch: int, dtype: str, seed: int) -> dict:
             "max_rel_error_vs_eager": error}
 
 
+def mask_row(seq: int, batch: int, dtype: str, seed: int) -> dict:
+    """The model exported with its all-ones attention_mask and without it, both built by tvm_fuel:
+    whole calls timed in blocks that take turns (the logits of both must agree)."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    from .. import frontend
+    from ..build import compile as fuel_compile
+
+    model = _model(dtype, seed)
+    ids = torch.randint(0, SMOLLM_4["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+    calls, fused, masks = {}, {}, {}
+    for name, kwargs in (("with_mask", {"attention_mask": torch.ones_like(ids)}), ("without_mask", {})):
+        with torch.no_grad():
+            program = torch.export.export(model, (ids,), kwargs)
+        mod = frontend.from_exported_program(program, keep_params_as_input=False)
+        fused[name] = str(mod["main"]).count("R.fuel.flash_attn(")
+        masks[name] = _fused_mask(mod)
+        vm = relax.VirtualMachine(fuel_compile(mod, host_target(), kernels="tuned"), tvm.cpu())
+        args = [tvm.runtime.tensor(t.numpy()) for t in (ids, *kwargs.values())]
+        calls[name] = lambda vm=vm, args=args: vm["main"](*args)[0].numpy()
+    logits = {name: call() for name, call in calls.items()}
+    difference = float(np.abs(logits["with_mask"] - logits["without_mask"]).max()
+                       / np.abs(logits["without_mask"]).max())
+    runs: dict = {}
+    timed = {name: (lambda fn=fn, name=name: runs.setdefault(name, []).append(_seconds(fn)))
+             for name, fn in calls.items()}
+    in_blocks(timed, runs)
+    seconds = {name: float(np.median(times)) for name, times in runs.items()}
+    return {"seq": seq, "batch": batch, "dtype": dtype, "seconds": seconds,
+            "with_over_without": seconds["with_mask"] / seconds["without_mask"], "fused_attention_layers": fused,
+            "fused_mask": masks, "max_rel_difference": difference}
+
+
+def _fused_mask(mod) -> str | None:
+    """The mask type of the module's first fused attention (None: it has none)."""
+    from tvm import relax
+
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.fuel.flash_attn" and not found:
+            found.append(expr)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    if not found or not bool(found[0].attrs["has_attn_mask"]):
+        return None
+    mask = found[0].args[3 + bool(found[0].attrs["has_alibi_slopes"])]  # present arguments only
+    return f"{mask.ty.dtype}{[int(d) for d in mask.ty.shape]}"
+
+
 def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def model_rows(rows=MODEL_ROWS, *, seed: int = 0) -> dict:
-    """The report of ``rows`` (sequence length, batch, dtype) on this machine (module docstring)."""
+def model_rows(rows=MODEL_ROWS, *, seed: int = 0, mask_rows=MASK_ROWS) -> dict:
+    """The report of ``rows`` and ``mask_rows`` (sequence length, batch, dtype) on this machine
+    (module docstring)."""
     import torch
 
     from ..threads import thread_count
 
     torch.set_num_threads(thread_count())
     return {"model": "SmolLM-135M shape, 4 layers", "config": SMOLLM_4, "threads": torch.get_num_threads(),
-            "rows": [_row(seq, batch, dtype, seed) for seq, batch, dtype in rows]}
+            "rows": [_row(seq, batch, dtype, seed) for seq, batch, dtype in rows],
+            "mask_rows": [mask_row(seq, batch, dtype, seed) for seq, batch, dtype in mask_rows]}
 
 
 def print_rows(report: dict) -> None:
@@ -120,6 +182,12 @@ def print_rows(report: dict) -> None:
               f"{row['vs_faster_torch']:4.2f}x the faster PyTorch   first call: tvm_fuel {first['tvm_fuel']:5.1f} s, "
               f"inductor {first['inductor']:5.1f} s   (fused layers {row['fused_attention_layers']}, "
               f"error {row['max_rel_error_vs_eager']:.1e})")
+    for row in report.get("mask_rows", []):
+        s = row["seconds"]
+        print(f"  S={row['seq']:5d} B={row['batch']} {row['dtype']:<8}  tvm_fuel with the all-ones attention_mask "
+              f"{s['with_mask'] * 1e3:8.1f} ms   without {s['without_mask'] * 1e3:8.1f} ms   "
+              f"{row['with_over_without']:4.2f}x   (fused mask {row['fused_mask']['with_mask']}, "
+              f"logits differ by {row['max_rel_difference']:.1e})")
 
 
-__all__ = ["MODEL_ROWS", "model_rows", "print_rows"]
+__all__ = ["MASK_ROWS", "MODEL_ROWS", "mask_row", "model_rows", "print_rows"]
