@@ -260,8 +260,9 @@ class _Body:
 class BackwardTask:
     """The macros of a key-split task, shared by the dense and the packed (varlen) backward:
     ``pair_step(kernel, scratch, pair)`` (one query tile against the task's key tile) and
-    ``key_task(kernel, b, g, split)`` (dk, dv of each of the split's key tiles, and the split's dq
-    partials); ``kernel`` is a ``BackwardKernel`` whose grid and row layout are the task's."""
+    ``key_task(kernel, b, g, split, scratch)`` (dk, dv of each of the split's key tiles, and the
+    split's dq partials; ``task_scratch()`` allocates its scratch where called); ``kernel`` is a
+    ``BackwardKernel`` whose grid and row layout are the task's."""
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...]):
         micro = Micro(tiles)
@@ -302,9 +303,8 @@ class BackwardTask:
                             kernel.dq_part[pair.partial_start + r * DP + d] = (
                                 kernel.dq_part[pair.partial_start + r * DP + d] + scratch.dQ[r, d])
 
-        @T.macro
-        def key_task(kernel, b, g, split):
-            # dk, dv of each of the split's key tiles, and the split's dq partials
+        def task_scratch():
+            # a task's buffers, allocated where called (once per run of tasks: key_split_tasks)
             Kn = T.alloc_buffer((BK, DP), F32)
             Kt = T.alloc_buffer((D, BK), F32)
             Vt = T.alloc_buffer((D, BK), F32)
@@ -321,18 +321,22 @@ class BackwardTask:
             q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
             dQ = T.alloc_buffer((BQ, DP) if want_dq else (1, 1), F32)
-            keys = T.meta_var(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc))
-            scratch = T.meta_var(_TaskScratch(keys, _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap, keys_nonfinite,
-                                              q_nonfinite, do_nonfinite, dQ))
+            return _TaskScratch(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc), _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap,
+                                keys_nonfinite, q_nonfinite, do_nonfinite, dQ)
+
+        @T.macro
+        def key_task(kernel, b, g, split, scratch):
+            # dk, dv of each of the split's key tiles, and the split's dq partials
+            keys = T.meta_var(scratch.keys)
             grid = T.meta_var(kernel.grid)
             for i in range(grid.first_tile(split), grid.end_tile(split)):
                 kt: T.int64 = grid.key_tile(i)
                 body.load_keys(keys, kernel.params, kernel.seq, b, g, kt)
-                micro.count_nonfinite(keys_nonfinite, Kn, BK, DP)
+                micro.count_nonfinite(scratch.keys_nonfinite, keys.Kn, BK, DP)
                 visible_query_tiles(grid, kernel, scratch, b, g, split, kt, pair_step)
                 body.store_key_grads(keys, kernel.params, kernel.seq, b, g, kt)
 
-        self.pair_step, self.key_task = pair_step, key_task
+        self.pair_step, self.key_task, self.task_scratch = pair_step, key_task, task_scratch
 
 
 def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
@@ -378,7 +382,8 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         # the partials' rows per head are Sq (KeySplitGrid.padded_sq): a tile adds its live rows only
         grid = T.meta_var(KeySplitGrid(cfg, B, Sq, Sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
                                        Sq))
-        key_split_tasks(grid, BackwardKernel(grid, params, DenseRows(Sq, Sk), row_dot, dq_part), task.key_task)
+        key_split_tasks(grid, BackwardKernel(grid, params, DenseRows(Sq, Sk), row_dot, dq_part), task.key_task,
+                        task.task_scratch)
         # 3. dq = sum of the splits' partials
         if want_dq:
             parts = T.decl_buffer((splits, B, Hq, Sq, DP), F32, data=dq_part.data)

@@ -27,6 +27,7 @@ from .common import absent_inputs, prefetch
 from .forward import ForwardBuffers, ForwardMacros, head_view, RowTile, Scratch
 from .micro import (add_term, int16_dot, INT16_DOT_LANES, INT16_DOT_SUMS, ROUND_LANES, round_rows_to_int16,
                     store_row_sums)
+from .tasks import TASK_WORKERS
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -308,10 +309,8 @@ class PagedTile:
         ROUNDED = STREAMING and INT_DOT  # int8 decode's q.k in integers: q rounded once per task
         TASK_HEADS = HT if STREAMING else 1
 
-        @T.macro
-        def attend_task(params, cache, tile):
-            # one task: the rows of ``tile`` for its TASK_HEADS KV heads over the keys they see (read
-            # through ``cache``), streamed in place (at most STREAMING_ROWS rows) or packed per tile
+        def task_scratch():
+            # a task's buffers, allocated where called (once per run of tasks: decode_tasks)
             Qs_all = T.alloc_buffer((TASK_HEADS, BQ, D), F32)
             S_all = T.alloc_buffer((TASK_HEADS, BQ, BK), F32)
             O_all = T.alloc_buffer((TASK_HEADS, BQ, DP), F32)
@@ -325,8 +324,15 @@ class PagedTile:
             w16_all = T.alloc_buffer((TASK_HEADS, BQ, BK) if ROUNDED else (1, 1, 1), "int16")
             w_unit_all = T.alloc_buffer((TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
             acc_i_all = T.alloc_buffer((TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int32")
-            heads = T.meta_var(Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all,
-                                       w16_all, w_unit_all, acc_i_all))
+            return Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all, w16_all, w_unit_all,
+                           acc_i_all), Kt, Vt
+
+        @T.macro
+        def attend_task(params, cache, tile, scratch):
+            # one task: the rows of ``tile`` for its TASK_HEADS KV heads over the keys they see (read
+            # through ``cache``), streamed in place (at most STREAMING_ROWS rows) or packed per tile
+            heads, Kt, Vt = T.meta_var(scratch)
+            Qs_all, O_all, m_all, l_all, acc_i_all = T.meta_var((heads.Qs, heads.O, heads.m, heads.l, heads.acc_i))
             for gi in range(TASK_HEADS):
                 body.load_queries(head_view(Qs_all, gi), params, tile.head(gi))
                 body.init_state(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi))
@@ -345,7 +351,8 @@ class PagedTile:
                 body.store(head_view(O_all, gi), head_view(m_all, gi), head_view(l_all, gi), params, tile.head(gi))
 
         self.stream_tile, self.pack_tile, self.packed_tile = stream_tile, pack_tile, packed_tile
-        self.attend_task, self.task_heads, self.block_q = attend_task, TASK_HEADS, BQ
+        self.attend_task, self.task_scratch = attend_task, task_scratch
+        self.task_heads, self.block_q = TASK_HEADS, BQ
         self.round_queries = round_queries
 
 
@@ -360,22 +367,35 @@ class _Tokens:
 
 
 @T.macro
+def decode_task(paged, params, Sq, spec, kv_len_of, keys_of, scratch, task, n_row_tiles):
+    # task ``task`` of decode_tasks: its batch, first KV head and row tile, over its scratch
+    BQ, HT, group, Hkv = T.meta_var((paged.block_q, paged.task_heads, spec.group, spec.num_kv_heads))
+    rows = Sq * group
+    b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
+    g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
+    r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
+    kv_len: T.int64 = kv_len_of(b)
+    first_pos: T.int64 = row_position(r0, group)
+    last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
+    tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
+                              first_pos=first_pos, last_pos=last_pos))
+    paged.attend_task(params, keys_of(b), tile, scratch)
+
+
+@T.macro
 def decode_tasks(paged, params, B, Sq, spec, kv_len_of, keys_of):
     # the tasks of a paged (or dense decode-shaped) forward: (batch, paged.task_heads KV heads, row
     # tile), each over its sequence's kv_len_of(b) keys, read through keys_of(b) (a layout)
     BQ, HT, group, Hkv = T.meta_var((paged.block_q, paged.task_heads, spec.group, spec.num_kv_heads))
     rows = Sq * group
     n_row_tiles = (rows + BQ - 1) // BQ
-    for task in T.parallel(B * (Hkv // HT) * n_row_tiles):
-        b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
-        g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
-        r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
-        kv_len: T.int64 = kv_len_of(b)
-        first_pos: T.int64 = row_position(r0, group)
-        last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
-        tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
-                                  first_pos=first_pos, last_pos=last_pos))
-        paged.attend_task(params, keys_of(b), tile)
+    n_tasks = T.meta_var(B * (Hkv // HT) * n_row_tiles)
+    # contiguous runs of tasks, each allocating its scratch once (TVM 0.27 makes a buffer of 1 KiB
+    # or more a workspace call: per task, a batch of 2048 one-token rows paid 13 of them a task)
+    for worker in T.parallel(TASK_WORKERS):
+        scratch = T.meta_var(paged.task_scratch())
+        for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
+            decode_task(paged, params, Sq, spec, kv_len_of, keys_of, scratch, task, n_row_tiles)
 
 
 def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,

@@ -249,19 +249,25 @@ def _worker_slot(worker, workers: int, spread: bool):
 
 
 @T.macro
-def dealt_tasks(workers, n_tasks, first, B, stride, task_body, context, spread=False):
+def dealt_tasks(workers, n_tasks, first, B, stride, task_body, context, spread=False, scratch_of=None):
     # n_tasks tasks dealt to ``workers`` parallel workers in turn: the worker of slot s runs tasks
     # s, s + workers, ... (slot: the worker itself, or with ``spread`` its bits reversed, so that
     # even a few tasks of unlike cost land on every thread). Task t belongs to sequence b, the last
     # with first[b] <= t // stride (``first``: prefix sums over B sequences of units of ``stride``
-    # tasks); it runs as task_body(context, t, b).
+    # tasks); it runs as task_body(context, t, b), or with ``scratch_of`` as task_body(context, t,
+    # b, scratch), the worker's scratch allocated once for all its tasks (TVM 0.27 makes a buffer of
+    # 1 KiB or more a workspace call: per task, thousands of one-token sequences paid for them)
     for worker in T.parallel(workers):
         slot: T.int64 = _worker_slot(worker, workers, spread)
+        bounds = T.alloc_buffer((2,), "int64", scope="local")
+        scratch = T.meta_var(scratch_of() if scratch_of is not None else None)
         for step in range(T.max(n_tasks - slot + workers - 1, T.int64(0)) // workers):
             task_id: T.int64 = slot + step * workers
-            bounds = T.alloc_buffer((2,), "int64", scope="local")
             find_sequence(bounds, first, B, task_id // stride)
-            task_body(context, task_id, bounds[0])
+            if scratch_of is None:
+                task_body(context, task_id, bounds[0])
+            else:
+                task_body(context, task_id, bounds[0], scratch)
 
 
 def _tvm_key_tiles(a, BK: int):

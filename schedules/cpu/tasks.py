@@ -3,7 +3,7 @@
 Contents:
     KeySplitGrid        -- the backward kernels' task grid: (batch, KV head, split of the key tiles)
     TilePair            -- one (query tile, key tile) step of a key-split task
-    key_split_tasks     -- the parallel loop over the grid's tasks
+    TASK_WORKERS, key_split_tasks -- the parallel loop over the grid's tasks, in runs that share scratch
     visible_query_tiles -- the query tiles of a KV head's group that can see a key tile
     sum_split_partials  -- a gradient from the per-split partials of the key-split tasks (no races)
     split_sum           -- the partials of one element summed in split order, as one expression
@@ -80,15 +80,27 @@ class TilePair:
     partial_start: tirx.PrimExpr
 
 
+TASK_WORKERS = 64  # parallel workers a kernel's tasks are cut into (contiguous runs, as threads take them)
+
+
 @T.macro
-def key_split_tasks(grid, kernel, task_body):
+def key_split_tasks(grid, kernel, task_body, scratch_of=None):
     # a task per (batch, KV head, split): it owns its key tiles' dk/dv (no two tasks write one)
-    # and its own query partials
-    for task in T.parallel(grid.B * grid.num_kv_heads * grid.splits):
-        b: T.int64 = task // (grid.num_kv_heads * grid.splits)
-        g: T.int64 = task // grid.splits % grid.num_kv_heads
-        split: T.int64 = task % grid.splits
-        task_body(kernel, b, g, split)
+    # and its own query partials. The tasks run in TASK_WORKERS contiguous runs; with ``scratch_of``
+    # each run allocates its tasks' scratch once (task_body then takes it last): TVM 0.27 makes a
+    # buffer of 1 KiB or more a workspace call, and a batch of 2048 x 8 one-token rows made 16384
+    # tasks of ~30 such calls each
+    n_tasks = T.meta_var(grid.B * grid.num_kv_heads * grid.splits)
+    for worker in T.parallel(TASK_WORKERS):
+        scratch = T.meta_var(scratch_of() if scratch_of is not None else None)
+        for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
+            b: T.int64 = task // (grid.num_kv_heads * grid.splits)
+            g: T.int64 = task // grid.splits % grid.num_kv_heads
+            split: T.int64 = task % grid.splits
+            if scratch_of is None:
+                task_body(kernel, b, g, split)
+            else:
+                task_body(kernel, b, g, split, scratch)
 
 
 @T.macro

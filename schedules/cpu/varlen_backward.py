@@ -111,7 +111,7 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
     unused = set() if spec.has_alibi else {"alibi_slopes"}
 
     @T.macro
-    def sequence_task(context, task_id, b):
+    def sequence_task(context, task_id, b, scratch):
         # task ``task_id`` of sequence b: split local // Hkv of KV head local % Hkv's key tiles
         params, row_dot, dq_part, cu_q, cu_k, first_task, first_row_tile = T.meta_var(context)
         q0: T.int64 = T.Cast("int64", cu_q[b])
@@ -130,7 +130,7 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
         grid = T.meta_var(SequenceGrid(cfg, 1, sq, sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
                                        0, first_row=first_row, padded_rows=padded_rows))
         kernel = T.meta_var(BackwardKernel(grid, params, PackedSequence(q0, k0, sq, sk), row_dot, dq_part))
-        task.key_task(kernel, b, g, split)
+        task.key_task(kernel, b, g, split, scratch)
 
     # fmt: off
     @T.prim_func
@@ -168,7 +168,8 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
                 row_dot[h, i] = acc[0]
         # 2. the (sequence, KV head, split) tasks: dk, dv of their key tiles, their dq partials
         context = T.meta_var((params, row_dot, dq_part, cu_seqlens_q, cu_seqlens_k, first_task, first_row_tile))
-        dealt_tasks(workers, first_task[B1 - 1], first_task, B1 - 1, 1, sequence_task, context, spread=True)
+        dealt_tasks(workers, first_task[B1 - 1], first_task, B1 - 1, 1, sequence_task, context, spread=True,
+                    scratch_of=task.task_scratch)
         # 3. dq of each query tile: its sequence's partials summed in split order
         for t in T.parallel(first_row_tile[B1 - 1]):
             bounds = T.alloc_buffer((2,), "int64", scope="local")
