@@ -86,6 +86,12 @@ class RowTile:
         """Query head of the tile's row r."""
         return row_head(self.g, self.r0 + r, self.group)
 
+    def live_rows(self, block_q: int, micro_rows: int):
+        """The tile's rows up to its last real one, in whole register tiles: what its GEMMs run over
+        (a one-row sequence's task is not block_q rows)."""
+        live = (self.head_rows - self.r0 + micro_rows - 1) // micro_rows * micro_rows
+        return tirx.min(tirx.const(block_q, "int64"), live)
+
     def row_position(self, r):
         """Query position of the tile's row r."""
         return row_position(self.r0 + r, self.group)
@@ -174,8 +180,9 @@ class ForwardMacros:
                         Qs[r, d] = T.float32(0)
 
         @T.macro
-        def init_state(O, m, l):
-            for r in range(BQ):
+        def init_state(O, m, l, rows=BQ):
+            # the running max, sum and accumulator of the first `rows` rows (those the GEMMs run over)
+            for r in range(rows):
                 m[r] = T.float32(float("-inf"))
                 l[r] = T.float32(0)
                 for d in range(DP):
@@ -257,7 +264,7 @@ class ForwardMacros:
             # (past them no row sees a key: the rest of a causal diagonal tile is skipped) and the
             # task's live rows, in whole register tiles (a one-row sequence's task is not 64 rows)
             width: T.int64 = tile.width(cfg, key_start, BK, tiles.key_vecs * L)
-            rows: T.let[T.int64] = T.min(T.int64(BQ), (tile.head_rows - tile.r0 + MR - 1) // MR * MR)
+            rows: T.let[T.int64] = tile.live_rows(BQ, MR)
             micro.gemm(scratch.S, scratch.Qs, Kt, rows, width, D, tiles.key_vecs)
             normalize_tile(scratch.S, scratch.m, scratch.l, scratch.alpha, params, tile, key_start, width, rows)
             micro.nan_safe_gemm(scratch.O, scratch.S, Vt, rows, DP, width, tiles.dim_vecs, values_finite,

@@ -76,7 +76,7 @@ class RaggedTask:
             raise ValueError(f"RaggedTask: lse must be one of {LSE_RULES}, got {lse!r}")
         rope_scaling, lse_rule = rope_scaling or {}, lse
         D, group, dtype, cfg = spec.head_dim, spec.group, spec.dtype, spec.cfg
-        BQ, BK = tiles.block_q, tiles.block_k
+        BQ, BK, MR = tiles.block_q, tiles.block_k, tiles.micro_rows
         body = ForwardMacros(spec, tiles)
         paged = PagedTile(spec, tiles, body)
         self.body, self.paged = body, paged
@@ -87,9 +87,12 @@ class RaggedTask:
 
         @T.macro
         def load_queries(Qs, q, q_row, q_position, tile, rotary_mode, rope_scale, rope_theta, sm_scale):
-            # row r: query head tile.row_head(r) of token q_row(position), rotated at q_position(position)
-            for r, d in T.grid(BQ, D):
-                Qs[r, d] = T.float32(0)
+            # row r: query head tile.row_head(r) of token q_row(position), rotated at q_position(position);
+            # rows past the last real one are 0 up to the GEMMs' live rows (RowTile.live_rows)
+            for r in range(tile.live_rows(BQ, MR)):
+                if tile.r0 + r >= tile.head_rows:
+                    for d in range(D):
+                        Qs[r, d] = T.float32(0)
             for r in range(BQ):
                 if tile.r0 + r < tile.head_rows:
                     for d in range(D):
@@ -152,12 +155,13 @@ class RaggedTask:
 
         @T.macro
         def attend_rows(q, output, lse_out, params, packed, keys, b, g, t, kv_len, qo_len, q_start, q_rope_position,
-                        rotary_mode, rope_scale, rope_theta, sm_scale):
+                        rotary_mode, rope_scale, rope_theta, sm_scale, own_scratch=None):
             # row tile t of (sequence b, KV head g): its rows' queries against the sequence's key
-            # tiles (``attend_packed``; ``keys``: the sequence's layout, for its partial tile)
+            # tiles (``attend_packed``; ``keys``: the sequence's layout, for its partial tile), in
+            # ``own_scratch`` (``task_scratch``; None: allocated here)
             rows: T.int64 = qo_len * group
             if t * BQ < rows:
-                own, Kt, Vt = T.meta_var(task_scratch(tiles, D))
+                own, Kt, Vt = T.meta_var(own_scratch if own_scratch is not None else task_scratch(tiles, D))
                 scratch = T.meta_var(own.view(0))
                 tile = T.meta_var(RowTile(group, b, g, t * BQ, rows, kv_len=kv_len,
                                           delta=kv_len if queries_after_keys else kv_len - qo_len,
@@ -166,7 +170,7 @@ class RaggedTask:
                 load_queries(scratch.Qs, q, lambda position: q_start + position,
                              lambda position: q_rope_position[q_start + position], tile, rotary_mode, rope_scale,
                              rope_theta, sm_scale)
-                body.init_state(scratch.O, scratch.m, scratch.l)
+                body.init_state(scratch.O, scratch.m, scratch.l, tile.live_rows(BQ, MR))
                 if cfg.sink_tokens > 0:  # the sink tokens' tiles left of the window, then the window's
                     walk = T.meta_var(tile.key_walk(cfg, BK))
                     for step in range(walk.count):
@@ -302,11 +306,12 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
 
     @T.macro
     def attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles, nonfinite,
-                    first_tile, b, g, t):
+                    first_tile, b, g, t, own_scratch=None):
         # row tile t of (sequence b, KV head g) over the sequence's packed key tiles
         packed = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
         args = T.meta_var((a.q, a.output, a.lse, params, packed, a.keys(b), b, g, t, a.kv_len(b), a.q_len(b),
-                           a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale))
+                           a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale,
+                           own_scratch))
         if causal_task is None:
             plain.attend_rows(*args)
         elif causal > 0:
@@ -315,10 +320,10 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
             plain.attend_rows(*args)
 
     @T.macro
-    def row_task(context, task_id, b):
+    def row_task(context, task_id, b, own_scratch):
         # dealt task ``task_id`` of sequence b: KV head task_id % Hkv of its row tile task_id // Hkv
         first_row_tile = T.meta_var(context[-1])
-        attend_task(*context[:-1], b, task_id % Hkv, task_id // Hkv - first_row_tile[b])
+        attend_task(*context[:-1], b, task_id % Hkv, task_id // Hkv - first_row_tile[b], own_scratch)
 
     @T.macro
     def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
@@ -351,7 +356,8 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
         if workers > 0:
             context = T.meta_var((a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
                                   nonfinite, first_tile, first_row_tile))
-            dealt_tasks(workers, first_row_tile[B] * Hkv, first_row_tile, B, Hkv, row_task, context)
+            dealt_tasks(workers, first_row_tile[B] * Hkv, first_row_tile, B, Hkv, row_task, context,
+                        scratch_of=lambda: task_scratch(tiles, D))
         else:
             for task_id in T.parallel(T.Cast("int64", B) * Hkv * n_row_tiles):
                 attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
