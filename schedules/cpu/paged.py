@@ -285,6 +285,13 @@ class PagedTile:
         def pack_tile(Kt, Vt, nonfinite, cache, g, kv_len, kt, keys=BK):
             # key tile kt of KV head g as Kt [D, BK] and Vt [BK, DP] (zeros past kv_len), its first
             # `keys` only (the GEMMs read no further); nonfinite[0]: how many of their Vt elements are NaN or Inf
+            # a tile past the last key: Kt's rows zeroed a vector of keys at a time first (column by
+            # column, LLVM scatters each key's zeros down the head dim: a one-token sequence's task
+            # spent most of its time there)
+            if kt * BK + keys > kv_len:
+                for d, c0 in T.grid(D, keys // SL):
+                    for v in T.vectorized(SL):
+                        Kt[d, c0 * SL + v] = T.float32(0)
             for c in range(keys):
                 if kt * BK + c < kv_len:
                     block: T.let[T.int64] = cache.page(kt * BK + c)
@@ -292,8 +299,7 @@ class PagedTile:
                         Kt[d, c] = cache.k(block, cache.slot(kt * BK + c), g, d).astype(F32)
                         Vt[c, d] = cache.v(block, cache.slot(kt * BK + c), g, d).astype(F32)
                 else:
-                    for d in range(D):
-                        Kt[d, c] = T.float32(0)
+                    for d in T.vectorized(D):
                         Vt[c, d] = T.float32(0)
                 for d in range(D, DP):
                     Vt[c, d] = T.float32(0)

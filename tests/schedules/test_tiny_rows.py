@@ -20,6 +20,7 @@ import tvm
 
 import tvm_fuel
 from tvm_fuel import op, reference
+from tvm_fuel.schedules.cpu.rules import SHORT_KEYS
 from tvm_fuel.schedules.cpu.tiles import STREAMING_ROWS
 
 from helpers import HOST, Runner, applied_knobs, assert_close, build, dense_inputs
@@ -40,12 +41,12 @@ def _packs_keys(func: tvm.tirx.PrimFunc) -> bool:
 
 
 @pytest.mark.parametrize("heads", [(8, 8), (6, 2), (7, 1)], ids=lambda h: f"Hq{h[0]}Hkv{h[1]}")
-@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (1, 97), (2, 17), (1, 130)])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (1, 97), (2, 17), (1, 130), (16, 16), (13, 9)])
 @pytest.mark.parametrize("option", ["plain", "causal", "window", "key_mask", "lse"])
 def test_decode_shaped_dense_forward_streams_and_matches_reference(heads, sq, sk, option):
     hq, hkv = heads
-    if sq * (hq // hkv) > STREAMING_ROWS:
-        pytest.skip("more rows than a streaming task holds")
+    if sq * (hq // hkv) > STREAMING_ROWS and (sq * (hq // hkv) > 2 * STREAMING_ROWS or sk > SHORT_KEYS):
+        pytest.skip("more rows than a decode-shaped call streams")
     rng = np.random.default_rng(sq * 1000 + sk)
     inputs = dense_inputs(rng, 3, hq, hkv, sq, sk, 40)
     kwargs = dict(causal=option == "causal", window_size=(8, 0) if option == "window" else (-1, -1),
