@@ -36,7 +36,7 @@ from tvm.script import tirx as T
 from ...op import semantics as sem
 from ..common import (F32, KernelSpec, drop_params, finish, is_key_mask, kernel_params, key_masked_probability,
                       key_term, probability, kernel_sizes)
-from .common import Buffers, absent_inputs
+from .common import Buffers, absent_inputs, named_buffer
 from .micro import Micro
 from .tasks import KeySplitGrid, key_split_tasks, sum_split_partials, visible_query_tiles
 from .tiles import CpuTiles
@@ -305,22 +305,22 @@ class BackwardTask:
 
         def task_scratch():
             # a task's buffers, allocated where called (once per run of tasks: key_split_tasks)
-            Kn = T.alloc_buffer((BK, DP), F32)
-            Kt = T.alloc_buffer((D, BK), F32)
-            Vt = T.alloc_buffer((D, BK), F32)
-            dK_acc = T.alloc_buffer((BK, DP), F32)
-            dV_acc = T.alloc_buffer((BK, DP), F32)
-            Qs = T.alloc_buffer((BQ, DP), F32)
-            dOs = T.alloc_buffer((BQ, DP), F32)
-            lse_r = T.alloc_buffer((BQ,), F32)
-            D_r = T.alloc_buffer((BQ,), F32)
-            S = T.alloc_buffer((BQ, BK), F32)
-            dP = T.alloc_buffer((BQ, BK), F32)
-            Cap = T.alloc_buffer((BQ, BK), F32)
-            keys_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            q_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            do_nonfinite = T.alloc_buffer((1,), F32, scope="local")
-            dQ = T.alloc_buffer((BQ, DP) if want_dq else (1, 1), F32)
+            Kn = named_buffer("Kn", (BK, DP), F32)
+            Kt = named_buffer("Kt", (D, BK), F32)
+            Vt = named_buffer("Vt", (D, BK), F32)
+            dK_acc = named_buffer("dK_acc", (BK, DP), F32)
+            dV_acc = named_buffer("dV_acc", (BK, DP), F32)
+            Qs = named_buffer("Qs", (BQ, DP), F32)
+            dOs = named_buffer("dOs", (BQ, DP), F32)
+            lse_r = named_buffer("lse_r", (BQ,), F32)
+            D_r = named_buffer("D_r", (BQ,), F32)
+            S = named_buffer("S", (BQ, BK), F32)
+            dP = named_buffer("dP", (BQ, BK), F32)
+            Cap = named_buffer("Cap", (BQ, BK), F32)
+            keys_nonfinite = named_buffer("keys_nonfinite", (1,), F32, scope="local")
+            q_nonfinite = named_buffer("q_nonfinite", (1,), F32, scope="local")
+            do_nonfinite = named_buffer("do_nonfinite", (1,), F32, scope="local")
+            dQ = named_buffer("dQ", (BQ, DP) if want_dq else (1, 1), F32)
             return _TaskScratch(_KeyTile(Kn, Kt, Vt, dK_acc, dV_acc), _QueryRows(Qs, dOs, lse_r, D_r), S, dP, Cap,
                                 keys_nonfinite, q_nonfinite, do_nonfinite, dQ)
 

@@ -2,6 +2,7 @@
 
 Contents:
     prefetch      -- software prefetch of a cache line
+    named_buffer  -- a buffer allocated and named outside a TVMScript body (a task's scratch)
     absent_inputs -- the optional inputs (ALiBi, mask, sinks, cache scales) a spec does not use
     Buffers       -- base of the frozen bundles of parameter buffers handed to the task macros
 """
@@ -9,6 +10,7 @@ Contents:
 from __future__ import annotations
 
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 from ..common import KernelSpec
 
@@ -16,6 +18,15 @@ from ..common import KernelSpec
 def prefetch(address):
     """Software prefetch of the cache line at ``address`` into all cache levels (for reading)."""
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+
+
+def named_buffer(name: str, shape, dtype: str = "float32", scope: str = "global"):
+    """``T.alloc_buffer`` named ``name`` where it is called in a prim_func, as TVMScript names an
+    assigned one: a plain function's buffers (a run of tasks' scratch, allocated once for them) are
+    otherwise unnamed, and the built IR and its tests read the names."""
+    buffer = T.alloc_buffer(shape, dtype, scope=scope)
+    IRBuilder.name(name, buffer)
+    return buffer
 
 
 def absent_inputs(spec: KernelSpec) -> set[str]:

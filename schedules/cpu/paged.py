@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from ...op import quant
 from ..common import F32, balanced_order, drop_params, finish, KernelSpec, kernel_params, row_position, kernel_sizes
 from ..layouts import BlockTable
-from .common import absent_inputs, prefetch
+from .common import absent_inputs, named_buffer, prefetch
 from .forward import ForwardBuffers, ForwardMacros, head_view, RowTile, Scratch
 from .micro import (add_term, int16_dot, INT16_DOT_LANES, INT16_DOT_SUMS, ROUND_LANES, round_rows_to_int16,
                     store_row_sums)
@@ -317,19 +317,19 @@ class PagedTile:
 
         def task_scratch():
             # a task's buffers, allocated where called (once per run of tasks: decode_tasks)
-            Qs_all = T.alloc_buffer((TASK_HEADS, BQ, D), F32)
-            S_all = T.alloc_buffer((TASK_HEADS, BQ, BK), F32)
-            O_all = T.alloc_buffer((TASK_HEADS, BQ, DP), F32)
-            m_all = T.alloc_buffer((TASK_HEADS, BQ), F32)
-            l_all = T.alloc_buffer((TASK_HEADS, BQ), F32)
-            alpha_all = T.alloc_buffer((TASK_HEADS, BQ), F32)
-            Kt = T.alloc_buffer((D, BK) if not STREAMING else (1,), F32)
-            Vt = T.alloc_buffer((BK, DP) if not STREAMING else (1,), F32)
-            q16_all = T.alloc_buffer((TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int16")
-            q_unit_all = T.alloc_buffer((TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
-            w16_all = T.alloc_buffer((TASK_HEADS, BQ, BK) if ROUNDED else (1, 1, 1), "int16")
-            w_unit_all = T.alloc_buffer((TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
-            acc_i_all = T.alloc_buffer((TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int32")
+            Qs_all = named_buffer("Qs_all", (TASK_HEADS, BQ, D), F32)
+            S_all = named_buffer("S_all", (TASK_HEADS, BQ, BK), F32)
+            O_all = named_buffer("O_all", (TASK_HEADS, BQ, DP), F32)
+            m_all = named_buffer("m_all", (TASK_HEADS, BQ), F32)
+            l_all = named_buffer("l_all", (TASK_HEADS, BQ), F32)
+            alpha_all = named_buffer("alpha_all", (TASK_HEADS, BQ), F32)
+            Kt = named_buffer("Kt", (D, BK) if not STREAMING else (1,), F32)
+            Vt = named_buffer("Vt", (BK, DP) if not STREAMING else (1,), F32)
+            q16_all = named_buffer("q16_all", (TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int16")
+            q_unit_all = named_buffer("q_unit_all", (TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
+            w16_all = named_buffer("w16_all", (TASK_HEADS, BQ, BK) if ROUNDED else (1, 1, 1), "int16")
+            w_unit_all = named_buffer("w_unit_all", (TASK_HEADS, BQ) if ROUNDED else (1, 1), F32)
+            acc_i_all = named_buffer("acc_i_all", (TASK_HEADS, BQ, D) if ROUNDED else (1, 1, 1), "int32")
             return Scratch(Qs_all, S_all, O_all, m_all, l_all, alpha_all, q16_all, q_unit_all, w16_all, w_unit_all,
                            acc_i_all), Kt, Vt
 

@@ -37,6 +37,7 @@ from tvm.script import tirx as T
 from ...op import semantics as sem
 from ..common import F32, KernelSpec, row_position
 from ..layouts import EMPTY_LSE
+from .common import named_buffer
 from .forward import ForwardMacros, RowTile, Scratch
 from .paged import PagedTile
 from .tiles import CpuTiles
@@ -192,12 +193,11 @@ def task_scratch(tiles: CpuTiles, D: int, packed: bool = True):
     """A task's buffers, allocated where it is called in a prim_func: the [1, ...] scratch
     (``PagedTile`` indexes per head) and, with ``packed``, a packed K and V tile."""
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
-    scratch = Scratch(T.alloc_buffer((1, BQ, D), F32), T.alloc_buffer((1, BQ, BK), F32),
-                      T.alloc_buffer((1, BQ, DP), F32), T.alloc_buffer((1, BQ), F32), T.alloc_buffer((1, BQ), F32),
-                      T.alloc_buffer((1, BQ), F32))
+    scratch = Scratch(named_buffer("Qs", (1, BQ, D)), named_buffer("S", (1, BQ, BK)), named_buffer("O", (1, BQ, DP)),
+                      named_buffer("m", (1, BQ)), named_buffer("l", (1, BQ)), named_buffer("alpha", (1, BQ)))
     if not packed:
         return scratch, None, None
-    return scratch, T.alloc_buffer((D, BK), F32), T.alloc_buffer((BK, DP), F32)
+    return scratch, named_buffer("Kt", (D, BK)), named_buffer("Vt", (BK, DP))
 
 
 @dataclass(frozen=True)

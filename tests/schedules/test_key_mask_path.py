@@ -94,8 +94,8 @@ def _mask(kind: str, pattern: str, sk: int, rng, *, huge: float = F32_MIN) -> np
 
 def _per_tile_mask_loads(kernel: tirx.PrimFunc) -> list[int]:
     """For each load of the mask in the kernel's TIR: how many times it runs per (task, key tile),
-    the product of the constant extents of the loops around it (the task and key-tile loops have
-    symbolic extents)."""
+    the product of the constant extents of the loops around it but the parallel ones (the runs of
+    tasks; the task and key-tile loops have symbolic extents)."""
     loads, loops = [], []
     tvm_ffi.structural_walk(kernel.body, (tvm.ir.TensorLoad, lambda n: loads.append(n) if n.source.name == "mask"
                                           else None))
@@ -107,7 +107,7 @@ def _per_tile_mask_loads(kernel: tirx.PrimFunc) -> list[int]:
             inside = []
             tvm_ffi.structural_walk(loop.body, (tvm.ir.TensorLoad, lambda n: inside.append(n) if n.same_as(load)
                                                 else None))
-            if inside and isinstance(loop.extent, tirx.IntImm):
+            if inside and isinstance(loop.extent, tirx.IntImm) and loop.kind != tirx.ForKind.PARALLEL:
                 count *= int(loop.extent)
         counts.append(count)
     return counts
