@@ -8,7 +8,8 @@ into whole tiles first; for many tiny rows (a batch of 2048 single-token sequenc
 wrote 64 keys per real one and cost 15-150x the floor's time.
 
 Contents:
-    dense_decode_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse]), dense_forward's signature
+    dense_decode_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse]): dense_forward's,
+                            its body the streaming tasks
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import drop_params, finish, KernelSpec, kernel_params, kernel_sizes
+from ..common import KernelSpec
 from ..layouts import DenseKeys
-from .common import absent_inputs
-from .forward import ForwardBuffers, ForwardMacros
+from .forward import dense_forward, ForwardMacros
 from .paged import decode_tasks, PagedTile
 from .tiles import STREAMING_ROWS, CpuTiles
 
@@ -34,18 +34,10 @@ def dense_decode_forward(spec: KernelSpec, tiles: CpuTiles, *,
     if tiles.block_q > STREAMING_ROWS:
         raise ValueError(f"dense_decode_forward: block_q {tiles.block_q} streams at most {STREAMING_ROWS} rows; "
                          "more rows take dense_forward")
-    sizes = kernel_sizes(dims)
-    B, Sq, Sk = sizes.values()
     paged = PagedTile(spec, tiles, ForwardMacros(spec, tiles))
-    unused = absent_inputs(spec) | (set() if spec.return_lse else {"lse"})
 
-    # fmt: off
-    @T.prim_func
-    def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
-                            out_h: T.handle, lse_h: T.handle):
-        q, k, v, alibi, mask, out, lse = kernel_params(spec, sizes, q_h, k_h, v_h, alibi_h, mask_h, out_h, lse_h)
-        params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
+    @T.macro
+    def streamed_tasks(params, B, Sq, Sk, k, v):
         decode_tasks(paged, params, B, Sq, spec, lambda b: Sk, lambda b: DenseKeys(k, v, b))
-    # fmt: on
 
-    return finish(drop_params(fuel_flash_attn_cpu, unused))
+    return dense_forward(spec, tiles, dims=dims, tasks=streamed_tasks)

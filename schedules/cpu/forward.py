@@ -293,10 +293,12 @@ class ForwardMacros:
         self.count_nonfinite = micro.count_nonfinite
 
 
-def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
-                  dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+def dense_forward(spec: KernelSpec, tiles: CpuTiles, *, dims: Mapping[str, int | None] | None = None,
+                  tasks=None) -> tirx.PrimFunc:
     """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D]; ``dims`` fixes B, Sq, Sk
-    (symbolic where absent)."""
+    (symbolic where absent). ``tasks(params, B, Sq, Sk, k, v)``: the kernel's body (a macro over its
+    ``ForwardBuffers`` and sizes), by default the packed key tiles' below (``decode`` passes the
+    streaming one): one signature for the op's CPU kernels."""
     sizes = kernel_sizes(dims)
     B, Sq, Sk = sizes.values()
     body = ForwardMacros(spec, tiles)
@@ -306,11 +308,8 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
     unused = absent_inputs(spec) | (set() if spec.return_lse else {"lse"})
 
     # fmt: off
-    @T.prim_func
-    def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
-                            out_h: T.handle, lse_h: T.handle):
-        q, k, v, alibi, mask, out, lse = kernel_params(spec, sizes, q_h, k_h, v_h, alibi_h, mask_h, out_h, lse_h)
-        params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
+    @T.macro
+    def packed_tasks(params, B, Sq, Sk, k, v):
         rows = Sq * group
         n_row_tiles = (rows + BQ - 1) // BQ
         # K and V are packed once into float32 key tiles shared by every task of the KV head:
@@ -372,6 +371,15 @@ def dense_forward(spec: KernelSpec, tiles: CpuTiles, *,
                 Vt = T.decl_buffer((BK, DP), F32, data=v_tiles.data, elem_offset=tile_offset * (BK * DP))
                 body.attend_tile(scratch, Kt, Vt, params, tile, kt * BK, v_nonfinite[b, g, kt] == T.float32(0))
             body.store(O, m, l, params, tile)
+
+    run = tasks or packed_tasks
+
+    @T.prim_func
+    def fuel_flash_attn_cpu(q_h: T.handle, k_h: T.handle, v_h: T.handle, alibi_h: T.handle, mask_h: T.handle,
+                            out_h: T.handle, lse_h: T.handle):
+        q, k, v, alibi, mask, out, lse = kernel_params(spec, sizes, q_h, k_h, v_h, alibi_h, mask_h, out_h, lse_h)
+        params = T.meta_var(ForwardBuffers.of(unused, q=q, out=out, alibi=alibi, mask=mask, lse=lse))
+        run(params, B, Sq, Sk, k, v)
     # fmt: on
 
     return finish(drop_params(fuel_flash_attn_cpu, unused))

@@ -373,22 +373,6 @@ class _Tokens:
 
 
 @T.macro
-def decode_task(paged, params, Sq, spec, kv_len_of, keys_of, scratch, task, n_row_tiles):
-    # task ``task`` of decode_tasks: its batch, first KV head and row tile, over its scratch
-    BQ, HT, group, Hkv = T.meta_var((paged.block_q, paged.task_heads, spec.group, spec.num_kv_heads))
-    rows = Sq * group
-    b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
-    g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
-    r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
-    kv_len: T.int64 = kv_len_of(b)
-    first_pos: T.int64 = row_position(r0, group)
-    last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
-    tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
-                              first_pos=first_pos, last_pos=last_pos))
-    paged.attend_task(params, keys_of(b), tile, scratch)
-
-
-@T.macro
 def decode_tasks(paged, params, B, Sq, spec, kv_len_of, keys_of):
     # the tasks of a paged (or dense decode-shaped) forward: (batch, paged.task_heads KV heads, row
     # tile), each over its sequence's kv_len_of(b) keys, read through keys_of(b) (a layout)
@@ -401,7 +385,15 @@ def decode_tasks(paged, params, B, Sq, spec, kv_len_of, keys_of):
     for worker in T.parallel(TASK_WORKERS):
         scratch = T.meta_var(paged.task_scratch())
         for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
-            decode_task(paged, params, Sq, spec, kv_len_of, keys_of, scratch, task, n_row_tiles)
+            b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
+            g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
+            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
+            kv_len: T.int64 = kv_len_of(b)
+            first_pos: T.int64 = row_position(r0, group)
+            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
+            tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
+                                      first_pos=first_pos, last_pos=last_pos))
+            paged.attend_task(params, keys_of(b), tile, scratch)
 
 
 def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,

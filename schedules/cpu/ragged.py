@@ -189,14 +189,12 @@ class RaggedTask:
         self.attend_rows = attend_rows
 
 
-def task_scratch(tiles: CpuTiles, D: int, packed: bool = True):
+def task_scratch(tiles: CpuTiles, D: int):
     """A task's buffers, allocated where it is called in a prim_func: the [1, ...] scratch
-    (``PagedTile`` indexes per head) and, with ``packed``, a packed K and V tile."""
+    (``PagedTile`` indexes per head) and a packed K and V tile."""
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     scratch = Scratch(named_buffer("Qs", (1, BQ, D)), named_buffer("S", (1, BQ, BK)), named_buffer("O", (1, BQ, DP)),
                       named_buffer("m", (1, BQ)), named_buffer("l", (1, BQ)), named_buffer("alpha", (1, BQ)))
-    if not packed:
-        return scratch, None, None
     return scratch, named_buffer("Kt", (D, BK)), named_buffer("Vt", (BK, DP))
 
 

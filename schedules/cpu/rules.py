@@ -112,8 +112,8 @@ class _DenseRule(_CpuRule):
 
 
 class FlashForward(_DenseRule):
-    """flash_attn on llvm: tiled online softmax, K/V packed once per KV head; decode-shaped calls (at
-    most STREAMING_ROWS static rows per KV head) stream their keys in place (``decode``)."""
+    """flash_attn on llvm: tiled online softmax, K/V packed once per KV head; decode-shaped calls
+    (``_streams``: few static rows per KV head) stream their keys in place (``decode``)."""
 
     op = "flash_attn"
 
@@ -124,8 +124,7 @@ class FlashForward(_DenseRule):
         spec, rows = workload.spec, _rows(workload)
         if _streams(workload):
             tiles = tiles_for(target, head_dim=spec.head_dim, rows=min(rows, STREAMING_ROWS),
-                              num_kv_heads=spec.num_kv_heads,
-                              batch=workload.dim["B"])
+                              num_kv_heads=spec.num_kv_heads, batch=workload.dim["B"])
             # a head's keys are one contiguous run here (not pages): the hardware prefetchers follow
             # it. The key loops take a vector of keys at a time (key_vecs is the GEMMs')
             tiles = replace(tiles, prefetch=0, key_vecs=1)
