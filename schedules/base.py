@@ -129,10 +129,10 @@ def paged_workload(call: relax.Call) -> Workload | None:
 
 def varlen_workload(call: relax.Call, op: str = "flash_attn_varlen") -> Workload | None:
     """The workload of a flash_attn_varlen (or, ``op``, flash_attn_varlen_backward) call (dims
-    total_q, total_k, B + 1; the backward's grads dq, dk, dv); None where its heads or head dim are
-    symbolic, or it has sinks (no kernel takes them: ``tuned_legalize_map`` gives the kernels the
-    sink-free call and rescales their results). Offsets of any integer
-    dtype: the kernels are given them as int32 (``op.legalize.emit_kernel``)."""
+    total_q, total_k, B + 1, and the call's max_seqlen_q, max_seqlen_k; the backward's grads dq, dk,
+    dv); None where its heads or head dim are symbolic, or it has sinks (no kernel takes them:
+    ``tuned_legalize_map`` gives the kernels the sink-free call and rescales their results). Offsets
+    of any integer dtype: the kernels are given them as int32 (``op.legalize.emit_kernel``)."""
     args = SPECS[op].split_args(call)
     q, k, cu = static_dims(args["q"]), static_dims(args["k"]), static_dims(args["cu_seqlens_q"])
     if q is None or k is None or cu is None or None in (q[1], q[2], k[1]):
@@ -144,7 +144,11 @@ def varlen_workload(call: relax.Call, op: str = "flash_attn_varlen") -> Workload
                       cfg=AttnConfig.from_attrs(SPECS[op].label, call.attrs),
                       has_alibi=args["alibi_slopes"] is not None,
                       return_lse=False if backward else bool(call.attrs["return_lse"]))
-    return Workload(op, spec, _runtime_dims(total_q=q[0], total_k=k[0], B1=cu[0]),
+    # the call's max_seqlen (0: not given) bound every sequence (the run-time check enforces them):
+    # a batch of short sequences can take tiles of their size
+    return Workload(op, spec, _runtime_dims(total_q=q[0], total_k=k[0], B1=cu[0],
+                                            max_seqlen_q=int(call.attrs["max_seqlen_q"]),
+                                            max_seqlen_k=int(call.attrs["max_seqlen_k"])),
                     ("dq", "dk", "dv") if backward else ())
 
 

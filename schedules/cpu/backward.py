@@ -52,6 +52,7 @@ class BackwardBuffers(Buffers):
     v: tirx.Buffer
     do: tirx.Buffer
     lse: tirx.Buffer
+    dq: tirx.Buffer | None = None  # the kernels that write dq in place (``backward_rows``); else partials
     dk: tirx.Buffer | None = None
     dv: tirx.Buffer | None = None
     alibi: tirx.Buffer | None = None
@@ -128,6 +129,10 @@ class DenseRows:
     def store_key(self, buf, value, b, g, j, d):
         """dk or dv element d of key (b, g, j) := value (a statement where called in a macro)."""
         T.buffer_store(buf, value, [b, g, j, d])
+
+    def store_query(self, buf, value, b, h, i, d):
+        """dq element d of query (b, h, i) := value (a statement where called in a macro)."""
+        T.buffer_store(buf, value, [b, h, i, d])
 
 
 @dataclass(frozen=True)
@@ -340,17 +345,24 @@ class BackwardTask:
 
 
 def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
-                   dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+                   dims: Mapping[str, int | None] | None = None, rows_task=None) -> tirx.PrimFunc:
     """The backward kernel producing ``grads`` (a subset of dq, dk, dv, in that order), with
-    ``tiles.splits`` tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk (symbolic where absent)."""
+    ``tiles.splits`` tasks per (batch, KV head); ``dims`` fixes B, Sq, Sk (symbolic where absent).
+
+    ``rows_task`` (``backward_rows.RowsTask``): its tasks, one per (batch, KV head) over at most
+    block_k keys (a longer Sk raises), run in place of the key-split tasks and write dq themselves
+    (no partials)."""
+    if rows_task is not None and tiles.splits != 1:
+        raise ValueError(f"flash_backward: a rows task owns all of its keys (splits 1), got splits {tiles.splits}")
     sizes = kernel_sizes(dims)
     B, Sq, Sk = sizes.values()
     splits = tiles.splits
     task = BackwardTask(spec, tiles, grads)
+    partials = "dq" in grads and rows_task is None
+    too_many_keys = f"fuel.flash_attn_backward: this kernel takes at most {tiles.block_k} keys (k.shape[2])"
     dtype, Hq, Hkv, D, group = spec.dtype, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(spec.head_dim)
     cfg = spec.cfg
-    want_dq = "dq" in grads
     unused = absent_inputs(spec) | {name for name in ("dq", "dk", "dv") if name not in grads}
 
     # fmt: off
@@ -361,9 +373,9 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         q, k, v, do, alibi, mask, out, lse, dq, dk, dv = kernel_params(
             spec, sizes, q_h, k_h, v_h, do_h, alibi_h, mask_h, out_h, lse_h, dq_h, dk_h, dv_h)
         params = T.meta_var(BackwardBuffers.of(unused, q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv, alibi=alibi,
-                                               mask=mask))
+                                               mask=mask, dq=None if partials else dq))
         row_dot = T.alloc_buffer((B, Hq, Sq), F32)
-        dq_part = T.alloc_buffer((splits * B * Hq * Sq * DP,) if want_dq else (1,), F32)  # [splits, B, Hq, Sq, DP]
+        dq_part = T.alloc_buffer((splits * B * Hq * Sq * DP,) if partials else (1,), F32)  # [splits, B, Hq, Sq, DP]
         n_key_tiles = (Sk + BK - 1) // BK
         per_split = (n_key_tiles + splits - 1) // splits
         # 1. D = rowsum(do * out); zero the dq partials
@@ -374,7 +386,7 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
                 for d in range(D):
                     acc[0] = acc[0] + do[bh // Hq, bh % Hq, i, d].astype(F32) * out[bh // Hq, bh % Hq, i, d].astype(F32)
                 row_dot[bh // Hq, bh % Hq, i] = acc[0]
-            if want_dq:
+            if partials:
                 for c, i in T.grid(splits, Sq):
                     for d in T.vectorized(DP):
                         dq_part[((c * B + bh // Hq) * Hq + bh % Hq) * Sq * DP + i * DP + d] = T.float32(0)
@@ -382,10 +394,14 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
         # the partials' rows per head are Sq (KeySplitGrid.padded_sq): a tile adds its live rows only
         grid = T.meta_var(KeySplitGrid(cfg, B, Sq, Sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
                                        Sq))
-        key_split_tasks(grid, BackwardKernel(grid, params, DenseRows(Sq, Sk), row_dot, dq_part), task.key_task,
-                        task.task_scratch)
+        kernel = T.meta_var(BackwardKernel(grid, params, DenseRows(Sq, Sk), row_dot, dq_part))
+        if rows_task is None:
+            key_split_tasks(grid, kernel, task.key_task, task.task_scratch)
+        else:
+            assert Sk <= BK, too_many_keys
+            key_split_tasks(grid, kernel, rows_task.task, rows_task.scratch)
         # 3. dq = sum of the splits' partials
-        if want_dq:
+        if partials:
             parts = T.decl_buffer((splits, B, Hq, Sq, DP), F32, data=dq_part.data)
             sum_split_partials(parts, dq, B, Hq, Sq, D, splits, dtype)
     # fmt: on

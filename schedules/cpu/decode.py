@@ -7,9 +7,16 @@ its own Sq * Sk. The register-tiled kernel (``forward.dense_forward``) packs eve
 into whole tiles first; for many tiny rows (a batch of 2048 single-token sequences) that packing
 wrote 64 keys per real one and cost 15-150x the floor's time.
 
+A call over a handful of keys runs its rows one at a time instead (``dense_rows_forward``): per
+row, each key's logit from one dot product, then the weights against their max and the value rows
+added, with no tile of keys at all (the streaming task walks a whole vector of key slots and its
+softmax per tile: at B 2048 x S 1 that fixed cost had left it slower than the floor).
+
 Contents:
     dense_decode_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse]): dense_forward's,
                             its body the streaming tasks
+    dense_rows_forward   -- the same PrimFunc, its body one task per (batch, KV head) taking its rows
+                            one at a time against at most block_k keys
 """
 
 from __future__ import annotations
@@ -19,10 +26,14 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import KernelSpec
+from ...op import semantics as sem
+from ..common import F32, KernelSpec, masked_logit
 from ..layouts import DenseKeys
+from .common import named_buffer
 from .forward import dense_forward, ForwardMacros
+from .micro import RowOps
 from .paged import decode_tasks, PagedTile
+from .tasks import TASK_WORKERS
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -41,3 +52,59 @@ def dense_decode_forward(spec: KernelSpec, tiles: CpuTiles, *,
         decode_tasks(paged, params, B, Sq, spec, lambda b: Sk, lambda b: DenseKeys(k, v, b))
 
     return dense_forward(spec, tiles, dims=dims, tasks=streamed_tasks)
+
+
+def dense_rows_forward(spec: KernelSpec, tiles: CpuTiles, *,
+                       dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] with one task per (batch,
+    KV head): each of its group's rows against the at most ``tiles.block_k`` keys (a longer Sk
+    raises), read in place. Same parameters as ``dense_forward``; ``dims`` fixes B, Sq, Sk.
+
+    A row's logits go into a [block_k] scratch with their max; each key whose weight
+    ``exp(logit - max)`` is not 0 adds its value row (a dropped key's NaN value never counts; a NaN
+    weight does). A row without a visible key gets 0 and an lse of -inf."""
+    D, group, Hkv, cfg, dtype = spec.head_dim, spec.group, spec.num_kv_heads, spec.cfg, spec.dtype
+    BK, scale = tiles.block_k, T.float32(spec.scale)
+    ops = RowOps(D, tiles.lanes)
+    too_many_keys = f"fuel.flash_attn: this kernel takes at most {BK} keys (k.shape[2])"
+
+    def scratch():
+        # a worker's: one row's q and output accumulator, its logits, a dot product's lanes and
+        # total, and the row's max and sum
+        return (named_buffer("q_row", (D,)), named_buffer("o_row", (1, D)), named_buffer("logits", (BK,)),
+                named_buffer("lanes", (1, ops.lanes)), named_buffer("total", (1,)), named_buffer("stats", (2,)))
+
+    @T.macro
+    def row_tasks(params, B, Sq, Sk, k, v):
+        assert Sk <= BK, too_many_keys
+        n_tasks = T.meta_var(B * Hkv)
+        for worker in T.parallel(TASK_WORKERS):
+            q_row, o_row, logits, lanes, total, stats = T.meta_var(scratch())
+            for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
+                b: T.int64 = task // Hkv
+                g: T.int64 = task % Hkv
+                for hr, i in T.grid(group, Sq):
+                    h: T.let[T.int64] = g * group + hr
+                    for d in range(D):
+                        q_row[d] = params.q[b, h, i, d].astype(F32)
+                        o_row[0, d] = T.float32(0)
+                    stats[0] = T.float32(float("-inf"))
+                    for j in range(Sk):
+                        ops.dot(total, lanes, q_row, lambda d: k[b, g, j, d].astype(F32))
+                        logits[j] = masked_logit(spec, sem.softcap(cfg, total[0] * scale, fast=True), params.alibi,
+                                                 params.mask, b, h, i, j, Sk, Sk - Sq)
+                        stats[0] = T.max(stats[0], logits[j])
+                    shift: T.let[T.float32] = sem.safe_row_max(stats[0])
+                    stats[1] = T.float32(0)
+                    for j in range(Sk):
+                        p: T.let[T.float32] = sem.probability(logits[j], shift, fast=True)
+                        # (a NaN weight counts: TIR's != on floats is an ordered compare, false for NaN)
+                        if p != T.float32(0) or T.isnan(p):
+                            stats[1] = stats[1] + p
+                            ops.add_row(o_row, 0, p, lambda d: v[b, g, j, d].astype(F32))
+                    for d in range(D):
+                        params.out[b, h, i, d] = sem.normalize(o_row[0, d], stats[1]).astype(dtype)
+                    if spec.return_lse:
+                        params.lse[b, h, i] = sem.log_sum_exp(shift, stats[1])
+
+    return dense_forward(spec, tiles, dims=dims, tasks=row_tasks)

@@ -16,6 +16,7 @@ Contents:
     add_term      -- acc + weight * value, optionally skipping zero weights (the NaN rule)
     INT16_DOT_LANES, INT16_DOT_SUMS, int16_dot -- int32 lane sums of int16 pair products (x86 AVX2's vpmaddwd)
     round_rows_to_int16 -- float32 rows as int16 times a unit per row (what int16_dot multiplies)
+    RowOps        -- a row's dot product with a key row, and a weighted row added (one row at a time)
     Micro         -- the macros of one tile configuration:
         gemm            C (+)= A @ B on register tiles (A optionally read transposed, C optionally
                         rescaled per row as it is loaded)
@@ -136,6 +137,39 @@ def round_rows_to_int16(x, x16, unit, heads, rows, dim):
             for v in T.vectorized(ROUND_LANES):
                 x16[h, r, d0 * ROUND_LANES + v] = T.Cast("int16", T.round(
                     T.Select(bad, T.float32(0), x[h, r, d0 * ROUND_LANES + v] * stats[2])))
+
+
+class RowOps:
+    """The macros of one query row at a time against keys read in place (the short-sequence kernels,
+    ``decode.dense_rows_forward``, ``backward_rows``), over a head dim of ``head_dim`` taken
+    ``lanes`` (the widest of the target's lanes, 8, 4, 2, 1 that divides it) at a time:
+
+    dot(total, lanes_buf, row, key_row)  total[0] = row . key_row(d) (lanes_buf [1, lanes]: the
+                                          lane sums, folded by ``store_row_sums``)
+    add_row(acc, r, weight, row)          acc[r, d] += weight * row(d)
+    """
+
+    def __init__(self, head_dim: int, lanes: int):
+        D = head_dim
+        LD = next(n for n in (lanes, 8, 4, 2, 1) if D % n == 0)
+        self.lanes = LD
+
+        @T.macro
+        def dot(total, lanes_buf, row, key_row):
+            for v in T.vectorized(LD):
+                lanes_buf[0, v] = T.float32(0)
+            for d0 in range(D // LD):
+                for v in T.vectorized(LD):
+                    lanes_buf[0, v] = lanes_buf[0, v] + row[d0 * LD + v] * key_row(d0 * LD + v)
+            store_row_sums(total, lanes_buf, 1, LD)
+
+        @T.macro
+        def add_row(acc, r, weight, row):
+            for d0 in range(D // LD):
+                for v in T.vectorized(LD):
+                    acc[r, d0 * LD + v] = acc[r, d0 * LD + v] + weight * row(d0 * LD + v)
+
+        self.dot, self.add_row = dot, add_row
 
 
 def _element(X, row, col, transposed: bool):

@@ -40,7 +40,7 @@ from ..layouts import EMPTY_LSE
 from .common import named_buffer
 from .forward import ForwardMacros, RowTile, Scratch
 from .paged import PagedTile
-from .tiles import CpuTiles
+from .tiles import CpuTiles, STREAMING_ROWS
 
 LSE_LOG2 = "log2"  # TVM's: lse[row, head] = m + log2(sum), EMPTY_LSE without keys
 LSE_NATURAL = "natural"  # FlashAttention's: lse[head, row] in natural log, -inf without keys
@@ -145,10 +145,18 @@ class RaggedTask:
                             sem.safe_row_max(scratch.m[r]) * T.float32(sem.LN2), scratch.l[r])
 
         @T.macro
-        def attend_packed(scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale, rope_theta):
+        def attend_packed(own, scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale, rope_theta):
             # a whole key tile was packed beforehand (``packed.tile(kt)``: Kt, Vt and Vt's non-finite
-            # count); the sequence's last, partial one is packed by the task into its own Kt, Vt
-            if kt < tile.kv_len // BK:
+            # count); the sequence's last, partial one is packed by the task into its own Kt, Vt.
+            # packed None (streaming tasks, at most STREAMING_ROWS rows): the tile's K and V rows are
+            # read in place, or packed by the task where its keys are rotated (``own``: the scratch whose
+            # view is ``scratch``)
+            if packed is None:
+                if rotary_mode == 1:
+                    packed_tile(scratch, Kt, Vt, params, keys, tile, kt, rotary_mode, rope_scale, rope_theta)
+                else:
+                    paged.stream_tile(own, params, keys, tile, kt)
+            elif kt < tile.kv_len // BK:
                 Kp, Vp, nonfinite = T.meta_var(packed.tile(kt))
                 body.attend_tile(scratch, Kp, Vp, params, tile, kt * BK, nonfinite[0] == T.float32(0))
             else:
@@ -176,13 +184,13 @@ class RaggedTask:
                     walk = T.meta_var(tile.key_walk(cfg, BK))
                     for step in range(walk.count):
                         kt: T.int64 = walk.tile(step)
-                        attend_packed(scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale,
-                                      rope_theta)
+                        attend_packed(own, scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode,
+                                      rope_scale, rope_theta)
                 else:
                     lo, hi = T.meta_var(tile.key_tiles(cfg, BK))
                     for kt in range(lo, hi):
-                        attend_packed(scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode, rope_scale,
-                                      rope_theta)
+                        attend_packed(own, scratch, Kt, Vt, params, packed, keys, tile, kt, rotary_mode,
+                                      rope_scale, rope_theta)
                 store(scratch, output, lse_out, lambda position: q_start + position, tile)
 
         self.load_queries, self.pack_tile, self.packed_tile, self.store = load_queries, pack_tile, packed_tile, store
@@ -279,7 +287,8 @@ def _tvm_key_tiles(a, BK: int):
 
 
 def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_task: RaggedTask | None, *,
-                   where: str = "tvm_cache.prefill", key_tiles: Callable | None = None, workers: int = 0):
+                   where: str = "tvm_cache.prefill", key_tiles: Callable | None = None, workers: int = 0,
+                   stream: bool = False):
     """The macro of every ragged prefill, ``run(a, params, causal, rotary_mode, rope_scale,
     rope_theta, sm_scale)`` (``a``: the kernel's ``TvmArgs``; ``params``: its ``ForwardBuffers``):
     key tiles packed once per (sequence, KV head), then the (sequence, KV head, row tile) tasks
@@ -296,7 +305,14 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
     different lengths spread over every thread (a parallel loop hands each thread a contiguous
     chunk: over (sequence, KV head, the most row tiles) a thread may get the long sequences and
     another the empty tasks of the short ones). Each task finds its sequence by a binary search
-    over the row tiles' prefix sums."""
+    over the row tiles' prefix sums.
+
+    ``stream`` (tiles of at most STREAMING_ROWS rows, one KV head a task): nothing is packed; each
+    task reads its key tiles' K and V rows in place (``PagedTile.stream_tile``), so a batch of
+    many short sequences costs its own keys, not a packed tile each (no workspace at all)."""
+    if stream and (tiles.block_q > STREAMING_ROWS or tiles.kv_heads != 1):
+        raise ValueError(f"prefill_phases: streaming tasks take at most {STREAMING_ROWS} rows of one KV head, "
+                         f"got block_q {tiles.block_q}, kv_heads {tiles.kv_heads}")
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
     overflow = f"{where}: the sequences' keys exceed their pages (indptr)"
@@ -306,7 +322,8 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
     def attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles, nonfinite,
                     first_tile, b, g, t, own_scratch=None):
         # row tile t of (sequence b, KV head g) over the sequence's packed key tiles
-        packed = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv, (D, BK, DP)))
+        packed = T.meta_var(None if stream else PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv,
+                                                           (D, BK, DP)))
         args = T.meta_var((a.q, a.output, a.lse, params, packed, a.keys(b), b, g, t, a.kv_len(b), a.q_len(b),
                            a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale,
                            own_scratch))
@@ -322,6 +339,12 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
         # dealt task ``task_id`` of sequence b: KV head task_id % Hkv of its row tile task_id // Hkv
         first_row_tile = T.meta_var(context[-1])
         attend_task(*context[:-1], b, task_id % Hkv, task_id // Hkv - first_row_tile[b], own_scratch)
+
+    def workspaces(max_tiles):
+        # every sequence's whole key tiles per KV head: K^T, V and V's non-finite count
+        return (named_buffer("k_tiles", (max_tiles * Hkv * D * BK,), F32),
+                named_buffer("v_tiles", (max_tiles * Hkv * BK * DP,), F32),
+                named_buffer("nonfinite", (max_tiles * Hkv,), F32))
 
     @T.macro
     def run(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
@@ -341,16 +364,16 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
             most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
         assert first_tile[B] <= max_tiles, overflow
         n_row_tiles: T.int64 = most_rows[0]
-        k_tiles = T.alloc_buffer((max_tiles * Hkv * D * BK,), F32)
-        v_tiles = T.alloc_buffer((max_tiles * Hkv * BK * DP,), F32)
-        nonfinite = T.alloc_buffer((max_tiles * Hkv,), F32)
-        for pack in T.parallel(T.Cast("int64", B) * Hkv):
-            pb: T.int64 = pack // Hkv
-            pg: T.int64 = pack % Hkv
-            tiles_of = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
-            for kt in range(first_tile[pb + 1] - first_tile[pb]):
-                Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
-                plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale, rope_theta)
+        k_tiles, v_tiles, nonfinite = T.meta_var((None, None, None) if stream else workspaces(max_tiles))
+        if not stream:
+            for pack in T.parallel(T.Cast("int64", B) * Hkv):
+                pb: T.int64 = pack // Hkv
+                pg: T.int64 = pack % Hkv
+                tiles_of = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
+                for kt in range(first_tile[pb + 1] - first_tile[pb]):
+                    Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
+                    plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale,
+                                    rope_theta)
         if workers > 0:
             context = T.meta_var((a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
                                   nonfinite, first_tile, first_row_tile))

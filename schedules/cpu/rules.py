@@ -31,7 +31,8 @@ from ...op import SPECS
 from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims, varlen_workload
 from ..workload import NormSpec, Workload
 from .backward import flash_backward
-from .decode import dense_decode_forward
+from .backward_rows import RowsTask, rows_backward
+from .decode import dense_decode_forward, dense_rows_forward
 from .forward import dense_forward
 from .paged import paged_forward
 from .double_backward import flash_double_backward
@@ -113,7 +114,8 @@ class _DenseRule(_CpuRule):
 
 class FlashForward(_DenseRule):
     """flash_attn on llvm: tiled online softmax, K/V packed once per KV head; decode-shaped calls
-    (``_streams``: few static rows per KV head) stream their keys in place (``decode``)."""
+    (``_streams``: few static rows per KV head) stream their keys in place (``decode``), and calls
+    over a handful of keys (``_short_rows``) take their rows one at a time."""
 
     op = "flash_attn"
 
@@ -138,6 +140,8 @@ class FlashForward(_DenseRule):
         return super().knob_space(workload, target)
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
+        if _short_rows(workload):  # a handful of keys: rows one at a time, no key tiles
+            return dense_rows_forward(workload.spec, CpuTiles(**knobs), dims=workload.dim if static else None)
         if _streams(workload):
             # Sq is static wherever a call streams (its rows chose the path): the row loops unroll
             dims = workload.dim if static else {"Sq": workload.dim["Sq"]}
@@ -156,6 +160,17 @@ def _streams(workload: Workload) -> bool:
     if rows is None:
         return False
     return rows <= STREAMING_ROWS or (rows <= 2 * STREAMING_ROWS and keys is not None and keys <= SHORT_KEYS)
+
+
+def _short_rows(workload: Workload) -> bool:
+    """Whether a call takes its rows one at a time against every key (``decode.dense_rows_forward``,
+    ``backward_rows``): at most SHORT_KEYS keys and 2 * STREAMING_ROWS queries (a dense call's static
+    Sk and Sq, a varlen call's max_seqlen). Kernels side by side at B 2048, H 8, D 64 causal on Zen 5
+    (ms): forward rows against streaming S1 0.25 / 0.48, S4 2.2 / 5.7, S16 14 / 30; backward rows
+    against tiles S1 1.1 / 6.3, S4 4.4 / 13.8, S8 19 / 30, S16 48 / 51."""
+    dims = workload.dim
+    sq, sk = (dims["max_seqlen_q"], dims["max_seqlen_k"]) if "max_seqlen_q" in dims else (dims["Sq"], dims["Sk"])
+    return sq is not None and sk is not None and sq <= 2 * STREAMING_ROWS and sk <= SHORT_KEYS
 
 
 class FlashBackward(_DenseRule):
@@ -180,7 +195,7 @@ class FlashBackward(_DenseRule):
         tiles = tiles_for(target, head_dim=workload.spec.head_dim, rows=None)
         # query and key tiles no longer than the call's static Sq and Sk need (one-row sequences)
         tiles = fit_rows(fit_keys(tiles, workload.dim["Sk"]), workload.dim["Sq"])
-        return asdict(replace(tiles, splits=splits))
+        return asdict(replace(tiles, splits=1 if _short_rows(workload) else splits))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         space = tile_space(target, rows=None)
@@ -189,8 +204,8 @@ class FlashBackward(_DenseRule):
         return {**space, "splits": tuple(n for n in (1, 2, 4, 8, 16) if n <= most)}
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
-        return flash_backward(workload.spec, CpuTiles(**knobs), grads=workload.grads,
-                              dims=workload.dim if static else None)
+        kernel = rows_backward if _short_rows(workload) else flash_backward
+        return kernel(workload.spec, CpuTiles(**knobs), grads=workload.grads, dims=workload.dim if static else None)
 
 
 class PagedAttention(_CpuRule):
@@ -221,8 +236,11 @@ class PagedAttention(_CpuRule):
 
 class VarlenForward(_CpuRule):
     """flash_attn_varlen on llvm: the ragged prefill's two phases (every sequence's key tiles packed
-    once per KV head, then (sequence, KV head, row tile) tasks over the tiles they see). Not tuned
-    yet: its hand-picked knobs are the dense forward's at rows unknown."""
+    once per KV head, then (sequence, KV head, row tile) tasks over the tiles they see). A call whose
+    max_seqlen_q bounds every sequence to at most STREAMING_ROWS rows per KV head streams its keys in
+    place instead, in tiles fitted to max_seqlen_k (no packing, no workspace: 2048 one-token
+    sequences cost their own keys, not a tile each). Not tuned yet: its hand-picked knobs are the
+    dense forward's at rows unknown, or the dense decode-shaped forward's."""
 
     op = "flash_attn_varlen"
     tunable = False
@@ -231,7 +249,14 @@ class VarlenForward(_CpuRule):
         return varlen_workload(call) if self.is_target_available(target) else None
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
-        return asdict(tiles_for(target, head_dim=workload.spec.head_dim, rows=None))
+        longest = workload.dim["max_seqlen_q"]
+        rows = None if longest is None else longest * workload.spec.group
+        if rows is None or rows > STREAMING_ROWS:
+            return asdict(tiles_for(target, head_dim=workload.spec.head_dim, rows=None))
+        tiles = tiles_for(target, head_dim=workload.spec.head_dim, rows=rows)
+        # one KV head a task, k's rows read in place: no prefetch past the strided rows (as dense decode)
+        tiles = replace(tiles, kv_heads=1, prefetch=0, key_vecs=1)
+        return asdict(fit_keys(tiles, workload.dim["max_seqlen_k"]))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return tile_space(target, rows=None)
@@ -258,13 +283,19 @@ class VarlenBackward(_CpuRule):
         # at most 4: the dq partials hold splits x (total_q + B * block_q) rows per head, whatever
         # the batch (B is known at run time only; many sequences need no splits to fill the cores)
         splits = min(4, max(1, -(-2 * cores(target) // workload.spec.num_kv_heads)))
-        return asdict(replace(tiles_for(target, head_dim=workload.spec.head_dim, rows=None), splits=splits))
+        tiles = tiles_for(target, head_dim=workload.spec.head_dim, rows=None)
+        # tiles no longer than the call's max_seqlen need (each task zeroes and walks whole tiles:
+        # 2048 one-token sequences in 128-key tiles cost 430 ms against the floor's 16)
+        tiles = fit_rows(fit_keys(tiles, workload.dim["max_seqlen_k"]), workload.dim["max_seqlen_q"])
+        return asdict(replace(tiles, splits=1 if _short_rows(workload) else splits))
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return {**tile_space(target, rows=None), "splits": (1, 2, 4, 8, 16)}
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
-        return varlen_backward(workload.spec, CpuTiles(**knobs))
+        tiles = CpuTiles(**knobs)
+        rows = RowsTask(workload.spec, tiles, workload.grads) if _short_rows(workload) else None
+        return varlen_backward(workload.spec, tiles, rows_task=rows)
 
 
 def _present(call: relax.Call, op: str, names: tuple[str, ...]) -> tuple[str, ...]:

@@ -25,6 +25,8 @@ Contents:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -32,7 +34,7 @@ from ..common import check_packed, drop_params, finish, kernel_params, KernelSpe
 from ..tvm_params import TvmArgs
 from .forward import ForwardBuffers
 from .ragged import LSE_NATURAL, prefill_phases, RaggedTask
-from .tiles import CpuTiles
+from .tiles import CpuTiles, STREAMING_ROWS
 
 OP = "fuel.flash_attn_varlen"
 
@@ -67,6 +69,8 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     (``ragged.prefill_phases``): a thread's share of 64 is every 64th tile in runs of 64 / threads,
     even on 2 threads fine enough that neighbouring tiles, of like cost, balance."""
     check_packed(spec, "varlen_forward")
+    if tiles.block_q <= STREAMING_ROWS:
+        tiles = replace(tiles, kv_heads=1)  # a streaming task's one KV head (prefill_phases)
     Hq, D, dtype = spec.num_q_heads, spec.head_dim, spec.dtype
     task = RaggedTask(spec, tiles, lse=LSE_NATURAL if spec.return_lse else None)
     total_q, total_k, B1 = (tirx.Var(name, "int64") for name in ("total_q", "total_k", "B1"))  # B1: B + 1
@@ -74,7 +78,7 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     # the workspaces (allocated before the checks run) hold every sequence's whole key tiles: at
     # most total_k // block_k (a partial tile is packed by its tasks); never negative
     run = prefill_phases(spec, tiles, task, None, where=OP, workers=workers,
-                         key_tiles=lambda a, block_k: total_k // block_k)
+                         key_tiles=lambda a, block_k: total_k // block_k, stream=tiles.block_q <= STREAMING_ROWS)
     unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
 
     # fmt: off

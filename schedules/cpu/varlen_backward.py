@@ -72,6 +72,9 @@ class PackedSequence:
     def store_key(self, buf, value, b, g, j, d):
         T.buffer_store(buf, value, [self.k_start + j, g, d])
 
+    def store_query(self, buf, value, b, h, i, d):
+        T.buffer_store(buf, value, [self.q_start + i, h, d])
+
 
 @dataclass(frozen=True)
 class SequenceGrid(KeySplitGrid):
@@ -89,15 +92,23 @@ class SequenceGrid(KeySplitGrid):
                         * self.padded_dim)
 
 
-def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> tirx.PrimFunc:
+def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64, rows_task=None) -> tirx.PrimFunc:
     """``fuel_flash_attn_varlen_backward_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], do
     [total_q, Hq, D], cu_seqlens_q [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq]
     float32 (``spec.has_alibi``), out [total_q, Hq, D], lse [Hq, total_q] float32 (natural log,
     -inf for a row without a visible key), dq [total_q, Hq, D], dk, dv [total_k, Hkv, D])``:
     total_q, total_k and B symbolic; gradients in q's dtype. ``tiles.splits``: the most tasks per
     (sequence, KV head) (no more than the sequence's key tiles); ``workers`` (a power of two): the
-    parallel workers the tasks are dealt to."""
+    parallel workers the tasks are dealt to.
+
+    ``rows_task`` (``backward_rows.RowsTask``, the rule's choice where max_seqlen bounds every
+    sequence to a few rows and keys): one task per (sequence, KV head), each over at most block_k keys
+    (a longer sequence raises), writing dq itself (no partials)."""
     check_packed(spec, "varlen_backward")
+    if rows_task is not None and tiles.splits != 1:
+        raise ValueError(f"varlen_backward: a rows task owns all of its keys (splits 1), got splits {tiles.splits}")
+    partials = rows_task is None
+    too_long = f"{OP}: this kernel takes sequences of at most {tiles.block_k} keys (cu_seqlens_k)"
     Hq, Hkv, D, group, dtype, cfg = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype,
                                      spec.cfg)
     BQ, BK, DP = tiles.block_q, tiles.block_k, tiles.padded_dim(D)
@@ -110,6 +121,13 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
     padded_rows = total_q
     unused = set() if spec.has_alibi else {"alibi_slopes"}
 
+    def tiles_per_split(n_key_tiles):
+        # a key-split task's run of key tiles (a sequence with keys has tasks); a rows task (one also
+        # for a sequence without keys) walks no key tiles
+        if not partials:
+            return T.int64(0)
+        return (n_key_tiles + T.min(n_key_tiles, splits) - 1) // T.min(n_key_tiles, splits)
+
     @T.macro
     def sequence_task(context, task_id, b, scratch):
         # task ``task_id`` of sequence b: split local // Hkv of KV head local % Hkv's key tiles
@@ -119,18 +137,22 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
         sq: T.int64 = T.Cast("int64", cu_q[b + 1]) - q0
         sk: T.int64 = T.Cast("int64", cu_k[b + 1]) - k0
         n_key_tiles: T.int64 = (sk + BK - 1) // BK
-        per_split: T.int64 = (n_key_tiles + T.min(n_key_tiles, splits) - 1) // T.min(n_key_tiles, splits)
+        per_split: T.int64 = tiles_per_split(n_key_tiles)
         split: T.int64 = (task_id - first_task[b]) // Hkv
         g: T.int64 = (task_id - first_task[b]) % Hkv
         first_row: T.int64 = q0
         # the task's own dq partial rows zeroed (no other task writes them)
-        for hr, row in T.grid(group, sq):
-            for d in T.vectorized(DP):
-                dq_part[((split * Hq + g * group + hr) * padded_rows + first_row + row) * DP + d] = T.float32(0)
+        if partials:
+            for hr, row in T.grid(group, sq):
+                for d in T.vectorized(DP):
+                    dq_part[((split * Hq + g * group + hr) * padded_rows + first_row + row) * DP + d] = T.float32(0)
         grid = T.meta_var(SequenceGrid(cfg, 1, sq, sk, Hq, Hkv, group, BQ, BK, DP, splits, n_key_tiles, per_split,
                                        0, first_row=first_row, padded_rows=padded_rows))
         kernel = T.meta_var(BackwardKernel(grid, params, PackedSequence(q0, k0, sq, sk), row_dot, dq_part))
-        task.key_task(kernel, b, g, split, scratch)
+        if partials:
+            task.key_task(kernel, b, g, split, scratch)
+        else:
+            rows_task.task(kernel, b, g, split, scratch)
 
     # fmt: off
     @T.prim_func
@@ -143,17 +165,23 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
             dk_h, dv_h)
         check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, OP)
         params = T.meta_var(BackwardBuffers(q=q, k=k, v=v, do=do, lse=lse, dk=dk, dv=dv,
-                                            alibi=alibi_slopes if spec.has_alibi else None))
+                                            alibi=alibi_slopes if spec.has_alibi else None,
+                                            dq=None if partials else dq))
         row_dot = T.alloc_buffer((Hq, total_q), F32)
-        dq_part = T.alloc_buffer((splits * Hq * padded_rows * DP,), F32)
+        dq_part = T.alloc_buffer((splits * Hq * padded_rows * DP,) if partials else (1,), F32)
         # per sequence: its first task (Hkv per split, a split per key tile at most) and first query tile
         first_task = T.alloc_buffer((B1,), "int64")
         first_row_tile = T.alloc_buffer((B1,), "int64")
         first_task[0] = T.int64(0)
         first_row_tile[0] = T.int64(0)
         for b in range(B1 - 1):
-            first_task[b + 1] = first_task[b] + T.min(
-                (T.Cast("int64", cu_seqlens_k[b + 1] - cu_seqlens_k[b]) + BK - 1) // BK, splits) * Hkv
+            # a rows task per (sequence, KV head), keys or not (it writes its rows' dq)
+            if partials:
+                first_task[b + 1] = first_task[b] + T.min(
+                    (T.Cast("int64", cu_seqlens_k[b + 1] - cu_seqlens_k[b]) + BK - 1) // BK, splits) * Hkv
+            else:
+                assert cu_seqlens_k[b + 1] - cu_seqlens_k[b] <= BK, too_long
+                first_task[b + 1] = first_task[b] + Hkv
             first_row_tile[b + 1] = first_row_tile[b] + (T.Cast("int64", cu_seqlens_q[b + 1] - cu_seqlens_q[b])
                                                          + BQ - 1) // BQ
         q_end: T.int64 = T.Cast("int64", cu_seqlens_q[B1 - 1])
@@ -169,22 +197,23 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> 
         # 2. the (sequence, KV head, split) tasks: dk, dv of their key tiles, their dq partials
         context = T.meta_var((params, row_dot, dq_part, cu_seqlens_q, cu_seqlens_k, first_task, first_row_tile))
         dealt_tasks(workers, first_task[B1 - 1], first_task, B1 - 1, 1, sequence_task, context, spread=True,
-                    scratch_of=task.task_scratch)
+                    scratch_of=task.task_scratch if partials else rows_task.scratch)
         # 3. dq of each query tile: its sequence's partials summed in split order
-        for t in T.parallel(first_row_tile[B1 - 1]):
-            bounds = T.alloc_buffer((2,), "int64", scope="local")
-            find_sequence(bounds, first_row_tile, B1 - 1, t)
-            q0: T.int64 = T.Cast("int64", cu_seqlens_q[bounds[0]])
-            sq: T.int64 = T.Cast("int64", cu_seqlens_q[bounds[0] + 1]) - q0
-            n_splits: T.int64 = T.min((T.Cast("int64", cu_seqlens_k[bounds[0] + 1] - cu_seqlens_k[bounds[0]]) + BK - 1)
-                                      // BK, splits)
-            for r in range(BQ):
-                if (t - first_row_tile[bounds[0]]) * BQ + r < sq:
-                    for h in range(Hq):
-                        for d in T.vectorized(D):
-                            dq[q0 + (t - first_row_tile[bounds[0]]) * BQ + r, h, d] = split_sum(
-                                lambda c: dq_part[((c * Hq + h) * padded_rows + q0 + (t - first_row_tile[bounds[0]])
-                                                   * BQ + r) * DP + d], splits, n_splits).astype(dtype)
+        if partials:
+            for t in T.parallel(first_row_tile[B1 - 1]):
+                bounds = T.alloc_buffer((2,), "int64", scope="local")
+                find_sequence(bounds, first_row_tile, B1 - 1, t)
+                q0: T.int64 = T.Cast("int64", cu_seqlens_q[bounds[0]])
+                sq: T.int64 = T.Cast("int64", cu_seqlens_q[bounds[0] + 1]) - q0
+                n_splits: T.int64 = T.min((T.Cast("int64", cu_seqlens_k[bounds[0] + 1] - cu_seqlens_k[bounds[0]])
+                                           + BK - 1) // BK, splits)
+                for r in range(BQ):
+                    if (t - first_row_tile[bounds[0]]) * BQ + r < sq:
+                        for h in range(Hq):
+                            for d in T.vectorized(D):
+                                dq[q0 + (t - first_row_tile[bounds[0]]) * BQ + r, h, d] = split_sum(
+                                    lambda c: dq_part[((c * Hq + h) * padded_rows + q0 + (t - first_row_tile[bounds[0]])
+                                                       * BQ + r) * DP + d], splits, n_splits).astype(dtype)
         # rows and keys of no sequence: no gradient
         for i in T.parallel(total_q - q_end):
             for h, d in T.grid(Hq, D):

@@ -5,6 +5,8 @@ and cu_seqlens checked before anything is read."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tvm
@@ -12,7 +14,7 @@ from helpers import (assert_varlen_matches, buffers_growing_with, HOST, run_varl
                      varlen_kernel_inputs)
 
 from tvm_fuel.op.config import AttnConfig
-from tvm_fuel.schedules.cpu.tiles import CpuTiles, tiles_for
+from tvm_fuel.schedules.cpu.tiles import CpuTiles, STREAMING_ROWS, tiles_for
 from tvm_fuel.schedules.cpu.varlen import varlen_forward
 from tvm_fuel.schedules.workload import KernelSpec
 
@@ -30,6 +32,13 @@ def _spec(dtype="float32", Hq=2, Hkv=1, D=64, *, alibi=False, return_lse=True, *
 def _kernel(spec: KernelSpec, tiles=None):
     tiles = tiles or tiles_for(HOST, head_dim=spec.head_dim, rows=None, num_kv_heads=spec.num_kv_heads)
     return tvm.compile(varlen_forward(spec, tiles), target=HOST)
+
+
+def _streaming_tiles(spec: KernelSpec) -> CpuTiles:
+    """Tiles of at most STREAMING_ROWS rows (the rule's for short sequences): every task streams its
+    key tiles in place, whatever its sequence's length."""
+    rows = min(STREAMING_ROWS, spec.group * (STREAMING_ROWS // spec.group))
+    return replace(tiles_for(HOST, head_dim=spec.head_dim, rows=rows), kv_heads=1, prefetch=0, key_vecs=1)
 
 
 
@@ -51,11 +60,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("tiles", ["packed", "streaming"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_the_reference(name):
+def test_matches_the_reference(name, tiles):
     spec = CASES[name]
     inputs = varlen_kernel_inputs(spec, Q_LENS, K_LENS)
-    out, lse = run_varlen_kernel(_kernel(spec), spec, inputs)
+    func = varlen_forward(spec, _streaming_tiles(spec)) if tiles == "streaming" else None
+    if func is not None:
+        assert "k_tiles" not in func.script()  # nothing packed: the tasks read k and v in place
+    lib = tvm.compile(func, target=HOST) if func is not None else _kernel(spec)
+    out, lse = run_varlen_kernel(lib, spec, inputs)
     assert_varlen_matches(spec, out, lse, inputs)
 
 

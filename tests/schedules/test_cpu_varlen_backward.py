@@ -15,7 +15,8 @@ from helpers import (assert_varlen_backward_matches, buffers_growing_with, HOST,
                      varlen_backward_kernel_inputs)
 
 from tvm_fuel.op.config import AttnConfig
-from tvm_fuel.schedules.cpu.tiles import CpuTiles, tiles_for
+from tvm_fuel.schedules.cpu.backward_rows import RowsTask
+from tvm_fuel.schedules.cpu.tiles import CpuTiles, tiles_for, vector_lanes
 from tvm_fuel.schedules.cpu.varlen_backward import varlen_backward
 from tvm_fuel.schedules.workload import KernelSpec
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.numerics
 
 Q_LENS, K_LENS = [17, 0, 97, 1, 513, 4], [33, 5, 97, 1, 513, 0]
 EXTRA = 3  # q rows past the last sequence: dq 0
+HOST_LANES = vector_lanes(HOST)
 
 
 def _spec(dtype="float32", Hq=2, Hkv=1, D=64, *, alibi=False, **options) -> KernelSpec:
@@ -73,6 +75,27 @@ def test_any_tiles_and_splits_serve():
     assert not dk[k_rows:].any() and not dv[k_rows:].any()
     inputs.update(k=inputs["k"][:k_rows], v=inputs["v"][:k_rows])
     assert_varlen_backward_matches(spec, (dq, dk[:k_rows], dv[:k_rows]), inputs)
+
+
+SHORT_Q, SHORT_K = [1, 0, 3, 16, 2, 5], [1, 4, 16, 16, 0, 2]  # at most 16 keys: a rows task each
+
+
+@pytest.mark.parametrize("name", ["group3_D40_causal", "group3_D40_window_softcap", "group3_D64_sinks_window",
+                                  "bfloat16_group3_D64_causal_alibi_softcap"])
+def test_rows_tasks_match_the_reference(name):
+    """Sequences of at most 16 keys through the rows tasks (``backward_rows``: one task per sequence
+    and KV head, dq written in place): sequences without keys or queries, rows past the last one."""
+    spec = CASES[name]
+    tiles = CpuTiles(block_q=4, block_k=16, micro_rows=4, key_vecs=1, dim_vecs=1, lanes=16 if HOST_LANES == 16 else 8)
+    func = varlen_backward(spec, tiles, rows_task=RowsTask(spec, tiles, ("dq", "dk", "dv")))
+    assert "q_row" in func.script() and "dq_part[" not in func.script()  # no partials read or written
+    inputs = varlen_backward_kernel_inputs(spec, SHORT_Q, SHORT_K, extra=EXTRA, seed=len(name))
+    dq, dk, dv = run_varlen_backward_kernel(tvm.compile(func, target=HOST), inputs)
+    assert_varlen_backward_matches(spec, (dq, dk, dv), inputs)
+    assert not dq[sum(SHORT_Q):].any()
+    inputs = varlen_backward_kernel_inputs(spec, [2, 3], [17, 3])  # a sequence longer than the tasks' keys
+    with pytest.raises(RuntimeError, match="at most 16 keys"):
+        run_varlen_backward_kernel(tvm.compile(func, target=HOST), inputs)
 
 
 def test_no_sequences_and_empty_ones():

@@ -1,10 +1,12 @@
 """Many tiny rows (issue 55): a batch of short sequences costs what its own rows and keys need.
 
-The dense forward of decode-shaped calls (at most STREAMING_ROWS rows per KV head) streams its keys
-in place (``schedules.cpu.decode``), checked against the float64 reference on awkward shapes with
-the path asserted; the backward's tiles and dq partials follow Sq and Sk; the varlen kernels pack
-only whole key tiles. Memory is measured as a child process's peak RSS growth over one call, at
-the shapes of the report (B 2048 x H 8 x S 1, D 64: the old kernels grew by 0.3-1 GiB).
+Decode-shaped dense forwards (at most STREAMING_ROWS rows per KV head) stream their keys in place
+(``schedules.cpu.decode``); calls over a handful of keys (at most SHORT_KEYS, and 16 queries) take
+their rows one at a time, forward and backward (``decode.dense_rows_forward``, ``backward_rows``);
+varlen calls whose max_seqlen bound every sequence to a few rows do the same. Each is checked
+against the float64 reference on awkward shapes and options with the path asserted (the NaN rule
+too). Memory is measured as a child process's peak RSS growth over one call, at the shapes of the
+report (B 2048 x H 8 x S 1, D 64: the old kernels grew by 0.3-1 GiB).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def test_decode_shaped_dense_forward_streams_and_matches_reference(heads, sq, sk
     kernel = _kernel(mod)
     assert not _packs_keys(kernel), "a decode-shaped call packed its keys (the register-tiled kernel ran)"
     assert applied_knobs(kernel)["block_q"] <= STREAMING_ROWS
+    # a handful of keys: rows one at a time (decode.dense_rows_forward); more: the streaming tasks
+    assert _takes_rows(kernel) == (sk <= SHORT_KEYS)
     got = Runner(mod, HOST, kernels="tuned")(*inputs.values())
     want = reference.flash_attn(**inputs, **kwargs)
     want = want if isinstance(want, tuple) else (want,)
@@ -91,6 +95,106 @@ def test_backward_tiles_follow_sq_and_sk(sq, sk):
     got = Runner(mod, HOST, kernels="tuned")(*inputs.values())
     want = reference.flash_attn_backward(**inputs, causal=True)
     for actual, expected, what in zip(got, want, ("dq", "dk", "dv")):
+        assert_close(actual, expected, "float32", scale=4.0, what=what)
+
+
+def _shapes(inputs: dict[str, np.ndarray]) -> dict[str, tuple]:
+    return {n: (a.shape, str(a.dtype)) for n, a in inputs.items()}
+
+
+def _takes_rows(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether a backward kernel runs its rows one at a time (``backward_rows``: its q_row scratch)."""
+    return "q_row" in func.script()
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (6, 2), (7, 1)], ids=lambda h: f"Hq{h[0]}Hkv{h[1]}")
+@pytest.mark.parametrize("sq,sk", [(1, 1), (4, 1), (3, 5), (13, 9), (16, 16)])
+@pytest.mark.parametrize("option", ["plain", "causal", "window_softcap", "alibi_bias", "key_mask", "dq", "dk", "dv"])
+def test_short_backward_takes_rows_and_matches_reference(heads, sq, sk, option):
+    hq, hkv = heads
+    rng = np.random.default_rng(sq * 100 + sk)
+    inputs = dense_inputs(rng, 3, hq, hkv, sq, sk, 40, with_do=True)
+    kwargs = dict(causal=option in ("causal", "dq", "dk", "dv"),
+                  window_size=(2, 1) if option == "window_softcap" else (-1, -1),
+                  softcap=5.0 if option == "window_softcap" else 0.0)
+    if option == "alibi_bias":
+        inputs["alibi_slopes"] = rng.uniform(0.1, 1.0, hq).astype(np.float32)
+        inputs["attn_mask"] = rng.standard_normal((3, hq, sq, sk)).astype(np.float32)
+        inputs["attn_mask"][0, :, :, 0] = -np.inf
+    if option == "key_mask":
+        mask = rng.random((3, 1, 1, sk)) > 0.3
+        mask[1] = False  # a batch whose every key is masked: no gradient at all
+        inputs["attn_mask"] = mask
+    single = option in ("dq", "dk", "dv")  # the single-gradient ops, each its own kernel
+    name = f"flash_attn_backward_{option[1]}" if single else "flash_attn_backward"
+    mod = build(lambda **v: getattr(op, name)(**v, **kwargs), _shapes(inputs))
+    assert _takes_rows(_kernel(mod, f"fuel_{name}_kernel")), "a short backward ran the register-tiled tasks"
+    got = Runner(mod, HOST, kernels="tuned")(*inputs.values())
+    want = dict(zip(("dq", "dk", "dv"), reference.flash_attn_backward(**inputs, **kwargs)))
+    for actual, what in zip(got, (option,) if single else ("dq", "dk", "dv")):
+        assert_close(actual, want[what], "float32", scale=4.0, what=what)
+
+
+def test_short_rows_in_bfloat16_and_the_nan_rule():
+    # a NaN value reaches exactly the rows (and gradients) that see its key: the forward's and the
+    # backward's rows kernels against the float64 reference
+    rng = np.random.default_rng(7)
+    inputs = dense_inputs(rng, 2, 6, 2, 3, 7, 64, with_do=True)
+    inputs["v"][0, 0, 6] = np.nan  # key 6 of batch 0: dropped for rows 0, 1 (causal, bottom-right)
+    forward = {n: inputs[n] for n in "qkv"}
+    mod = build(lambda **v: op.flash_attn(**v, causal=True, return_lse=True), _shapes(forward))
+    assert _takes_rows(_kernel(mod))
+    out, lse = Runner(mod, HOST, kernels="tuned")(*forward.values())
+    want_out, want_lse = reference.flash_attn(**forward, causal=True, return_lse=True)
+    assert (np.isnan(out) == np.isnan(want_out)).all() and np.isnan(out).any()
+    assert_close(out[~np.isnan(want_out)], want_out[~np.isnan(want_out)], "float32", what="out")
+    assert_close(lse, want_lse, "float32", what="lse")
+    mod = build(lambda **v: op.flash_attn_backward(**v, causal=True), _shapes(inputs))
+    assert _takes_rows(_kernel(mod, "fuel_flash_attn_backward_kernel"))
+    dq, dk, dv = Runner(mod, HOST, kernels="tuned")(*inputs.values())
+    want = reference.flash_attn_backward(**inputs, causal=True)
+    for actual, expected, what in zip((dq, dk, dv), want, ("dq", "dk", "dv")):
+        assert (np.isnan(actual) == np.isnan(expected)).all(), what
+        finite = ~np.isnan(expected)
+        assert_close(actual[finite], expected[finite], "float32", scale=4.0, what=what)
+    bf16 = dense_inputs(rng, 2, 7, 1, 2, 16, 128, "bfloat16", with_do=True)
+    mod = build(lambda **v: op.flash_attn_backward(**v, window_size=(4, 4)), _shapes(bf16))
+    assert _takes_rows(_kernel(mod, "fuel_flash_attn_backward_kernel"))
+    got = Runner(mod, HOST, kernels="tuned")(*bf16.values())
+    want = reference.flash_attn_backward(**bf16, window_size=(4, 4))
+    for actual, expected, what in zip(got, want, ("dq", "dk", "dv")):
+        assert_close(actual, expected, "bfloat16", scale=4.0, what=what)
+
+
+@pytest.mark.parametrize("max_seqlen", [(2, 5), (None, None)], ids=["bounded", "unbounded"])
+def test_short_varlen_sequences_stream_and_take_rows(max_seqlen):
+    """max_seqlen_q, max_seqlen_k bounding every sequence to a few rows and keys: the forward streams
+    its keys in place (nothing packed) and the backward takes rows (no dq partials); without them the
+    packed kernels run. Both against the float64 reference, empty sequences and a row past the last."""
+    rng = np.random.default_rng(3)
+    q_lens, k_lens = [1, 0, 2, 1, 2, 1], [1, 3, 5, 0, 2, 4]
+    cu_q, cu_k = np.cumsum([0, *q_lens]).astype(np.int32), np.cumsum([0, *k_lens]).astype(np.int32)
+    inputs = dict(q=rng.standard_normal((cu_q[-1] + 1, 6, 40)).astype(np.float32),
+                  k=rng.standard_normal((cu_k[-1], 2, 40)).astype(np.float32),
+                  v=rng.standard_normal((cu_k[-1], 2, 40)).astype(np.float32),
+                  do=rng.standard_normal((cu_q[-1] + 1, 6, 40)).astype(np.float32), cu_seqlens_q=cu_q,
+                  cu_seqlens_k=cu_k)
+    limits = dict(max_seqlen_q=max_seqlen[0], max_seqlen_k=max_seqlen[1], causal=True)
+    shapes = _shapes(inputs)
+    forward = {n: shapes[n] for n in shapes if n != "do"}
+    fwd = build(lambda **v: op.flash_attn_varlen(**v, **limits), forward)
+    bwd = build(lambda **v: op.flash_attn_varlen_backward(**v, **limits), shapes)
+    fwd_kernel = _kernel(fwd, "fuel_flash_attn_varlen_kernel")
+    bwd_kernel = _kernel(bwd, "fuel_flash_attn_varlen_backward_kernel")
+    bounded = max_seqlen[0] is not None
+    assert _packs_keys(fwd_kernel) != bounded and _takes_rows(bwd_kernel) == bounded
+    out = Runner(fwd, HOST, kernels="tuned")(*(inputs[n] for n in forward))[0]
+    want = reference.flash_attn_varlen(*(inputs[n] for n in forward), causal=True)
+    assert_close(out[:-1], want[:-1], "float32", what="out")
+    grads = Runner(bwd, HOST, kernels="tuned")(*inputs.values())
+    want = reference.flash_attn_varlen_backward(*(inputs[n] for n in ("q", "k", "v", "do", "cu_seqlens_q",
+                                                                     "cu_seqlens_k")), causal=True)
+    for actual, expected, what in zip(grads, want, ("dq", "dk", "dv")):
         assert_close(actual, expected, "float32", scale=4.0, what=what)
 
 
