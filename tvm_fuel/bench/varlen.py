@@ -8,12 +8,18 @@ Side by side in one process, on the same packed batch (causal, float32):
   bool mask dropping the padding (what a model without varlen runs);
 * ``torch_per_sequence``: PyTorch's SDPA called once per prompt (FlashAttention's own varlen
   reference does this), each prompt's tensors made contiguous before the timing;
-* ``torch_padded``: PyTorch's SDPA over the padded batch with the same mask.
+* ``torch_padded``: PyTorch's SDPA over the padded batch with the same mask;
+* ``fuel_floor``: the decomposition (``kernels="decomposed"``), where its total x longest scores are
+  few (the many-short row).
 
 And its backward (``flash_attn_varlen_backward`` given the forward's out and lse):
 
-* ``fuel_kernel``: the CPU kernel (cost sum_b S_b^2); not the floor (total x longest: ~44 s a call here);
+* ``fuel_kernel``: the CPU kernel (cost sum_b S_b^2);
+* ``fuel_floor``: the decomposition, where its scores are few (not VARLEN_ROW's: ~44 s a call here);
 * ``torch_per_sequence``: PyTorch's SDPA backward per prompt (``autograd.grad`` of a kept graph).
+
+Every call passes max_seqlen_q and max_seqlen_k, as FlashAttention's ``flash_attn_varlen_func``
+requires: the kernels size their tiles by them.
 
 Contents:
     VARLEN_ROW  -- the row: prompt lengths, heads and head dim
@@ -52,6 +58,13 @@ VARLEN_ROW = VarlenCase((1536, 512, 96, 17, 1024, 1), 8, 2, 64)
 MANY_SHORT_ROW = VarlenCase((1,) * 2048, 8, 8, 64)
 
 
+def _with_floor(case: VarlenCase) -> bool:
+    """Whether the decomposition's [B, Hq, longest, longest] scores are few enough to time."""
+    from .cases import FLOOR_MAX_SCORES
+
+    return len(case.lens) * case.Hq * max(case.lens) ** 2 <= FLOOR_MAX_SCORES
+
+
 def _modules(case: VarlenCase):
     from tvm import relax
 
@@ -69,7 +82,8 @@ def _modules(case: VarlenCase):
     packed = function(dict(q=((total, case.Hq, case.D), "float32"), k=((total, case.Hkv, case.D), "float32"),
                            v=((total, case.Hkv, case.D), "float32"), cu_q=((B + 1,), "int32"),
                            cu_k=((B + 1,), "int32")),
-                      lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True))
+                      lambda q, k, v, cu_q, cu_k: op.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True,
+                                                                       max_seqlen_q=longest, max_seqlen_k=longest))
     padded = function(dict(q=((B, case.Hq, longest, case.D), "float32"), k=((B, case.Hkv, longest, case.D), "float32"),
                            v=((B, case.Hkv, longest, case.D), "float32"), mask=((B, 1, longest, longest), "bool")),
                       lambda q, k, v, mask: op.flash_attn(q, k, v, attn_mask=mask))
@@ -113,6 +127,9 @@ def _row(case: VarlenCase, target) -> dict:
     padded_args = [tvm.runtime.tensor(a) for a in padded.values()]
     fns = {"fuel_varlen": lambda: packed_vm["main"](*packed_args),
            "fuel_padded": lambda: padded_vm["main"](*padded_args)}
+    if _with_floor(case):
+        floor_vm = build_vm(packed_mod, target, "decomposed")
+        fns["fuel_floor"] = lambda: floor_vm["main"](*packed_args)
     torch = torch_with_our_threads()
     if torch is not None:
         import torch.nn.functional as F
@@ -134,7 +151,7 @@ def _row(case: VarlenCase, target) -> dict:
     results = {name: {"ms": seconds * 1e3, "runs": runs, "gflops": case.flops / seconds / 1e9}
                for name, (seconds, runs) in timed.items()}
     row = {"name": case.name, "results": results}
-    for peer in ("fuel_padded", "torch_per_sequence", "torch_padded"):
+    for peer in ("fuel_floor", "fuel_padded", "torch_per_sequence", "torch_padded"):
         if peer in results:
             row[f"varlen_over_{peer}"] = results["fuel_varlen"]["ms"] / results[peer]["ms"]
     return row
@@ -153,13 +170,15 @@ def _backward_module(case: VarlenCase):
     variables = [relax.Var(n, relax.TensorType(*shape)) for n, shape in params.items()]
     with bb.function("main", variables):
         q, k, v, do, cu_q, cu_k, out, lse = variables
-        bb.emit_func_output(bb.emit(op.flash_attn_varlen_backward(q, k, v, do, cu_q, cu_k, out=out, lse=lse,
-                                                                  causal=True)))
+        bb.emit_func_output(bb.emit(op.flash_attn_varlen_backward(
+            q, k, v, do, cu_q, cu_k, out=out, lse=lse, causal=True, max_seqlen_q=max(case.lens),
+            max_seqlen_k=max(case.lens))))
     return bb.get()
 
 
 def backward_row(case: VarlenCase, target) -> dict:
-    """The backward of ``case``: the CPU kernel and PyTorch per prompt, side by side."""
+    """The backward of ``case``: the CPU kernel, the floor (where its scores are few) and PyTorch per
+    prompt, side by side."""
     import tvm
 
     from .. import reference
@@ -176,6 +195,9 @@ def backward_row(case: VarlenCase, target) -> dict:
     mod = _backward_module(case)
     kernel_vm = build_vm(mod, target, "tuned")
     fns = {"fuel_kernel": lambda: kernel_vm["main"](*args)}
+    if _with_floor(case):
+        floor_vm = build_vm(mod, target, "decomposed")
+        fns["fuel_floor"] = lambda: floor_vm["main"](*args)
     torch = torch_with_our_threads()
     if torch is not None:
         import torch.nn.functional as F
@@ -193,8 +215,9 @@ def backward_row(case: VarlenCase, target) -> dict:
     results = {name: {"ms": seconds * 1e3, "runs": runs, "gflops": flops / seconds / 1e9}
                for name, (seconds, runs) in timed.items()}
     row = {"name": f"backward {case.name}", "results": results}
-    if "torch_per_sequence" in results:
-        row["kernel_over_torch_per_sequence"] = results["fuel_kernel"]["ms"] / results["torch_per_sequence"]["ms"]
+    for peer in ("fuel_floor", "torch_per_sequence"):
+        if peer in results:
+            row[f"kernel_over_{peer}"] = results["fuel_kernel"]["ms"] / results[peer]["ms"]
     return row
 
 
@@ -203,7 +226,7 @@ def varlen_rows() -> dict:
     from ..target import host_target
 
     return {"rows": [_row(case, host_target()) for case in (VARLEN_ROW, MANY_SHORT_ROW)],
-            "backward_rows": [backward_row(VARLEN_ROW, host_target())]}
+            "backward_rows": [backward_row(case, host_target()) for case in (VARLEN_ROW, MANY_SHORT_ROW)]}
 
 
 def _print_row(row: dict, names: tuple[str, ...], subject: str, prefix: str, meaning: str) -> None:
@@ -216,11 +239,11 @@ def _print_row(row: dict, names: tuple[str, ...], subject: str, prefix: str, mea
 
 
 def print_rows(report: dict) -> None:
-    names = ("fuel_varlen", "fuel_padded", "torch_per_sequence", "torch_padded")
+    names = ("fuel_varlen", "fuel_floor", "fuel_padded", "torch_per_sequence", "torch_padded")
     print(f"\n{'varlen row':<62}" + "".join(f"{n:>20}" for n in names))
     for row in report["rows"]:
         _print_row(row, names, "fuel_varlen", "varlen_over_", "the packed batch is faster")
-    names = ("fuel_kernel", "torch_per_sequence")
+    names = ("fuel_kernel", "fuel_floor", "torch_per_sequence")
     for row in report.get("backward_rows", []):
         print(f"\n{'varlen backward row':<62}" + "".join(f"{n:>20}" for n in names))
         _print_row(row, names, "fuel_kernel", "kernel_over_", "the kernel is faster")
