@@ -107,10 +107,16 @@ def _takes_rows(func: tvm.tirx.PrimFunc) -> bool:
     return "q_row" in func.script()
 
 
-@pytest.mark.parametrize("heads", [(8, 8), (6, 2), (7, 1)], ids=lambda h: f"Hq{h[0]}Hkv{h[1]}")
-@pytest.mark.parametrize("sq,sk", [(1, 1), (4, 1), (3, 5), (13, 9), (16, 16)])
-@pytest.mark.parametrize("option", ["plain", "causal", "window_softcap", "alibi_bias", "key_mask", "dq", "dk", "dv"])
-def test_short_backward_takes_rows_and_matches_reference(heads, sq, sk, option):
+_SHORT_SHAPES = [(1, 1), (4, 1), (3, 5), (13, 9), (16, 16)]
+_SHORT_OPTIONS = ["plain", "causal", "window_softcap", "alibi_bias", "key_mask", "dq", "dk", "dv"]
+_GROUPS = [(8, 8), (6, 2), (7, 1)]  # GQA groups 1, 3, 7
+
+
+# every option on every shape, the GQA group cycling with them (each case builds its own kernel)
+@pytest.mark.parametrize("sq,sk,option,heads", [
+    (sq, sk, option, _GROUPS[(n + m) % 3]) for n, (sq, sk) in enumerate(_SHORT_SHAPES)
+    for m, option in enumerate(_SHORT_OPTIONS)])
+def test_short_backward_takes_rows_and_matches_reference(sq, sk, option, heads):
     hq, hkv = heads
     rng = np.random.default_rng(sq * 100 + sk)
     inputs = dense_inputs(rng, 3, hq, hkv, sq, sk, 40, with_do=True)
