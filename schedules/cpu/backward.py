@@ -20,7 +20,8 @@ weights; the tiles are counted for non-finite elements as they are loaded, so fi
 run the plain GEMMs.
 
 Contents:
-    BackwardBuffers, DenseRows, BackwardKernel -- a task's parameters, row layout and kernel-wide buffers
+    BackwardBuffers, BackwardKernel -- a task's parameters and kernel-wide buffers (its rows' layout:
+                      ``row_layouts.DenseRows``)
     BackwardTask   -- the task macros (shared with the packed varlen backward, ``varlen_backward``)
     flash_backward -- PrimFunc(q, k, v, do, [alibi_slopes], [attn_mask], out, lse, [dq], [dk], [dv])
 """
@@ -38,6 +39,7 @@ from ..common import (F32, KernelSpec, drop_params, finish, is_key_mask, kernel_
                       key_term, probability, kernel_sizes)
 from .common import Buffers, absent_inputs, named_buffer
 from .micro import Micro
+from .row_layouts import DenseRows
 from .tasks import KeySplitGrid, key_split_tasks, sum_split_partials, visible_query_tiles
 from .tiles import CpuTiles
 
@@ -97,42 +99,6 @@ class _TaskScratch:
     q_nonfinite: tirx.Buffer
     do_nonfinite: tirx.Buffer
     dQ: tirx.Buffer
-
-
-@dataclass(frozen=True)
-class DenseRows:
-    """Where row i of query head h (key j of KV head g) of batch b lives in the dense layout: q, do,
-    out [B, Hq, Sq, D], k, v, dk, dv [B, Hkv, Sk, D], per-row lse and D [B, Hq, Sq]. The packed
-    varlen layout (``varlen_backward.PackedSequence``) answers the same questions per sequence."""
-
-    Sq: tirx.PrimExpr
-    Sk: tirx.PrimExpr
-
-    def q_len(self, b):
-        return self.Sq
-
-    def k_len(self, b):
-        return self.Sk
-
-    def query(self, buf, b, h, i, d):
-        """q or do [.., D] element d of query (b, h, i)."""
-        return buf[b, h, i, d]
-
-    def key(self, buf, b, g, j, d):
-        """k or v element d of key (b, g, j)."""
-        return buf[b, g, j, d]
-
-    def row(self, buf, b, h, i):
-        """The per-row statistic (lse, D) of query (b, h, i)."""
-        return buf[b, h, i]
-
-    def store_key(self, buf, value, b, g, j, d):
-        """dk or dv element d of key (b, g, j) := value (a statement where called in a macro)."""
-        T.buffer_store(buf, value, [b, g, j, d])
-
-    def store_query(self, buf, value, b, h, i, d):
-        """dq element d of query (b, h, i) := value (a statement where called in a macro)."""
-        T.buffer_store(buf, value, [b, h, i, d])
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,7 @@ a dS of 0 adds nothing to dk or dq (0 * Inf is NaN). D = rowsum(do * out) is the
 stage (``backward.flash_backward``).
 
 Contents:
-    RowsTask       -- the task macro and its scratch, over any row layout (``backward.DenseRows``,
-                      ``varlen_backward.PackedSequence``)
+    RowsTask       -- the task macro and its scratch, over any row layout (``row_layouts``)
     rows_backward  -- PrimFunc with flash_backward's parameters, its tasks RowsTask's
 """
 

@@ -15,8 +15,8 @@ softmax per tile: at B 2048 x S 1 that fixed cost had left it slower than the fl
 Contents:
     dense_decode_forward -- PrimFunc(q, k, v, [alibi_slopes], [attn_mask], out, [lse]): dense_forward's,
                             its body the streaming tasks
-    dense_rows_forward   -- the same PrimFunc, its body one task per (batch, KV head) taking its rows
-                            one at a time against at most block_k keys
+    RowsForward          -- the task of a batch's (a sequence's) rows one at a time against its keys
+    dense_rows_forward   -- the same PrimFunc, its body one RowsForward task per (batch, KV head)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .common import named_buffer
 from .forward import dense_forward, ForwardMacros
 from .micro import RowOps
 from .paged import decode_tasks, PagedTile
+from .row_layouts import DenseRows
 from .tasks import TASK_WORKERS
 from .tiles import STREAMING_ROWS, CpuTiles
 
@@ -54,57 +55,75 @@ def dense_decode_forward(spec: KernelSpec, tiles: CpuTiles, *,
     return dense_forward(spec, tiles, dims=dims, tasks=streamed_tasks)
 
 
-def dense_rows_forward(spec: KernelSpec, tiles: CpuTiles, *,
-                       dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
-    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] with one task per (batch,
-    KV head): each of its group's rows against the at most ``tiles.block_k`` keys (a longer Sk
-    raises), read in place. Same parameters as ``dense_forward``; ``dims`` fixes B, Sq, Sk.
+class RowsForward:
+    """``task(params, k, v, seq, b, g, scratch)``: the forward of every row of KV head g's group
+    (batch or sequence b, its rows and keys placed by ``seq``, a ``row_layouts`` layout) against its
+    at most ``tiles.block_k`` keys, read in place from k, v; ``params`` a ``ForwardBuffers``.
+    ``scratch()`` allocates a worker's scratch where called.
 
     A row's logits go into a [block_k] scratch with their max; each key whose weight
     ``exp(logit - max)`` is not 0 adds its value row (a dropped key's NaN value never counts; a NaN
-    weight does). A row without a visible key gets 0 and an lse of -inf."""
-    D, group, Hkv, cfg, dtype = spec.head_dim, spec.group, spec.num_kv_heads, spec.cfg, spec.dtype
-    BK, scale = tiles.block_k, T.float32(spec.scale)
-    ops = RowOps(D, tiles.lanes)
-    too_many_keys = f"fuel.flash_attn: this kernel takes at most {BK} keys (k.shape[2])"
+    weight does). A row without a visible key gets 0 and an lse (natural log) of -inf."""
 
-    def scratch():
-        # a worker's: one row's q and output accumulator, its logits, a dot product's lanes and
-        # total, and the row's max and sum
-        return (named_buffer("q_row", (D,)), named_buffer("o_row", (1, D)), named_buffer("logits", (BK,)),
-                named_buffer("lanes", (1, ops.lanes)), named_buffer("total", (1,)), named_buffer("stats", (2,)))
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles):
+        D, group, cfg, dtype = spec.head_dim, spec.group, spec.cfg, spec.dtype
+        BK, scale = tiles.block_k, T.float32(spec.scale)
+        ops = RowOps(D, tiles.lanes)
+
+        def scratch():
+            # a worker's: one row's q and output accumulator, its logits, a dot product's lanes and
+            # total, and the row's max and sum
+            return (named_buffer("q_row", (D,)), named_buffer("o_row", (1, D)), named_buffer("logits", (BK,)),
+                    named_buffer("lanes", (1, ops.lanes)), named_buffer("total", (1,)), named_buffer("stats", (2,)))
+
+        @T.macro
+        def task(params, k, v, seq, b, g, scratch):
+            q_row, o_row, logits, lanes, total, stats = T.meta_var(scratch)
+            Sq: T.let[T.int64] = seq.q_len(b)
+            Sk: T.let[T.int64] = seq.k_len(b)
+            for hr, i in T.grid(group, Sq):
+                h: T.let[T.int64] = g * group + hr
+                for d in range(D):
+                    q_row[d] = seq.query(params.q, b, h, i, d).astype(F32)
+                    o_row[0, d] = T.float32(0)
+                stats[0] = T.float32(float("-inf"))
+                for j in range(Sk):
+                    ops.dot(total, lanes, q_row, lambda d: seq.key(k, b, g, j, d).astype(F32))
+                    logits[j] = masked_logit(spec, sem.softcap(cfg, total[0] * scale, fast=True), params.alibi,
+                                             params.mask, b, h, i, j, Sk, Sk - Sq)
+                    stats[0] = T.max(stats[0], logits[j])
+                shift: T.let[T.float32] = sem.safe_row_max(stats[0])
+                stats[1] = T.float32(0)
+                for j in range(Sk):
+                    p: T.let[T.float32] = sem.probability(logits[j], shift, fast=True)
+                    # (a NaN weight counts: TIR's != on floats is an ordered compare, false for NaN)
+                    if p != T.float32(0) or T.isnan(p):
+                        stats[1] = stats[1] + p
+                        ops.add_row(o_row, 0, p, lambda d: seq.key(v, b, g, j, d).astype(F32))
+                for d in range(D):
+                    seq.store_query(params.out, sem.normalize(o_row[0, d], stats[1]).astype(dtype), b, h, i, d)
+                if spec.return_lse:
+                    seq.store_row(params.lse, sem.log_sum_exp(shift, stats[1]), b, h, i)
+
+        self.task, self.scratch = task, scratch
+
+
+def dense_rows_forward(spec: KernelSpec, tiles: CpuTiles, *,
+                       dims: Mapping[str, int | None] | None = None) -> tirx.PrimFunc:
+    """Flash attention forward over q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] with one ``RowsForward``
+    task per (batch, KV head), over at most ``tiles.block_k`` keys (a longer Sk raises). Same
+    parameters as ``dense_forward``; ``dims`` fixes B, Sq, Sk."""
+    Hkv = spec.num_kv_heads
+    rows = RowsForward(spec, tiles)
+    too_many_keys = f"fuel.flash_attn: this kernel takes at most {tiles.block_k} keys (k.shape[2])"
 
     @T.macro
     def row_tasks(params, B, Sq, Sk, k, v):
-        assert Sk <= BK, too_many_keys
+        assert Sk <= tiles.block_k, too_many_keys
         n_tasks = T.meta_var(B * Hkv)
         for worker in T.parallel(TASK_WORKERS):
-            q_row, o_row, logits, lanes, total, stats = T.meta_var(scratch())
+            scratch = T.meta_var(rows.scratch())
             for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
-                b: T.int64 = task // Hkv
-                g: T.int64 = task % Hkv
-                for hr, i in T.grid(group, Sq):
-                    h: T.let[T.int64] = g * group + hr
-                    for d in range(D):
-                        q_row[d] = params.q[b, h, i, d].astype(F32)
-                        o_row[0, d] = T.float32(0)
-                    stats[0] = T.float32(float("-inf"))
-                    for j in range(Sk):
-                        ops.dot(total, lanes, q_row, lambda d: k[b, g, j, d].astype(F32))
-                        logits[j] = masked_logit(spec, sem.softcap(cfg, total[0] * scale, fast=True), params.alibi,
-                                                 params.mask, b, h, i, j, Sk, Sk - Sq)
-                        stats[0] = T.max(stats[0], logits[j])
-                    shift: T.let[T.float32] = sem.safe_row_max(stats[0])
-                    stats[1] = T.float32(0)
-                    for j in range(Sk):
-                        p: T.let[T.float32] = sem.probability(logits[j], shift, fast=True)
-                        # (a NaN weight counts: TIR's != on floats is an ordered compare, false for NaN)
-                        if p != T.float32(0) or T.isnan(p):
-                            stats[1] = stats[1] + p
-                            ops.add_row(o_row, 0, p, lambda d: v[b, g, j, d].astype(F32))
-                    for d in range(D):
-                        params.out[b, h, i, d] = sem.normalize(o_row[0, d], stats[1]).astype(dtype)
-                    if spec.return_lse:
-                        params.lse[b, h, i] = sem.log_sum_exp(shift, stats[1])
+                rows.task(params, k, v, DenseRows(Sq, Sk), task // Hkv, task % Hkv, scratch)
 
     return dense_forward(spec, tiles, dims=dims, tasks=row_tasks)

@@ -239,7 +239,8 @@ class VarlenForward(_CpuRule):
     once per KV head, then (sequence, KV head, row tile) tasks over the tiles they see). A call whose
     max_seqlen_q bounds every sequence to at most STREAMING_ROWS rows per KV head streams its keys in
     place instead, in tiles fitted to max_seqlen_k (no packing, no workspace: 2048 one-token
-    sequences cost their own keys, not a tile each). Not tuned yet: its hand-picked knobs are the
+    sequences cost their own keys, not a tile each), and one whose max_seqlen are a handful
+    (``_short_rows``) takes its rows one at a time. Not tuned yet: its hand-picked knobs are the
     dense forward's at rows unknown, or the dense decode-shaped forward's."""
 
     op = "flash_attn_varlen"
@@ -262,7 +263,7 @@ class VarlenForward(_CpuRule):
         return tile_space(target, rows=None)
 
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
-        return varlen_forward(workload.spec, CpuTiles(**knobs))
+        return varlen_forward(workload.spec, CpuTiles(**knobs), rows=_short_rows(workload))
 
 
 class VarlenBackward(_CpuRule):

@@ -32,8 +32,11 @@ from tvm.script import tirx as T
 
 from ..common import check_packed, drop_params, finish, kernel_params, KernelSpec
 from ..tvm_params import TvmArgs
+from .decode import RowsForward
 from .forward import ForwardBuffers
 from .ragged import LSE_NATURAL, prefill_phases, RaggedTask
+from .row_layouts import PackedSequence
+from .tasks import TASK_WORKERS
 from .tiles import CpuTiles, STREAMING_ROWS
 
 OP = "fuel.flash_attn_varlen"
@@ -60,14 +63,18 @@ def check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, op):
     check_offsets(cu_seqlens_k, B1, total_k, _offsets_message(op, "cu_seqlens_k", "k"))
 
 
-def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> tirx.PrimFunc:
+def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64, rows: bool = False) -> tirx.PrimFunc:
     """``fuel_flash_attn_varlen_cpu(q [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens_q
     [B + 1] int32, cu_seqlens_k [B + 1] int32, alibi_slopes [Hq] float32 (``spec.has_alibi``),
     out [total_q, Hq, D], lse [Hq, total_q] float32 (``spec.return_lse``))``: total_q, total_k
     and B symbolic (module docstring). Any ``tiles`` serve (one KV head a task: ``kv_heads`` is
     not read). ``workers``: the parallel workers the row tiles are dealt to in turn
     (``ragged.prefill_phases``): a thread's share of 64 is every 64th tile in runs of 64 / threads,
-    even on 2 threads fine enough that neighbouring tiles, of like cost, balance."""
+    even on 2 threads fine enough that neighbouring tiles, of like cost, balance.
+
+    ``rows`` (the rule's choice where max_seqlen bounds every sequence to a handful of rows and
+    keys): one ``decode.RowsForward`` task per (sequence, KV head) takes its rows one at a time
+    against its at most block_k keys (a longer sequence raises), nothing packed."""
     check_packed(spec, "varlen_forward")
     if tiles.block_q <= STREAMING_ROWS:
         tiles = replace(tiles, kv_heads=1)  # a streaming task's one KV head (prefill_phases)
@@ -80,6 +87,24 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
     run = prefill_phases(spec, tiles, task, None, where=OP, workers=workers,
                          key_tiles=lambda a, block_k: total_k // block_k, stream=tiles.block_q <= STREAMING_ROWS)
     unused = (set() if spec.has_alibi else {"alibi_slopes"}) | (set() if spec.return_lse else {"lse"})
+    rows_task = RowsForward(spec, tiles) if rows else None
+    too_long = f"{OP}: this kernel takes sequences of at most {tiles.block_k} keys (cu_seqlens_k)"
+
+    @T.macro
+    def sequence_rows(params, k, v, cu_q, cu_k, B):
+        # a RowsForward task per (sequence, KV head), in TASK_WORKERS runs sharing their scratch
+        for b in range(B):
+            assert cu_k[b + 1] - cu_k[b] <= tiles.block_k, too_long
+        n_tasks = T.meta_var(B * spec.num_kv_heads)
+        for worker in T.parallel(TASK_WORKERS):
+            scratch = T.meta_var(rows_task.scratch())
+            for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
+                b: T.int64 = task // spec.num_kv_heads
+                q0: T.int64 = T.Cast("int64", cu_q[b])
+                k0: T.int64 = T.Cast("int64", cu_k[b])
+                seq = T.meta_var(PackedSequence(q0, k0, T.Cast("int64", cu_q[b + 1]) - q0,
+                                                T.Cast("int64", cu_k[b + 1]) - k0))
+                rows_task.task(params, k, v, seq, b, task % spec.num_kv_heads, scratch)
 
     # fmt: off
     @T.prim_func
@@ -91,9 +116,13 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64) -> t
         check_packed_offsets(cu_seqlens_q, cu_seqlens_k, B1, total_q, total_k, OP)
         args = T.meta_var(TvmArgs(B=B1 - 1, q=q, output=out, lse=lse if spec.return_lse else None, total_q=total_q,
                                   q_indptr=cu_seqlens_q, k=k, v=v, kv_indptr=cu_seqlens_k, total_kv=total_k))
-        params = T.meta_var(ForwardBuffers(q=q, out=out, alibi=alibi_slopes if spec.has_alibi else None))
-        # no run-time causal flag (the config is the spec's), no rotary embedding (rotary_mode 0)
-        run(args, params, 0, 0, T.float32(1), T.float32(1), T.float32(spec.scale))
+        params = T.meta_var(ForwardBuffers(q=q, out=out, alibi=alibi_slopes if spec.has_alibi else None,
+                                           lse=lse if spec.return_lse else None))
+        if rows:
+            sequence_rows(params, k, v, cu_seqlens_q, cu_seqlens_k, B1 - 1)
+        else:
+            # no run-time causal flag (the config is the spec's), no rotary embedding (rotary_mode 0)
+            run(args, params, 0, 0, T.float32(1), T.float32(1), T.float32(spec.scale))
         # rows past the last sequence belong to none: 0 and -inf, as rows without a visible key
         for row in T.parallel(total_q - T.Cast("int64", cu_seqlens_q[B1 - 1])):
             for h, d in T.grid(Hq, D):

@@ -20,7 +20,6 @@ past cu_seqlens_k[B] dk = dv = 0; a sequence without keys gives its rows dq = 0.
 cu_seqlens are validated in the kernel before anything is read through them (``varlen.check_packed_offsets``).
 
 Contents:
-    PackedSequence   -- where a sequence's rows live in the packed layout (the backward macros' ``seq``)
     SequenceGrid     -- a task's key-split grid over one sequence, its dq partials in the packed layout
     varlen_backward  -- PrimFunc fuel_flash_attn_varlen_backward_cpu(q, k, v, do, cu_seqlens_q,
                         cu_seqlens_k, [alibi_slopes], out, lse, dq, dk, dv)
@@ -36,44 +35,12 @@ from tvm.script import tirx as T
 from ..common import F32, KernelSpec, check_packed, drop_params, finish, kernel_params
 from .backward import BackwardBuffers, BackwardKernel, BackwardTask
 from .ragged import dealt_tasks, find_sequence
+from .row_layouts import PackedSequence
 from .tasks import KeySplitGrid, TilePair, split_sum
 from .tiles import CpuTiles
 from .varlen import check_packed_offsets
 
 OP = "fuel.flash_attn_varlen_backward"
-
-
-@dataclass(frozen=True)
-class PackedSequence:
-    """One sequence of the packed layout: its queries are rows ``q_start ..`` of q, do, out
-    [total_q, Hq, D] (and columns of lse, D [Hq, total_q]), its keys rows ``k_start ..`` of k, v,
-    dk, dv [total_k, Hkv, D]; Sq, Sk its lengths. The batch index the macros pass is not read."""
-
-    q_start: tirx.PrimExpr
-    k_start: tirx.PrimExpr
-    Sq: tirx.PrimExpr
-    Sk: tirx.PrimExpr
-
-    def q_len(self, b):
-        return self.Sq
-
-    def k_len(self, b):
-        return self.Sk
-
-    def query(self, buf, b, h, i, d):
-        return buf[self.q_start + i, h, d]
-
-    def key(self, buf, b, g, j, d):
-        return buf[self.k_start + j, g, d]
-
-    def row(self, buf, b, h, i):
-        return buf[h, self.q_start + i]
-
-    def store_key(self, buf, value, b, g, j, d):
-        T.buffer_store(buf, value, [self.k_start + j, g, d])
-
-    def store_query(self, buf, value, b, h, i, d):
-        T.buffer_store(buf, value, [self.q_start + i, h, d])
 
 
 @dataclass(frozen=True)
@@ -227,4 +194,4 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64, row
     return finish(drop_params(fuel_flash_attn_varlen_backward_cpu, unused))
 
 
-__all__ = ["PackedSequence", "SequenceGrid", "varlen_backward"]
+__all__ = ["SequenceGrid", "varlen_backward"]

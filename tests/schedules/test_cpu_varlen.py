@@ -14,7 +14,7 @@ from helpers import (assert_varlen_matches, buffers_growing_with, HOST, run_varl
                      varlen_kernel_inputs)
 
 from tvm_fuel.op.config import AttnConfig
-from tvm_fuel.schedules.cpu.tiles import CpuTiles, STREAMING_ROWS, tiles_for
+from tvm_fuel.schedules.cpu.tiles import CpuTiles, fit_keys, STREAMING_ROWS, tiles_for
 from tvm_fuel.schedules.cpu.varlen import varlen_forward
 from tvm_fuel.schedules.workload import KernelSpec
 
@@ -71,6 +71,23 @@ def test_matches_the_reference(name, tiles):
     lib = tvm.compile(func, target=HOST) if func is not None else _kernel(spec)
     out, lse = run_varlen_kernel(lib, spec, inputs)
     assert_varlen_matches(spec, out, lse, inputs)
+
+
+@pytest.mark.parametrize("name", ["group3_D40_causal", "group3_D80_window_softcap", "group1_D64_alibi_causal_scale",
+                                  "group3_D64_sinks_window", "float16_D40_no_lse_sinks"])
+def test_rows_tasks_match_the_reference(name):
+    """Sequences of at most 16 keys through the rows tasks (``decode.RowsForward``: one task per
+    sequence and KV head, nothing packed): empty sequences, rows past the last one; a sequence longer
+    than the tasks' keys raises."""
+    spec = CASES[name]
+    func = varlen_forward(spec, fit_keys(_streaming_tiles(spec), 16), rows=True)
+    assert "q_row" in func.script() and "k_tiles" not in func.script()
+    lib = tvm.compile(func, target=HOST)
+    inputs = varlen_kernel_inputs(spec, [1, 0, 3, 16, 2, 5], [1, 4, 16, 16, 0, 2], extra=2, seed=len(name))
+    out, lse = run_varlen_kernel(lib, spec, inputs)
+    assert_varlen_matches(spec, out, lse, inputs)
+    with pytest.raises(RuntimeError, match="at most 16 keys"):
+        run_varlen_kernel(lib, spec, varlen_kernel_inputs(spec, [2, 3], [17, 3]))
 
 
 def test_any_tiles_serve():

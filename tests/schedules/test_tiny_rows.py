@@ -173,10 +173,10 @@ def test_short_rows_in_bfloat16_and_the_nan_rule():
 
 
 @pytest.mark.parametrize("max_seqlen", [(2, 5), (None, None)], ids=["bounded", "unbounded"])
-def test_short_varlen_sequences_stream_and_take_rows(max_seqlen):
-    """max_seqlen_q, max_seqlen_k bounding every sequence to a few rows and keys: the forward streams
-    its keys in place (nothing packed) and the backward takes rows (no dq partials); without them the
-    packed kernels run. Both against the float64 reference, empty sequences and a row past the last."""
+def test_short_varlen_sequences_take_rows(max_seqlen):
+    """max_seqlen_q, max_seqlen_k bounding every sequence to a few rows and keys: the forward and the
+    backward take rows (nothing packed, no dq partials); without them the packed kernels run. Both
+    against the float64 reference, empty sequences and a row past the last."""
     rng = np.random.default_rng(3)
     q_lens, k_lens = [1, 0, 2, 1, 2, 1], [1, 3, 5, 0, 2, 4]
     cu_q, cu_k = np.cumsum([0, *q_lens]).astype(np.int32), np.cumsum([0, *k_lens]).astype(np.int32)
@@ -193,7 +193,8 @@ def test_short_varlen_sequences_stream_and_take_rows(max_seqlen):
     fwd_kernel = _kernel(fwd, "fuel_flash_attn_varlen_kernel")
     bwd_kernel = _kernel(bwd, "fuel_flash_attn_varlen_backward_kernel")
     bounded = max_seqlen[0] is not None
-    assert _packs_keys(fwd_kernel) != bounded and _takes_rows(bwd_kernel) == bounded
+    assert _packs_keys(fwd_kernel) != bounded and _takes_rows(fwd_kernel) == bounded
+    assert _takes_rows(bwd_kernel) == bounded
     out = Runner(fwd, HOST, kernels="tuned")(*(inputs[n] for n in forward))[0]
     want = reference.flash_attn_varlen(*(inputs[n] for n in forward), causal=True)
     assert_close(out[:-1], want[:-1], "float32", what="out")
