@@ -15,20 +15,24 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 
-@dataclass(frozen=True)
-class DenseRows:
-    """Where row i of query head h (key j of KV head g) of batch b lives in the dense layout: q, do,
-    out [B, Hq, Sq, D], k, v, dk, dv [B, Hkv, Sk, D], per-row lse and D [B, Hq, Sq]. The packed
-    varlen layout (``PackedSequence``) answers the same questions per sequence."""
-
-    Sq: tirx.PrimExpr
-    Sk: tirx.PrimExpr
+class _Lengths:
+    """A layout's query and key counts of batch (sequence) b: its ``Sq`` and ``Sk``."""
 
     def q_len(self, b):
         return self.Sq
 
     def k_len(self, b):
         return self.Sk
+
+
+@dataclass(frozen=True)
+class DenseRows(_Lengths):
+    """Where row i of query head h (key j of KV head g) of batch b lives in the dense layout: q, do,
+    out [B, Hq, Sq, D], k, v, dk, dv [B, Hkv, Sk, D], per-row lse and D [B, Hq, Sq]. The packed
+    varlen layout (``PackedSequence``) answers the same questions per sequence."""
+
+    Sq: tirx.PrimExpr
+    Sk: tirx.PrimExpr
 
     def query(self, buf, b, h, i, d):
         """q or do [.., D] element d of query (b, h, i)."""
@@ -56,7 +60,7 @@ class DenseRows:
 
 
 @dataclass(frozen=True)
-class PackedSequence:
+class PackedSequence(_Lengths):
     """One sequence of the packed layout: its queries are rows ``q_start ..`` of q, do, out
     [total_q, Hq, D] (and columns of lse, D [Hq, total_q]), its keys rows ``k_start ..`` of k, v,
     dk, dv [total_k, Hkv, D]; Sq, Sk its lengths. The batch index the macros pass is not read."""
@@ -65,12 +69,6 @@ class PackedSequence:
     k_start: tirx.PrimExpr
     Sq: tirx.PrimExpr
     Sk: tirx.PrimExpr
-
-    def q_len(self, b):
-        return self.Sq
-
-    def k_len(self, b):
-        return self.Sk
 
     def query(self, buf, b, h, i, d):
         return buf[self.q_start + i, h, d]
