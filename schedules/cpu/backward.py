@@ -318,8 +318,6 @@ def flash_backward(spec: KernelSpec, tiles: CpuTiles, *, grads: tuple[str, ...],
     ``rows_task`` (``backward_rows.RowsTask``): its tasks, one per (batch, KV head) over at most
     block_k keys (a longer Sk raises), run in place of the key-split tasks and write dq themselves
     (no partials)."""
-    if rows_task is not None and tiles.splits != 1:
-        raise ValueError(f"flash_backward: a rows task owns all of its keys (splits 1), got splits {tiles.splits}")
     sizes = kernel_sizes(dims)
     B, Sq, Sk = sizes.values()
     splits = tiles.splits

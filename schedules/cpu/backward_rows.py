@@ -29,7 +29,7 @@ from ...op import semantics as sem
 from ..common import F32, KernelSpec, probability
 from .backward import flash_backward
 from .common import named_buffer
-from .micro import RowOps
+from .micro import adds_anything, RowOps
 from .tiles import CpuTiles
 
 
@@ -54,6 +54,8 @@ class RowsTask:
     ``scratch()`` allocates a task's scratch where called."""
 
     def __init__(self, spec: KernelSpec, tiles: CpuTiles, grads: tuple[str, ...]):
+        if tiles.splits != 1:  # the kernels run one task per (batch, KV head, split)
+            raise ValueError(f"RowsTask: a rows task owns all of its keys (splits 1), got splits {tiles.splits}")
         D, group, cfg, dtype = spec.head_dim, spec.group, spec.cfg, spec.dtype
         scale = T.float32(spec.scale)
         BK = tiles.block_k
@@ -84,15 +86,14 @@ class RowsTask:
                     capped: T.let[T.float32] = sem.softcap(cfg, scratch.total[0] * scale, fast=True)
                     p: T.let[T.float32] = probability(spec, capped, params.alibi, params.mask, b, h, i, j, Sk, Sk - Sq,
                                                       lse_row, fast=True)
-                    # (a NaN P or dS counts: TIR's != on floats is an ordered compare, false for NaN)
-                    if p != T.float32(0) or T.isnan(p):
+                    if adds_anything(p):
                         if want_dv:
                             add_row(scratch.dV, j, p, lambda d: scratch.do_row[d])
                         if want_ds:
                             dot(scratch.total, scratch.lanes, scratch.do_row,
                                 lambda d: seq.key(params.v, b, g, j, d).astype(F32))
                             ds: T.let[T.float32] = sem.score_grad(cfg, p, scratch.total[0], d_row, capped, factor=scale)
-                            if ds != T.float32(0) or T.isnan(ds):
+                            if adds_anything(ds):
                                 if want_dk:
                                     add_row(scratch.dK, j, ds, lambda d: scratch.q_row[d])
                                 if want_dq:

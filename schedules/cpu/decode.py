@@ -31,10 +31,10 @@ from ..common import F32, KernelSpec, masked_logit
 from ..layouts import DenseKeys
 from .common import named_buffer
 from .forward import dense_forward, ForwardMacros
-from .micro import RowOps
+from .micro import adds_anything, RowOps
 from .paged import decode_tasks, PagedTile
 from .row_layouts import DenseRows
-from .tasks import TASK_WORKERS
+from .tasks import task_runs
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -96,8 +96,7 @@ class RowsForward:
                 stats[1] = T.float32(0)
                 for j in range(Sk):
                     p: T.let[T.float32] = sem.probability(logits[j], shift, fast=True)
-                    # (a NaN weight counts: TIR's != on floats is an ordered compare, false for NaN)
-                    if p != T.float32(0) or T.isnan(p):
+                    if adds_anything(p):
                         stats[1] = stats[1] + p
                         ops.add_row(o_row, 0, p, lambda d: seq.key(v, b, g, j, d).astype(F32))
                 for d in range(D):
@@ -118,12 +117,13 @@ def dense_rows_forward(spec: KernelSpec, tiles: CpuTiles, *,
     too_many_keys = f"fuel.flash_attn: this kernel takes at most {tiles.block_k} keys (k.shape[2])"
 
     @T.macro
+    def batch_task(context, task, scratch):
+        params, k, v, seq = T.meta_var(context)
+        rows.task(params, k, v, seq, task // Hkv, task % Hkv, scratch)
+
+    @T.macro
     def row_tasks(params, B, Sq, Sk, k, v):
         assert Sk <= tiles.block_k, too_many_keys
-        n_tasks = T.meta_var(B * Hkv)
-        for worker in T.parallel(TASK_WORKERS):
-            scratch = T.meta_var(rows.scratch())
-            for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
-                rows.task(params, k, v, DenseRows(Sq, Sk), task // Hkv, task % Hkv, scratch)
+        task_runs(B * Hkv, rows.scratch, batch_task, (params, k, v, DenseRows(Sq, Sk)))
 
     return dense_forward(spec, tiles, dims=dims, tasks=row_tasks)

@@ -14,6 +14,7 @@ Contents:
     lane_tree     -- a balanced tree over the scalar lanes of a small buffer
     store_row_sums -- the lane sums of several vector rows as one transposing shuffle tree
     add_term      -- acc + weight * value, optionally skipping zero weights (the NaN rule)
+    adds_anything -- whether a weight's term counts (not 0; NaN counts): the rows kernels' branches
     INT16_DOT_LANES, INT16_DOT_SUMS, int16_dot -- int32 lane sums of int16 pair products (x86 AVX2's vpmaddwd)
     round_rows_to_int16 -- float32 rows as int16 times a unit per row (what int16_dot multiplies)
     RowOps        -- a row's dot product with a key row, and a weighted row added (one row at a time)
@@ -89,6 +90,12 @@ def add_term(acc, weight, value, skip_zero_weights: bool):
     """``acc + weight * value``; with ``skip_zero_weights`` the term of a weight of exactly 0 is
     skipped (``sem.add_weighted``), for values that may hold NaN or Inf at dropped keys or rows."""
     return sem.add_weighted(acc, weight, value) if skip_zero_weights else acc + weight * value
+
+
+def adds_anything(weight):
+    """Whether a float32 weight's term counts under the NaN rule: not exactly 0 (a NaN weight counts;
+    TIR's ``!=`` on floats is an ordered compare, false for NaN, so alone it would drop NaNs)."""
+    return tirx.Or(weight != T.float32(0), tirx.isnan(weight))
 
 
 INT16_DOT_LANES = 16  # int16 elements one vpmaddwd multiplies

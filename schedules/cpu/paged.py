@@ -27,7 +27,7 @@ from .common import absent_inputs, named_buffer, prefetch
 from .forward import ForwardBuffers, ForwardMacros, head_view, RowTile, Scratch
 from .micro import (add_term, int16_dot, INT16_DOT_LANES, INT16_DOT_SUMS, ROUND_LANES, round_rows_to_int16,
                     store_row_sums)
-from .tasks import TASK_WORKERS
+from .tasks import task_runs
 from .tiles import STREAMING_ROWS, CpuTiles
 
 
@@ -373,27 +373,31 @@ class _Tokens:
 
 
 @T.macro
+def _decode_task(context, task, scratch):
+    # task ``task`` of decode_tasks: its batch, first KV head and row tile
+    paged, params, Sq, spec, kv_len_of, keys_of, rows, n_row_tiles = T.meta_var(context)
+    BQ, HT, group, Hkv = T.meta_var((paged.block_q, paged.task_heads, spec.group, spec.num_kv_heads))
+    b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
+    g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
+    r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
+    kv_len: T.int64 = kv_len_of(b)
+    first_pos: T.int64 = row_position(r0, group)
+    last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
+    tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
+                              first_pos=first_pos, last_pos=last_pos))
+    paged.attend_task(params, keys_of(b), tile, scratch)
+
+
+@T.macro
 def decode_tasks(paged, params, B, Sq, spec, kv_len_of, keys_of):
     # the tasks of a paged (or dense decode-shaped) forward: (batch, paged.task_heads KV heads, row
-    # tile), each over its sequence's kv_len_of(b) keys, read through keys_of(b) (a layout)
+    # tile), each over its sequence's kv_len_of(b) keys, read through keys_of(b) (a layout), in
+    # task_runs (per task, a batch of 2048 one-token rows had paid 13 workspace calls a task)
     BQ, HT, group, Hkv = T.meta_var((paged.block_q, paged.task_heads, spec.group, spec.num_kv_heads))
     rows = Sq * group
     n_row_tiles = (rows + BQ - 1) // BQ
-    n_tasks = T.meta_var(B * (Hkv // HT) * n_row_tiles)
-    # contiguous runs of tasks, each allocating its scratch once (TVM 0.27 makes a buffer of 1 KiB
-    # or more a workspace call: per task, a batch of 2048 one-token rows paid 13 of them a task)
-    for worker in T.parallel(TASK_WORKERS):
-        scratch = T.meta_var(paged.task_scratch())
-        for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
-            b: T.int64 = task // ((Hkv // HT) * n_row_tiles)
-            g0: T.int64 = task // n_row_tiles % (Hkv // HT) * HT
-            r0: T.int64 = balanced_order(task % n_row_tiles, n_row_tiles) * BQ
-            kv_len: T.int64 = kv_len_of(b)
-            first_pos: T.int64 = row_position(r0, group)
-            last_pos: T.int64 = row_position(T.min(r0 + BQ, rows) - 1, group)
-            tile = T.meta_var(RowTile(group, b, g0, r0, rows, kv_len=kv_len, delta=kv_len - Sq,
-                                      first_pos=first_pos, last_pos=last_pos))
-            paged.attend_task(params, keys_of(b), tile, scratch)
+    task_runs(B * (Hkv // HT) * n_row_tiles, paged.task_scratch, _decode_task,
+              (paged, params, Sq, spec, kv_len_of, keys_of, rows, n_row_tiles))
 
 
 def paged_forward(spec: KernelSpec, tiles: CpuTiles, *,

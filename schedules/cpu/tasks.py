@@ -3,7 +3,8 @@
 Contents:
     KeySplitGrid        -- the backward kernels' task grid: (batch, KV head, split of the key tiles)
     TilePair            -- one (query tile, key tile) step of a key-split task
-    TASK_WORKERS, key_split_tasks -- the parallel loop over the grid's tasks, in runs that share scratch
+    TASK_WORKERS, task_runs -- a kernel's tasks in parallel runs, each run's scratch allocated once
+    key_split_tasks     -- the grid's tasks, run by task_runs
     visible_query_tiles -- the query tiles of a KV head's group that can see a key tile
     sum_split_partials  -- a gradient from the per-split partials of the key-split tasks (no races)
     split_sum           -- the partials of one element summed in split order, as one expression
@@ -84,23 +85,37 @@ TASK_WORKERS = 64  # parallel workers a kernel's tasks are cut into (contiguous 
 
 
 @T.macro
-def key_split_tasks(grid, kernel, task_body, scratch_of=None):
-    # a task per (batch, KV head, split): it owns its key tiles' dk/dv (no two tasks write one)
-    # and its own query partials. The tasks run in TASK_WORKERS contiguous runs; with ``scratch_of``
-    # each run allocates its tasks' scratch once (task_body then takes it last): TVM 0.27 makes a
+def task_runs(n_tasks, scratch_of, task_body, context):
+    # tasks 0 .. n_tasks - 1 in TASK_WORKERS contiguous runs, task_body(context, task, scratch) each;
+    # a run allocates its tasks' scratch once (scratch_of(), or None without): TVM 0.27 makes a
     # buffer of 1 KiB or more a workspace call, and a batch of 2048 x 8 one-token rows made 16384
     # tasks of ~30 such calls each
-    n_tasks = T.meta_var(grid.B * grid.num_kv_heads * grid.splits)
     for worker in T.parallel(TASK_WORKERS):
         scratch = T.meta_var(scratch_of() if scratch_of is not None else None)
         for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
-            b: T.int64 = task // (grid.num_kv_heads * grid.splits)
-            g: T.int64 = task // grid.splits % grid.num_kv_heads
-            split: T.int64 = task % grid.splits
-            if scratch_of is None:
-                task_body(kernel, b, g, split)
-            else:
-                task_body(kernel, b, g, split, scratch)
+            task_body(context, task, scratch)
+
+
+@T.macro
+def _split_task(context, task, scratch):
+    # task ``task`` of key_split_tasks: its batch, KV head and split
+    grid, kernel, task_body, scratch_of = T.meta_var(context)
+    b: T.int64 = task // (grid.num_kv_heads * grid.splits)
+    g: T.int64 = task // grid.splits % grid.num_kv_heads
+    split: T.int64 = task % grid.splits
+    if scratch_of is None:
+        task_body(kernel, b, g, split)
+    else:
+        task_body(kernel, b, g, split, scratch)
+
+
+@T.macro
+def key_split_tasks(grid, kernel, task_body, scratch_of=None):
+    # a task per (batch, KV head, split): it owns its key tiles' dk/dv (no two tasks write one)
+    # and its own query partials; run by task_runs (with ``scratch_of``, task_body takes the run's
+    # scratch last)
+    task_runs(grid.B * grid.num_kv_heads * grid.splits, scratch_of, _split_task,
+              (grid, kernel, task_body, scratch_of))
 
 
 @T.macro

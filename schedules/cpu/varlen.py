@@ -36,7 +36,7 @@ from .decode import RowsForward
 from .forward import ForwardBuffers
 from .ragged import LSE_NATURAL, prefill_phases, RaggedTask
 from .row_layouts import PackedSequence
-from .tasks import TASK_WORKERS
+from .tasks import task_runs
 from .tiles import CpuTiles, STREAMING_ROWS
 
 OP = "fuel.flash_attn_varlen"
@@ -91,20 +91,20 @@ def varlen_forward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64, rows
     too_long = f"{OP}: this kernel takes sequences of at most {tiles.block_k} keys (cu_seqlens_k)"
 
     @T.macro
+    def sequence_task(context, task, scratch):
+        # the RowsForward task of (sequence, KV head) ``task``
+        params, k, v, cu_q, cu_k = T.meta_var(context)
+        b: T.int64 = task // spec.num_kv_heads
+        q0: T.int64 = T.Cast("int64", cu_q[b])
+        k0: T.int64 = T.Cast("int64", cu_k[b])
+        seq = T.meta_var(PackedSequence(q0, k0, T.Cast("int64", cu_q[b + 1]) - q0, T.Cast("int64", cu_k[b + 1]) - k0))
+        rows_task.task(params, k, v, seq, b, task % spec.num_kv_heads, scratch)
+
+    @T.macro
     def sequence_rows(params, k, v, cu_q, cu_k, B):
-        # a RowsForward task per (sequence, KV head), in TASK_WORKERS runs sharing their scratch
         for b in range(B):
             assert cu_k[b + 1] - cu_k[b] <= tiles.block_k, too_long
-        n_tasks = T.meta_var(B * spec.num_kv_heads)
-        for worker in T.parallel(TASK_WORKERS):
-            scratch = T.meta_var(rows_task.scratch())
-            for task in range(worker * n_tasks // TASK_WORKERS, (worker + 1) * n_tasks // TASK_WORKERS):
-                b: T.int64 = task // spec.num_kv_heads
-                q0: T.int64 = T.Cast("int64", cu_q[b])
-                k0: T.int64 = T.Cast("int64", cu_k[b])
-                seq = T.meta_var(PackedSequence(q0, k0, T.Cast("int64", cu_q[b + 1]) - q0,
-                                                T.Cast("int64", cu_k[b + 1]) - k0))
-                rows_task.task(params, k, v, seq, b, task % spec.num_kv_heads, scratch)
+        task_runs(B * spec.num_kv_heads, rows_task.scratch, sequence_task, (params, k, v, cu_q, cu_k))
 
     # fmt: off
     @T.prim_func

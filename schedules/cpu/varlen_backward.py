@@ -72,8 +72,6 @@ def varlen_backward(spec: KernelSpec, tiles: CpuTiles, *, workers: int = 64, row
     sequence to a few rows and keys): one task per (sequence, KV head), each over at most block_k keys
     (a longer sequence raises), writing dq itself (no partials)."""
     check_packed(spec, "varlen_backward")
-    if rows_task is not None and tiles.splits != 1:
-        raise ValueError(f"varlen_backward: a rows task owns all of its keys (splits 1), got splits {tiles.splits}")
     partials = rows_task is None
     too_long = f"{OP}: this kernel takes sequences of at most {tiles.block_k} keys (cu_seqlens_k)"
     Hq, Hkv, D, group, dtype, cfg = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group, spec.dtype,
