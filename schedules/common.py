@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..op import semantics as sem
-from ..op.config import AttnConfig
+from tvm_fuel.op import semantics as sem
+from tvm_fuel.op.config import AttnConfig
 from .workload import KernelSpec
 
 F32 = "float32"

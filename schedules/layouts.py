@@ -30,7 +30,7 @@ from typing import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..op import quant, semantics as sem
+from tvm_fuel.op import quant, semantics as sem
 
 EMPTY_LSE = -5e4  # TVM's lse of a sequence without keys (its online softmax starts from m = -5e4, d = 1)
 

@@ -31,7 +31,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..op.config import AttnConfig
+from tvm_fuel.op.config import AttnConfig
 from .layouts import RaggedKeys, TreeMask, tvm_cached_keys, tvm_kv_len, tvm_lengths
 from .workload import KernelSpec
 

@@ -26,7 +26,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from ..op.config import AttnConfig
+from tvm_fuel.op.config import AttnConfig
 
 KEY_VERSION = 1  # bump when the meaning of a knob changes: older records then stop matching
 

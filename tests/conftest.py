@@ -1,8 +1,8 @@
 """Fixtures shared by the test modules, and the tiers every test module declares.
 
-Tests live by subject (``op/``, ``schedules/``, ``transform/``, ``autodiff/``, ``tuning/``,
-``deploy/``, ``models/``, ``reference/``, ``package/``). Each module declares its tier itself, in
-its ``pytestmark``: ``unit`` (checks and parsing, no kernel), ``numerics`` (ops against the
+Tests live by subject (``op/``, ``schedules/``, ``dispatch/``, ``transform/``, ``autodiff/``,
+``tuning/``, ``deploy/``, ``models/``, ``reference/``, ``compat/``, ``package/``). Each module
+declares its tier itself, in its ``pytestmark``: ``unit`` (checks and parsing, no kernel), ``numerics`` (ops against the
 reference on every path) or ``integration`` (Relax passes, models, tuning, CLI, bundles), and
 ``slow`` where ``pytest -m "not slow"`` should leave it out to run in a few minutes (the modules
 that tune or build bundles or models, the CUDA kernels' nvcc builds). A module without exactly one

@@ -13,8 +13,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 import tvm_fuel
-from tvm_fuel.deploy.node.compare import TOLERANCE
-from tvm_fuel.schedules import KnobMatch  # one table: this suite's and the GPU node's
+from tvm_fuel.testing.compare import TOLERANCE
+from tvm_fuel.dispatch.records import KnobMatch  # one table: this suite's and the GPU node's
 from tvm_fuel.schedules.cuda.device import SHARED_MEMORY_LIMIT
 
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -163,7 +163,7 @@ CUDA_EMULATED = "cuda-emulated"  # the CUDA kernels' one-thread emulation, built
 def legalize_cuda_emulated(mod: tvm.IRModule, target: tvm.target.Target, records=None) -> tvm.IRModule:
     """``mod`` with its fuel ops lowered to the emulation of the CUDA kernels (for ``target``, an
     llvm target); ``records`` (a ``KnobSource``) may pin knobs."""
-    from tvm_fuel.schedules import tuned_legalize_map
+    from tvm_fuel.dispatch import tuned_legalize_map
     from tvm_fuel.schedules.cuda.rules import cuda_rules
 
     with target:
@@ -244,7 +244,7 @@ def assert_varlen_matches(spec, out: np.ndarray, lse: np.ndarray | None, inputs:
     """A varlen kernel's out (and lse [Hq, total_q], None without) against ``reference.flash_attn_varlen``
     for ``spec``'s options: rows without keys exactly -inf."""
     from tvm_fuel import reference
-    from tvm_fuel.deploy.node.compare import LSE_TOLERANCE
+    from tvm_fuel.testing.compare import LSE_TOLERANCE
 
     cfg = spec.cfg
     q, k, v = (np.asarray(inputs[n]).astype(np.float64) for n in "qkv")

@@ -1,9 +1,10 @@
 """tvm_fuel: fused attention operators for Apache TVM Relax.
 
 Importing the package registers the ops (``R.fuel.*``): their type rules, their legalization to
-TE compute (the always-correct floor) and their TVMScript parsing. It also sizes TVM's CPU
-thread pool to the physical cores where the user set neither ``TVM_NUM_THREADS`` nor
-``OMP_NUM_THREADS`` (``tvm_fuel.threads``; TVM alone would use half of them).
+TE compute (the always-correct floor) and their TVMScript parsing. It also applies the patches of
+TVM 0.27 (``tvm_fuel.compat.install``), among them sizing TVM's CPU thread pool to the physical
+cores where the user set neither ``TVM_NUM_THREADS`` nor ``OMP_NUM_THREADS`` (``tvm_fuel.threads``;
+TVM alone would use half of them).
 
 Contents:
     op         -- the ops: Relax constructors (flash_attn, flash_attn_backward(_q/_k/_v), paged_attn,
@@ -13,6 +14,9 @@ Contents:
     reference  -- numpy references of every op (the oracle)
     compile    -- build a Relax module holding fuel ops (kernels="tuned": the performance path,
                   with the knobs of matching tuning records)
+    dispatch   -- the route from a fused call to its kernel, or the floor and why
+                  (tvm_fuel.dispatch.explain(mod, target) prints it per call)
+    compat     -- the patches of TVM 0.27 (TVMScript, threads, gradients, importer), one module each
     transform  -- Relax passes, one per file: FuseAttention, ShareForwardState, UseSoftmaxBackward,
                   gradient, ExpandAttention, LegalizeFuel, ...
     autodiff   -- gradients of the fuel ops and of the Relax ops TVM leaves without one
@@ -31,50 +35,20 @@ Contents:
 """
 
 
-def _map_source_layout() -> None:
-    """Make ``tvm_fuel.schedules`` and ``tvm_fuel.tuning_logs`` importable from a source checkout.
+import importlib.util
 
-    The repository keeps ``schedules/`` and ``tuning_logs/`` at its top level, beside ``tvm_fuel/``;
-    pyproject.toml's package-dir puts them inside the package in a wheel (``pip install .``) and
-    the editable finder maps them (``pip install -e .``). A checkout imported straight from its
-    root (``PYTHONPATH=.``, or ``python -m tvm_fuel`` run there, which shadows any installed copy)
-    has neither, so a meta-path finder maps exactly those two names to the folders beside this
-    package. Installed with the folders inside the package, it does nothing.
-    """
-    import importlib.abc
-    import importlib.util
-    import os
-    import sys
+# schedules/ and tuning_logs/ sit beside tvm_fuel/ in the repository; an install (pip install -e .,
+# or a wheel) maps them into the package (pyproject.toml's package-dir)
+if importlib.util.find_spec("tvm_fuel.schedules") is None:
+    raise ImportError("tvm_fuel: tvm_fuel.schedules is missing: this checkout is not installed. Install it "
+                      "(`python -m pip install -e .` in the repository) and import it from there; "
+                      "PYTHONPATH=<checkout> alone does not map schedules/ and tuning_logs/ into the package")
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    mapping = {}
-    for name in ("schedules", "tuning_logs"):
-        init = os.path.join(root, name, "__init__.py")
-        if not os.path.isdir(os.path.join(here, name)) and os.path.isfile(init):
-            mapping[f"{__name__}.{name}"] = init
+from . import compat
 
-    class _SourceLayoutFinder(importlib.abc.MetaPathFinder):
-        tvm_fuel_source_layout = True
+compat.install()  # TVM 0.27's patches, thread pool first: before any TVM kernel starts it (tvm_fuel.compat)
 
-        def find_spec(self, fullname, path=None, target=None):
-            init = mapping.get(fullname)
-            if init is None or (path is not None and here not in (os.path.abspath(p) for p in path)):
-                return None  # not ours, or a different tvm_fuel is being imported
-            return importlib.util.spec_from_file_location(fullname, init,
-                                                          submodule_search_locations=[os.path.dirname(init)])
-
-    # A re-import (another copy of tvm_fuel) replaces the finder of the previous one.
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "tvm_fuel_source_layout", False)]
-    if mapping:
-        sys.meta_path.insert(0, _SourceLayoutFinder())  # before an editable install's finder (maybe another checkout)
-
-
-_map_source_layout()  # before anything imports .schedules or .tuning_logs
-
-from . import threads  # noqa: E402
-
-threads.configure()  # before any TVM kernel starts the runtime's thread pool
+from .compat import threads as threads  # noqa: E402  (tvm_fuel.threads, documented above)
 
 from . import autodiff, op, reference, transform  # noqa: E402
 from .build import compile, pipeline  # noqa: A004,E402  (mirrors tvm.compile)
@@ -83,7 +57,7 @@ from .target import host_target  # noqa: E402
 from .transform import ShapePoint, specialize  # noqa: E402
 
 op.register()
-autodiff.register()  # after the ops: their gradients, and those of the Relax ops TVM gives none
+autodiff.register()  # after the ops: their own gradients (those of TVM's ops: compat.relax_gradients)
 
 
 def tune(*args, **kwargs):

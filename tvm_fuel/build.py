@@ -74,7 +74,7 @@ def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, 
     """
     target = as_target(target)
     lower = LegalizeFuel(target, kernels=kernels, database=database, shipped_logs=shipped_logs)
-    from .tuning.records import log_roots  # (it reads the kernel rules: loaded on first build)
+    from .dispatch.records import log_roots  # (it reads the kernel rules: loaded on first build)
 
     roots = log_roots(database, shipped_logs)
     if isinstance(base, str):

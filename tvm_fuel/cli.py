@@ -93,7 +93,7 @@ def _work_dir(text: str) -> str:
     checkout writes those, on purpose)."""
     from .outputs import check_output_dir
     from .tuning.kernels import WORK_DIR_ENV
-    from .tuning.records import shipped_logs
+    from .dispatch.records import shipped_logs
 
     try:
         check_output_dir(text, "--work-dir", who="tvm_fuel tune", allow=(shipped_logs(),),
@@ -395,7 +395,7 @@ def _logs(args: argparse.Namespace) -> int:
     import warnings
 
     from .tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module
-    from .tuning.records import TuningRecords, shipped_logs, target_key
+    from .dispatch.records import TuningRecords, shipped_logs, target_key
     from .tuning.report import format_report, tuning_report
 
     target = _target(args.target)

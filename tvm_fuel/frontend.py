@@ -1,7 +1,8 @@
 """``tvm_fuel.frontend``: PyTorch programs into Relax, as PyTorch means them.
 
 Contents:
-    from_exported_program -- TVM's ``from_exported_program`` with PyTorch's cumsum typing, then
+    from_exported_program -- TVM's ``from_exported_program`` with PyTorch's cumsum typing
+                             (``tvm_fuel.compat.torch_importer``), then
                              RepairImportedProgram and (``fuse=True``) FuseAttention
 """
 
@@ -10,34 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import tvm
-from tvm import relax
 
+from .compat import torch_importer
 from .transform.fuse_attention import FuseAttention
 from .transform.repair_imported_program import RepairImportedProgram
-
-
-def _cumsum(node, importer) -> relax.Var:
-    """``aten.cumsum`` as PyTorch types it: an integral or bool input counts in int64 (TVM 0.27's
-    importer keeps the input's type, so a bool count is bool, and constants meeting it downstream
-    are converted to bool too: ``count * 10`` becomes ``count * True``)."""
-    x = importer.env[node.args[0]]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    dtype = node.kwargs.get("dtype")
-    if dtype is not None:
-        dtype = str(dtype).removeprefix("torch.")
-    elif str(x.ty.dtype) == "bool" or str(x.ty.dtype).startswith(("int", "uint")):
-        dtype = "int64"
-    if dtype is not None and str(x.ty.dtype) == "bool":
-        x = importer.block_builder.emit(relax.op.astype(x, dtype))
-    return importer.block_builder.emit(relax.op.cumsum(x, dim, dtype))
 
 
 def from_exported_program(exported_program: Any, *, fuse: bool = True, custom_convert_map: dict | None = None,
                           **options) -> tvm.IRModule:
     """A ``torch.export.ExportedProgram`` as a Relax module: TVM's
     ``relax.frontend.torch.from_exported_program`` (``options`` passed on) with ``cumsum`` typed as
-    PyTorch types it, what TVM 0.27's importer mistranslates otherwise repaired
-    (``RepairImportedProgram``: negative ``take`` indices), and with ``fuse`` its attention fused
+    PyTorch types it (``tvm_fuel.compat.torch_importer``), what TVM 0.27's importer mistranslates
+    otherwise repaired (``RepairImportedProgram``: negative ``take`` indices), and with ``fuse`` its attention fused
     (``FuseAttention``). ``custom_convert_map`` is TVM's, taking precedence over ours.
 
     A Hugging Face ``transformers`` model exports with its cache off (``use_cache=False`` passed
@@ -51,7 +36,7 @@ def from_exported_program(exported_program: Any, *, fuse: bool = True, custom_co
     """
     from tvm.relax.frontend.torch import from_exported_program as tvm_from_exported_program
 
-    converters = {"cumsum.default": _cumsum, **(custom_convert_map or {})}
+    converters = torch_importer.convert_map(custom_convert_map)
     try:
         mod = tvm_from_exported_program(exported_program, custom_convert_map=converters, **options)
     except ValueError as err:

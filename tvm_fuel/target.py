@@ -1,4 +1,5 @@
-"""Targets: what ``tvm_fuel.compile`` accepts as one, and llvm for this machine's CPU.
+"""Targets: what ``tvm_fuel.compile`` accepts as one, llvm for this machine's CPU, and whether
+this machine has a CUDA device (``has_gpu``) and of which architecture (``device_arch``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ def as_target(target: Any) -> tvm.target.Target:
 
 def host_target(num_cores: int | None = None) -> tvm.target.Target:
     """llvm for this machine's CPU (its vector units), using ``num_cores`` threads (default: the
-    threads of TVM's pool, ``tvm_fuel.threads.thread_count``: the physical cores unless set).
+    threads of TVM's pool, ``tvm_fuel.compat.threads.thread_count``: the physical cores unless set).
 
     LLVM names the CPU from its family and model alone; a virtual machine may hide some of that
     CPU's extensions (a Zen 4 without AVX-512: its instructions fault), so every instruction-set
     feature of the named CPU that Linux does not report is turned off (``mattr``). Elsewhere
     (no ``/proc/cpuinfo``) the CPU's name stands as LLVM gives it."""
-    from .threads import thread_count
+    from .compat.threads import thread_count
 
     cpu = tvm.target.codegen.llvm_get_system_cpu()
     config = {"kind": "llvm", "mcpu": cpu, "num-cores": num_cores or thread_count()}
@@ -77,3 +78,16 @@ def _reported_cpu_flags() -> frozenset[str] | None:
     except OSError:
         return None
     return None
+
+
+def has_gpu() -> bool:
+    """Whether CUDA device 0 exists (False without a CUDA runtime or driver)."""
+    try:
+        return bool(tvm.cuda(0).exist)
+    except Exception:  # noqa: BLE001 (no CUDA runtime in this TVM build or no driver)
+        return False
+
+
+def device_arch() -> str:
+    """``sm_XY`` of device 0."""
+    return "sm_" + tvm.cuda(0).compute_version.replace(".", "")

@@ -34,7 +34,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import (F32, KernelSpec, drop_params, finish, is_key_mask, kernel_params, key_masked_probability,
                       key_term, probability, kernel_sizes)
 from .common import Buffers, absent_inputs, named_buffer

@@ -25,7 +25,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import F32, KernelSpec, probability
 from .backward import flash_backward
 from .common import named_buffer

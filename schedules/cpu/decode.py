@@ -26,7 +26,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import F32, KernelSpec, masked_logit
 from ..layouts import DenseKeys
 from .common import named_buffer

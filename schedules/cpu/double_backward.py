@@ -28,7 +28,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, kernel_sizes
 from .common import absent_inputs
 from .micro import Micro

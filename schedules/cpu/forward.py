@@ -31,7 +31,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import (F32, add_key_term, balanced_order, biased, drop_params, finish, is_key_mask, KernelSpec,
                       key_mask_heads, key_term, KeyTiles, key_tile_range, key_tiles, masked_logit, kernel_params,
                       row_head, row_position, kernel_sizes, tile_is_interior, tile_width, visible, without_mask)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from .tiles import CpuTiles
 
 

@@ -20,7 +20,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import quant
+from tvm_fuel.op import quant
 from ..common import F32, balanced_order, drop_params, finish, KernelSpec, kernel_params, row_position, kernel_sizes
 from ..layouts import BlockTable
 from .common import absent_inputs, named_buffer, prefetch

@@ -28,13 +28,12 @@ Contents:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from tvm import tirx
-from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import F32, KernelSpec, row_position
 from ..layouts import EMPTY_LSE
 from .common import named_buffer
@@ -47,11 +46,19 @@ LSE_NATURAL = "natural"  # FlashAttention's: lse[head, row] in natural log, -inf
 LSE_RULES = (LSE_LOG2, LSE_NATURAL, None)  # None: the kernel has no lse
 
 
-def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, rope_scaling: dict[str, Any]):
+def default_rope_freq(s: tirx.PrimExpr, d: tirx.PrimExpr, d_range: int, theta, dtype: str):
+    """RoPE's cosine and sine at position ``s`` for element ``d`` of ``d_range`` (TVM's
+    ``rope_freq_default`` of ``relax.frontend.nn.llm.position_embedding``, expression for expression:
+    the frequency bound to a variable), and that binding."""
+    freq = s / tirx.power(theta, d * 2 % d_range / tirx.const(d_range, "float32"))
+    freq_var = tirx.Var("freq", "float32")
+    return tirx.cos(freq_var).astype(dtype), tirx.sin(freq_var).astype(dtype), {freq_var: freq}
+
+
+def _rope(load, d, position, head_dim: int, rope_scale, rope_theta, dtype: str, rope_freq: Callable):
     """Element d of a row rotated at ``position`` (TVM's ``_rope`` over the whole head dim):
     ``load(i)`` reads element i of the row."""
-    cos_freq, sin_freq, bindings = switch_rope_freq_func(rope_scaling)(position * rope_scale, d, head_dim,
-                                                                       rope_theta, "float32")
+    cos_freq, sin_freq, bindings = rope_freq(position * rope_scale, d, head_dim, rope_theta, "float32")
     half = head_dim // 2
     partner = tirx.if_then_else(d < half, -load(d + half), load(d - half))
     value = (cos_freq * load(d).astype(F32) + sin_freq * partner.astype(F32)).astype(dtype)
@@ -71,11 +78,11 @@ class RaggedTask:
     prefill over cached keys only), not its last tokens. ``rotary_mode`` is a run-time value or a
     Python int (0: the rotation is not built)."""
 
-    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_scaling: dict[str, Any] | None = None, *,
+    def __init__(self, spec: KernelSpec, tiles: CpuTiles, rope_freq: Callable | None = None, *,
                  queries_after_keys: bool = False, lse: str | None = LSE_LOG2):
         if lse not in LSE_RULES:
             raise ValueError(f"RaggedTask: lse must be one of {LSE_RULES}, got {lse!r}")
-        rope_scaling, lse_rule = rope_scaling or {}, lse
+        rope_freq, lse_rule = rope_freq or default_rope_freq, lse
         D, group, dtype, cfg = spec.head_dim, spec.group, spec.dtype, spec.cfg
         BQ, BK, MR = tiles.block_q, tiles.block_k, tiles.micro_rows
         body = ForwardMacros(spec, tiles)
@@ -84,7 +91,7 @@ class RaggedTask:
         log2e = T.float32(sem.LOG2E)
 
         def rotated(load, d, position, rope_scale, rope_theta):
-            return _rope(load, d, position, D, rope_scale, rope_theta, dtype, rope_scaling).astype(F32)
+            return _rope(load, d, position, D, rope_scale, rope_theta, dtype, rope_freq).astype(F32)
 
         @T.macro
         def load_queries(Qs, q, q_row, q_position, tile, rotary_mode, rope_scale, rope_theta, sm_scale):

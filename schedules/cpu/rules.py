@@ -25,11 +25,10 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 import tvm
-from tvm import relax, tirx
+from tvm import tirx
 
-from ...op import SPECS
-from ..base import KernelRule, Knobs, dense_workload, paged_workload, static_dims, varlen_workload
-from ..workload import NormSpec, Workload
+from ..base import KernelRule, Knobs
+from ..workload import Workload
 from .backward import flash_backward
 from .backward_rows import RowsTask, rows_backward
 from .decode import dense_decode_forward, dense_rows_forward
@@ -38,7 +37,7 @@ from .paged import paged_forward
 from .double_backward import flash_double_backward
 from .varlen import varlen_forward
 from .varlen_backward import varlen_backward
-from .tangent import COTANGENTS, JVP_TANGENTS, flash_jvp
+from .tangent import flash_jvp
 from .norm import NormTiles, norm_backward, norm_tiles
 from .tiles import (CORE_KNOBS, STREAMING_ROWS, CpuTiles, cores, fit_keys, fit_rows, nearest, streaming_space,
                     tile_space, tiles_for)
@@ -101,12 +100,7 @@ class _CpuRule(KernelRule):
 
 
 class _DenseRule(_CpuRule):
-    """Shared by the dense kernels: workload from the call's q and k, register-tiled space."""
-
-    def _dense_workload(self, call: relax.Call, target: tvm.target.Target, **extra) -> Workload | None:
-        if not self.is_target_available(target):
-            return None
-        return dense_workload(self.op, call, return_lse=bool(call.attrs.get("return_lse", False)), **extra)
+    """Shared by the dense kernels: a register-tiled space."""
 
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return tile_space(target, rows=_rows(workload))
@@ -118,9 +112,6 @@ class FlashForward(_DenseRule):
     over a handful of keys (``_short_rows``) take their rows one at a time."""
 
     op = "flash_attn"
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return self._dense_workload(call, target)
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         spec, rows = workload.spec, _rows(workload)
@@ -185,9 +176,6 @@ class FlashBackward(_DenseRule):
     def __init__(self, op: str):
         self.op = op
 
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return self._dense_workload(call, target, grads=SPECS[self.op].grads)
-
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         batch = workload.dim["B"]
         # enough (batch, kv head, split) tasks for every core twice over; one split when unknown
@@ -212,11 +200,6 @@ class PagedAttention(_CpuRule):
     """paged_attn on llvm: key tiles read through the block table, live blocks only."""
 
     op = "paged_attn"
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        if not self.is_target_available(target):
-            return None
-        return paged_workload(call)
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         spec = workload.spec
@@ -246,9 +229,6 @@ class VarlenForward(_CpuRule):
     op = "flash_attn_varlen"
     tunable = False
 
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return varlen_workload(call) if self.is_target_available(target) else None
-
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         longest = workload.dim["max_seqlen_q"]
         rows = None if longest is None else longest * workload.spec.group
@@ -277,9 +257,6 @@ class VarlenBackward(_CpuRule):
     needs_forward_state = True
     tunable = False
 
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return varlen_workload(call, op=self.op) if self.is_target_available(target) else None
-
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         # at most 4: the dq partials hold splits x (total_q + B * block_q) rows per head, whatever
         # the batch (B is known at run time only; many sequences need no splits to fill the cores)
@@ -299,20 +276,11 @@ class VarlenBackward(_CpuRule):
         return varlen_backward(workload.spec, tiles, rows_task=rows)
 
 
-def _present(call: relax.Call, op: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """Which of the optional arguments ``names`` (tangents or cotangents) the call passes."""
-    args = SPECS[op].split_args(call)
-    return tuple(name for name in names if args[name] is not None)
-
-
 class FlashJvp(_DenseRule):
     """flash_attn_jvp on llvm: one online-softmax pass per query tile carrying the tangent's sums;
     the kernel is specialised on which tangents the call passes (``Workload.grads``)."""
 
     op = "flash_attn_jvp"
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return self._dense_workload(call, target, grads=_present(call, self.op, JVP_TANGENTS))
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         tiles = tiles_for(target, head_dim=workload.spec.head_dim, rows=None)
@@ -337,9 +305,6 @@ class FlashDoubleBackward(FlashBackward):
     def __init__(self):
         super().__init__("flash_attn_double_backward")
 
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return self._dense_workload(call, target, grads=_present(call, self.op, COTANGENTS))
-
     def kernel(self, workload: Workload, knobs: Knobs, *, static: bool = False) -> tirx.PrimFunc:
         return flash_double_backward(workload.spec, CpuTiles(**knobs), cotangents=workload.grads,
                                      dims=workload.dim if static else None)
@@ -356,14 +321,6 @@ class NormBackward(KernelRule):
     def __init__(self, op: str):
         self.op = op
         self.kind = "layer" if op == "layer_norm_backward" else "rms"
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        if not self.is_target_available(target):
-            return None
-        x = static_dims(SPECS[self.op].split_args(call)["x"])
-        if x is None or len(x) != 2 or x[1] is None:
-            return None
-        return Workload(self.op, NormSpec(str(call.args[1].ty.dtype), x[1]), (("N", x[0] or None),))
 
     def default_knobs(self, workload: Workload, target: tvm.target.Target) -> dict[str, int]:
         return asdict(norm_tiles(target, workload.spec.dtype, workload.spec.features, kind=self.kind))

@@ -30,7 +30,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tiles, masked_logit, kernel_params,
                       probability, kernel_sizes)
 from .common import Buffers, absent_inputs

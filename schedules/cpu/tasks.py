@@ -18,7 +18,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op.config import AttnConfig
+from tvm_fuel.op.config import AttnConfig
 from ..common import balanced_order, query_tile_range
 
 

@@ -10,9 +10,10 @@ too, ``schedules.cuda.tvm_cache``). Its semantics:
 * scores in log2 units, ``s = q . k * sm_scale * log2 e``: ``lse = m + log2(sum 2^(s - m))``, and
   ``-5e4`` with an output of 0 for a sequence without keys (TVM's initial running max);
 * ``rotary_mode`` 1 (TVM's RopeMode.INLINE): q rotated at ``q_rope_position[b]`` and key j at
-  ``k_rope_pos_offset[b] + j``, over the whole head dim, with the cache's ``rope_scaling``
-  (TVM's ``position_embedding.switch_rope_freq_func``), each rotated value rounded to the cache
-  dtype as TVM's kernels round it.
+  ``k_rope_pos_offset[b] + j``, over the whole head dim, at the frequencies ``rope_freq`` gives
+  (the cache's ``rope_scaling`` through TVM's ``position_embedding.switch_rope_freq_func``, which
+  ``tvm_fuel.kv_cache`` passes; default: ``ragged.default_rope_freq``), each rotated value rounded to
+  the cache dtype as TVM's kernels round it.
 
 A decode task is one (sequence, KV head): its GQA group's query rows, the keys packed a tile at a
 time into registers-friendly [D, block_k] and [block_k, D] tiles (through the page table, rotated
@@ -31,12 +32,12 @@ Contents:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Callable
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op.config import AttnConfig
+from tvm_fuel.op.config import AttnConfig
 from ..common import finish, KernelSpec
 from ..tvm_params import merge_kernel, prefill_causal_rule, tvm_kernel
 from .forward import ForwardBuffers, RowTile
@@ -51,7 +52,7 @@ def _check(where: str, spec: KernelSpec, tiles: CpuTiles):
 
 
 def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window: bool,
-           rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+           rope_freq: Callable | None = None) -> tirx.PrimFunc:
     """TVM's ``batch_decode_paged_kv_cpu`` (``_sliding_window``): q [B, Hq, D] against each
     sequence's cached keys; output [B, Hq, D] (q's dtype), lse [B, Hq] float32 (log2 units).
 
@@ -62,7 +63,7 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
     Hkv, D, group = spec.num_kv_heads, spec.head_dim, spec.group
     BK = tiles.block_k
     streaming = tiles.block_q <= STREAMING_ROWS
-    task = RaggedTask(spec, tiles, rope_scaling)
+    task = RaggedTask(spec, tiles, rope_freq)
 
     @T.macro
     def body(a, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
@@ -93,7 +94,7 @@ def decode(spec: KernelSpec, tiles: CpuTiles, *, page_size: int, sliding_window:
 
 
 def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16, sliding_window: bool = False,
-            sliding_window_size: int = 1024, rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+            sliding_window_size: int = 1024, rope_freq: Callable | None = None) -> tirx.PrimFunc:
     """TVM's ``batch_prefill_paged_kv_cpu`` (``keys="paged"``: each sequence's cached keys) or
     ``batch_prefill_ragged_kv`` (``keys="ragged"``: k, v [total_kv, Hkv, D] by ``kv_indptr``):
     q [total_q, Hq, D] by ``q_indptr``, bottom-right causal where the run-time ``causal`` is
@@ -111,9 +112,9 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
     if sliding_window and keys != "paged":
         raise ValueError("tvm_cache.prefill: sliding_window reads paged keys (keys='paged')")
     _check("prefill", spec, tiles)
-    plain = RaggedTask(replace(spec, cfg=AttnConfig()), tiles, rope_scaling)
+    plain = RaggedTask(replace(spec, cfg=AttnConfig()), tiles, rope_freq)
     causal_cfg, after_keys = prefill_causal_rule(sliding_window, sliding_window_size)
-    causal_task = RaggedTask(replace(spec, cfg=causal_cfg), tiles, rope_scaling, queries_after_keys=after_keys)
+    causal_task = RaggedTask(replace(spec, cfg=causal_cfg), tiles, rope_freq, queries_after_keys=after_keys)
     run = prefill_phases(spec, tiles, plain, causal_task)
 
     @T.macro
@@ -127,7 +128,7 @@ def prefill(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16
 
 
 def tree_attention(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: int = 16,
-                   rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+                   rope_freq: Callable | None = None) -> tirx.PrimFunc:
     """TVM's tree attention (speculative decoding: the new tokens are a token tree), q
     [total_q, Hq, D] by ``q_indptr``; output [total_q, Hq, D], lse [total_q, Hq] float32 (log2):
 
@@ -144,7 +145,7 @@ def tree_attention(spec: KernelSpec, tiles: CpuTiles, *, keys: str, page_size: i
     if keys not in ("paged", "ragged"):
         raise ValueError(f"tvm_cache.tree_attention: keys must be 'paged' or 'ragged', got {keys!r}")
     _check("tree_attention", spec, tiles)
-    masked = RaggedTask(replace(spec, cfg=AttnConfig(), mask_dtype="bool"), tiles, rope_scaling)
+    masked = RaggedTask(replace(spec, cfg=AttnConfig(), mask_dtype="bool"), tiles, rope_freq)
     run = prefill_phases(spec, tiles, masked, None)
 
     @T.macro

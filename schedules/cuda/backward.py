@@ -45,7 +45,7 @@ from typing import Any, Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import (KernelSpec, ceil_div, drop_params, finish, key_tiles, kernel_params, probability,
                       query_tile_range, kernel_sizes)
 from .backward_registers import RegisterTiles, Scratch

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import (NEG_INF, KernelSpec, ceil_div, drop_params, finish, key_tiles, masked_logit, kernel_params,
                       row_head, row_position, kernel_sizes, tile_is_interior)
 from ..layouts import BlockTable, EMPTY_LSE

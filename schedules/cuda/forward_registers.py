@@ -13,7 +13,7 @@ from typing import Any
 
 from tvm.script import tirx as T
 
-from ...op import semantics as sem
+from tvm_fuel.op import semantics as sem
 from ..common import NEG_INF, ceil_div
 from .device import F32, TILE_PAD
 from .mma import WarpTiles, c_element

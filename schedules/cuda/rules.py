@@ -23,11 +23,10 @@ from math import gcd
 from dataclasses import asdict, replace
 
 import tvm
-from tvm import relax, tirx
+from tvm import tirx
 
-from ...diagnostics import FloorWarning
-from ...op import SPECS
-from ..base import KernelRule, Knobs, dense_workload, paged_workload, varlen_workload
+from tvm_fuel.diagnostics import FloorWarning
+from ..base import KernelRule, Knobs
 from ..workload import Workload
 from .device import HALF_TYPES, Launch, padded_dim, shared_memory_per_block
 from .forward import dense_forward, paged_forward
@@ -203,29 +202,25 @@ class _CudaRule(KernelRule):
                  "threads": (32, 64, 128, 256), "stages": (1, 2, 3)}  # 32: one warp per 16 x 16 tile
         return {name: tuple(sorted(set(values) | {default[name]})) for name, values in space.items()}
 
-    def _serves(self, workload: Workload | None, target: tvm.target.Target) -> Workload | None:
-        if workload is None:
-            return None
+    def serves(self, workload: Workload, target: tvm.target.Target) -> bool:
+        """Its op on an available target, where some tile shape fits a block's shared memory (else a
+        ``FloorWarning`` says the floor serves the call)."""
+        if not super().serves(workload, target):
+            return False
         if self._fitting(workload, target, self._candidates(workload)) is None:
             smallest = min(sum(self.smem(workload.spec.dtype, workload.spec.head_dim, tiles))
                            for tiles in self._candidates(workload) if self.check_knobs(workload, asdict(tiles)) is None)
             warnings.warn(f"tvm_fuel: {workload.describe()} on {self._arch(target)}: no tile shape "
                           f"fits a block's {self._shared_limit(target)} bytes of shared memory (the smallest needs "
                           f"{smallest}); the floor serves this call", FloorWarning, stacklevel=2)
-            return None
-        return workload
+            return False
+        return True
 
 
 class CudaFlashForward(_CudaRule):
     """flash_attn on cuda: Q tiles per block, K/V tiles through shared memory, online softmax."""
 
     op = "flash_attn"
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        if not self.is_target_available(target):
-            return None
-        return self._serves(dense_workload(self.op, call, return_lse=bool(call.attrs.get("return_lse", False))),
-                            target)
 
     def _tuned_defaults(self, workload, target, tiles):
         return replace(tiles, splits=self._splits(workload, target, tiles, workload.dim["Sk"]))
@@ -239,11 +234,6 @@ class CudaPagedAttention(_CudaRule):
     """paged_attn on cuda: key tiles read through the block table, live blocks only, split-KV."""
 
     op = "paged_attn"
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        if not self.is_target_available(target):
-            return None
-        return self._serves(paged_workload(call), target)
 
     def _candidates(self, workload: Workload) -> list[CudaTiles]:
         sq = workload.dim["Sq"]
@@ -271,9 +261,6 @@ class CudaVarlenForward(_CudaRule):
     op = "flash_attn_varlen"
     tunable = False
 
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return self._serves(varlen_workload(call), target) if self.is_target_available(target) else None
-
     def knob_space(self, workload: Workload, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
         return {**super().knob_space(workload, target), "splits": (1,)}
 
@@ -294,11 +281,6 @@ class CudaFlashBackward(_CudaRule):
     def __init__(self, op: str, *, emulated: bool = False):
         super().__init__(emulated=emulated)
         self.op = op
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        if not self.is_target_available(target):
-            return None
-        return self._serves(dense_workload(self.op, call, grads=SPECS[self.op].grads), target)
 
     def accumulators(self, workload: Workload, tiles: CudaTiles) -> int:
         """Each thread's share of the dK and dV tiles (SIMT) or of the larger kernel's fragments."""
@@ -340,9 +322,6 @@ class CudaVarlenBackward(CudaFlashBackward):
 
     def __init__(self, *, emulated: bool = False):
         super().__init__("flash_attn_varlen_backward", emulated=emulated)
-
-    def workload(self, call: relax.Call, target: tvm.target.Target) -> Workload | None:
-        return self._serves(varlen_workload(call, self.op), target) if self.is_target_available(target) else None
 
     def _blocks(self, workload: Workload, tiles: CudaTiles) -> int | None:
         return None  # the rows per sequence are known at run time only

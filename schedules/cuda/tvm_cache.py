@@ -28,7 +28,7 @@ from dataclasses import replace
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...op.config import AttnConfig
+from tvm_fuel.op.config import AttnConfig
 from ..common import finish, KernelSpec
 from ..tvm_params import merge_kernel, prefill_causal_rule, TvmArgs, tvm_kernel
 from .device import F32, Launch

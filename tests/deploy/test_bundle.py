@@ -35,7 +35,7 @@ from tvm_fuel.deploy.suites import tune_buckets
 from tvm_fuel.kv_cache import TVM_SLOTS
 from tvm_fuel.schedules import rule_for
 from tvm_fuel.tuning.buckets import bucket_module
-from tvm_fuel.tuning.records import TuningRecords
+from tvm_fuel.dispatch.records import TuningRecords
 from tvm_fuel.tuning.kernels import workloads_of
 
 # its module-scoped fixtures tune or build bundles: one worker runs the module, so they are built once

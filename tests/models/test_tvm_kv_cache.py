@@ -25,8 +25,10 @@ from tvm.runtime import ShapeTuple
 
 import tvm_fuel
 from tvm_fuel.deploy import nvcc
-from tvm_fuel.deploy.node.tvm_slots import check_slots, slot_batch, slot_calls
+from tvm_fuel.deploy.node_code import node_module
 from tvm_fuel.kv_cache import FuelPagedKVCache, runtime_cache, runtime_kernels, TVM_SLOTS, tvm_kernels
+
+tvm_slots = node_module("tvm_slots")  # the bundle's node code (fuel_node.tvm_slots), run here on CPU kernels
 
 # its module-scoped fixtures build each config's slots (~35 s): one worker runs the module, so each is built once
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_tvm_kv_cache")]
@@ -517,12 +519,13 @@ def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
 
 def _compare_slots(config, ours: dict, theirs: dict, rotary_modes):
     """Every attention slot of ``ours`` against ``theirs`` (slot -> function) on one batch of
-    inputs: the GPU bundle's comparison (``deploy.node.tvm_slots``), run here on CPU kernels."""
+    inputs: the GPU bundle's comparison (``fuel_node.tvm_slots``), run here on CPU kernels."""
     hq, hkv, d, dtype = config
-    batch = slot_batch(np.random.default_rng(1), hq, hkv, d, dtype, PAGE, cached=(0, 1, 17, 97), new=(3, 1, 5, 9))
-    calls = slot_calls(batch, TVM_SLOTS, rotary_modes=rotary_modes, theta=THETA)
+    batch = tvm_slots.slot_batch(np.random.default_rng(1), hq, hkv, d, dtype, PAGE, cached=(0, 1, 17, 97),
+                                 new=(3, 1, 5, 9))
+    calls = tvm_slots.slot_calls(batch, TVM_SLOTS, rotary_modes=rotary_modes, theta=THETA)
     assert {call.slot for call in calls} == set(TVM_SLOTS)
-    checks = check_slots(calls, ours.__getitem__, theirs.__getitem__, tvm.runtime.tensor, dtype)
+    checks = tvm_slots.check_slots(calls, ours.__getitem__, theirs.__getitem__, tvm.runtime.tensor, dtype)
     assert any("rows with no key" in check["what"] for check in checks)  # empty rows were among them
     failed = [check for check in checks if not check["ok"]]
     assert not failed, failed

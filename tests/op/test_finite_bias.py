@@ -32,8 +32,8 @@ from tvm import relax, tirx
 
 import tvm_fuel
 from tvm_fuel import op
-from tvm_fuel.deploy.node.compare import LSE_TOLERANCE, TOLERANCE
-from tvm_fuel.schedules import KnobMatch
+from tvm_fuel.testing.compare import LSE_TOLERANCE, TOLERANCE
+from tvm_fuel.dispatch.records import KnobMatch
 
 pytestmark = [pytest.mark.numerics, pytest.mark.xdist_group("test_finite_bias")]
 

@@ -95,7 +95,7 @@ def test_tune_model_misuse_is_refused_by_name(tmp_path, capsys):
 
 
 def test_cuda_commands_without_a_device_say_so(capsys):
-    from tvm_fuel.deploy.nvcc import has_gpu
+    from tvm_fuel.target import has_gpu
 
     if has_gpu():
         pytest.skip("this machine has a CUDA device")

@@ -11,7 +11,7 @@ import tvm
 
 import tvm_fuel
 from tvm_fuel.target import CHECKED_FEATURES, hidden_cpu_features, linux_name
-from tvm_fuel.tuning.records import target_key
+from tvm_fuel.dispatch.records import target_key
 
 pytestmark = pytest.mark.unit
 

@@ -1,9 +1,10 @@
 """The package's layout works every way it is used (issue 15).
 
 ``schedules/`` and ``tuning_logs/`` sit at the repository root; pyproject.toml's package-dir makes
-them ``tvm_fuel.schedules`` / ``tvm_fuel.tuning_logs`` in a wheel, the editable finder maps them in
-``pip install -e .``, and ``tvm_fuel/__init__.py`` maps them for a source checkout imported from its
-root (``PYTHONPATH=.``, or ``python -m tvm_fuel`` run there, which shadows an installed copy).
+them ``tvm_fuel.schedules`` / ``tvm_fuel.tuning_logs`` in a wheel and the editable finder maps them in
+``pip install -e .``. Nothing else maps them (no import hook): a checkout imported without an install
+(``PYTHONPATH=.``, or ``python -m tvm_fuel`` run at the root, shadowing an installed wheel) says to
+install it.
 
 Every check runs in a subprocess that cannot see an editable install of this repository: the
 interpreter's own sys.path entries are handed over as plain paths (PYTHONPATH, or a ``.pth`` of
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import importlib.util, json, sys
 import tvm_fuel, tvm_fuel.schedules, tvm_fuel.tuning_logs, tvm_fuel.schedules.cpu.rules
-from tvm_fuel.tuning.records import shipped_logs
+from tvm_fuel.dispatch.records import shipped_logs
 print(json.dumps(dict(
     package=tvm_fuel.__file__, schedules=tvm_fuel.schedules.__file__,
     cpu_rules=tvm_fuel.schedules.cpu.rules.__file__, tuning_logs=tvm_fuel.tuning_logs.__file__,
@@ -75,23 +76,40 @@ def _expected_logs() -> list[str]:
                   if "logs" not in p.relative_to(REPO / "tuning_logs").parts[:1])  # logs/: git-ignored output
 
 
-def _assert_source_layout(found: dict) -> None:
+def test_editable_install_maps_the_root_folders(tmp_path):
+    """``pip install -e .`` (the README's command): the editable finder maps the root's folders in."""
+    found = _probe(sys.executable, tmp_path, _env())
+    if not found["editable_finder"]:
+        pytest.skip("tvm_fuel is not installed editable here")
     assert Path(found["package"]).resolve() == REPO / "tvm_fuel" / "__init__.py"
     assert Path(found["schedules"]).resolve() == REPO / "schedules" / "__init__.py"
     assert Path(found["cpu_rules"]).resolve() == REPO / "schedules" / "cpu" / "rules.py"
     assert Path(found["tuning_logs"]).resolve() == REPO / "tuning_logs" / "__init__.py"
     assert found["logs"] and set(_expected_logs()) <= set(found["logs"])
     assert not found["tests_exposed"], "the repository root must not become part of tvm_fuel.__path__"
-    assert not found["editable_finder"], "the probe must not see the editable install"
+
+
+def _refused_uninstalled(python: str, cwd: Path, env: dict[str, str], *flags: str) -> None:
+    proc = subprocess.run([python, *flags, "-c", "import tvm_fuel"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "this checkout is not installed" in proc.stderr, proc.stdout + proc.stderr
+    assert "pip install -e ." in proc.stderr
 
 
 @pytest.mark.parametrize("where", ["repo root", "elsewhere"])
-def test_source_checkout_with_pythonpath(where, tmp_path):
-    """``PYTHONPATH=<checkout>`` without any install: the folders at the root are the subpackages."""
+def test_uninstalled_checkout_says_to_install(where, tmp_path):
+    """``PYTHONPATH=<checkout>`` without any install: no hook maps the root's folders in; the import
+    says to install the package."""
     cwd = REPO if where == "repo root" else tmp_path
     env = _env(PYTHONPATH=os.pathsep.join([str(REPO), *_host_paths()]))
-    found = _probe(sys.executable, cwd, env, "-S")  # -S: no site-packages .pth hooks (the editable finder)
-    _assert_source_layout(found)
+    _refused_uninstalled(sys.executable, cwd, env, "-S")  # -S: no site-packages .pth hooks (the editable finder)
+
+
+def test_no_module_edits_the_import_system():
+    # the package is found as installed: nothing of tvm_fuel adds a finder
+    found = [str(p.relative_to(REPO)) for p in (*(REPO / "tvm_fuel").rglob("*.py"), *(REPO / "schedules").rglob("*.py"))
+             if "meta_path" in p.read_text() or "path_hooks" in p.read_text()]
+    assert found == []
 
 
 def test_running_interpreter_is_consistent():
@@ -125,8 +143,7 @@ def _source_copy(dest: Path) -> Path:
 @pytest.mark.slow
 def test_built_wheel_in_fresh_venv(tmp_path):
     """``pip wheel .``, installed into a fresh venv: the wheel holds the subpackages and the logs,
-    and ``python -m tvm_fuel demo --quick`` runs from the repository root (where the checkout's
-    tvm_fuel/ shadows the installed one) and from elsewhere (the installed one)."""
+    and ``python -m tvm_fuel demo --quick`` runs."""
     src = _source_copy(tmp_path / "src")
     dist = tmp_path / "dist"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
@@ -153,9 +170,9 @@ def test_built_wheel_in_fresh_venv(tmp_path):
     assert installed["logs"] and installed["logs"] == _expected_logs(), "the wheel must carry every shipped log"
     assert not installed["tests_exposed"] and not installed["editable_finder"]
 
-    _assert_source_layout(_probe(python, REPO, env))  # the checkout shadows the wheel, and still works
+    _refused_uninstalled(python, REPO, env)  # the checkout shadows the wheel: uninstalled, it says so
 
-    for cwd in (REPO, tmp_path):
+    for cwd in (tmp_path,):
         demo = _run([python, "-m", "tvm_fuel", "demo", "--quick"], cwd, env)
         # --quick: the ops part alone, one check per op output, each "ok"
         assert "all 10 checks hold" in demo.stdout and demo.stdout.count(" ok\n") == 10, demo.stdout[-2000:]

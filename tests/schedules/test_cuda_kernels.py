@@ -27,8 +27,8 @@ import tvm_fuel
 from tvm_fuel.deploy import nvcc as cuda
 from tvm_fuel.diagnostics import FloorWarning
 from tvm_fuel import op, reference
-from tvm_fuel.deploy.node.compare import DEVICE_SCALE, LSE_TOLERANCE
-from tvm_fuel.deploy.nvcc import device_arch, has_gpu
+from tvm_fuel.target import device_arch, has_gpu
+from tvm_fuel.testing.compare import DEVICE_SCALE, LSE_TOLERANCE
 from tvm_fuel.models import llama, peers
 from tvm_fuel.models.engine import LlamaEngine
 from tvm_fuel.schedules.cuda import mma
@@ -505,6 +505,7 @@ def test_shared_memory_limit_comes_from_the_target():
     """A target's ``max_shared_memory_per_block`` bounds the tiles (the architecture's table is
     the fallback): with 48 KiB the hand-picked forward tiles shrink to fit, and a point that
     fits sm_90's 227 KiB is refused by name."""
+    from tvm_fuel.dispatch import workload_of
     from tvm_fuel.schedules import rule_for
     from tvm_fuel.schedules.cuda.tiles import CudaTiles, forward_smem
 
@@ -512,7 +513,8 @@ def test_shared_memory_limit_comes_from_the_target():
     call = mod["main"].body.blocks[0].bindings[0].value
     small = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 48 * 1024})
     rule = rule_for("flash_attn", small)
-    workload = rule.workload(call, small)
+    workload = workload_of("flash_attn", call)
+    assert rule.serves(workload, small)
     wide = rule.default_knobs(workload, _target("sm_90"))
     narrow = rule.default_knobs(workload, small)
     need = {name: sum(forward_smem("float16", 128, CudaTiles(**knobs))) for name, knobs in (("narrow", narrow),

@@ -30,6 +30,7 @@ from tvm.ir.instrument import pass_instrument
 import tvm_fuel
 from tvm_fuel import op
 from tvm_fuel.diagnostics import FloorWarning
+from tvm_fuel.dispatch import workload_of
 from tvm_fuel.schedules import rule_for
 from tvm_fuel.schedules.cuda.tiles import CudaTiles, forward_smem
 
@@ -170,7 +171,8 @@ def test_half_decode_at_d80_declines_the_two_stage_tile(arch):
     target = _target(arch)
     mod = _paged("float16", 80, 16, 4, 1)
     rule = rule_for("paged_attn", target)
-    workload = rule.workload(mod["main"].body.blocks[0].bindings[0].value, target)
+    workload = workload_of("paged_attn", mod["main"].body.blocks[0].bindings[0].value)
+    assert rule.serves(workload, target)
     old = dict(DECODE_KNOBS, splits=1)
     with pytest.raises(ValueError, match="shared memory"):
         rule.knobs(workload, target, old)

@@ -25,7 +25,7 @@ from tvm import relax
 import tvm_fuel
 from tvm_fuel import op
 from tvm_fuel.deploy import nvcc as cuda
-from tvm_fuel.schedules import kernel_call
+from tvm_fuel.dispatch import kernel_call, workload_of
 from tvm_fuel.op.config import AttnConfig
 from tvm_fuel.schedules.cuda.device import Launch
 from tvm_fuel.schedules.cuda.rules import CudaFlashBackward, CudaVarlenBackward
@@ -214,15 +214,16 @@ def test_the_rule():
                                              relax.Var("do", q), relax.Var("cu_q", cu), relax.Var("cu_k", cu),
                                              sinks=sink, causal=True)
 
-    served = varlen.workload(relax.BlockBuilder().normalize(call()), target)
-    assert served is not None and served.grads == ("dq", "dk", "dv")
-    # no kernel takes sinks: the rule declines such a call as it stands, and serves the sink-free call
-    # the legalize map gives it (with the sinks' out and lse)
+    name = "flash_attn_varlen_backward"
+    served = workload_of(name, relax.BlockBuilder().normalize(call()))
+    assert served is not None and served.grads == ("dq", "dk", "dv") and varlen.serves(served, target)
+    # no kernel takes sinks: such a call as it stands has no workload, and the sink-free call the
+    # legalize map gives it (with the sinks' out and lse) has the plain call's
     with_sinks = relax.BlockBuilder().normalize(call(sinks=True))
-    assert varlen.workload(with_sinks, target) is None
-    plain = relax.BlockBuilder().normalize(kernel_call("flash_attn_varlen_backward", with_sinks))
-    assert varlen.workload(plain, target) == served
-    assert varlen.workload(relax.BlockBuilder().normalize(call()), tvm.target.Target("llvm")) is None
+    assert workload_of(name, with_sinks) is None
+    plain = relax.BlockBuilder().normalize(kernel_call(name, with_sinks))
+    assert workload_of(name, plain) == served
+    assert not varlen.serves(served, tvm.target.Target("llvm"))
 
 
 def test_signature_follows_the_spec():

@@ -17,7 +17,7 @@ from tvm import relax, tirx
 
 from tvm_fuel import op
 from tvm_fuel import reference as ref
-from tvm_fuel.deploy.node.compare import LSE_TOLERANCE
+from tvm_fuel.testing.compare import LSE_TOLERANCE
 
 # one worker builds the module's kernels once (functools.cache), not both
 pytestmark = [pytest.mark.numerics, pytest.mark.xdist_group("test_key_mask_path")]

@@ -19,7 +19,7 @@ from tvm import relax
 
 from tvm_fuel import op
 from tvm_fuel import reference as ref
-from tvm_fuel.schedules import tuned_legalize_map
+from tvm_fuel.dispatch import tuned_legalize_map, workload_of
 from tvm_fuel.schedules.cpu.rules import RULES as CPU_RULES
 from tvm_fuel.schedules.cuda.rules import cuda_rules
 
@@ -87,9 +87,9 @@ def _legalize(mod, family: str, knobs: dict) -> tvm.IRModule:
 def _rule_and_workload(mod, family: str):
     call = mod["main"].body.blocks[0].bindings[0].value
     rules = cuda_rules(emulated=True) if family == "cuda-emulated" else CPU_RULES
+    workload = workload_of(call.op.name.split(".")[-1], call)
     for rule in rules:
-        workload = rule.workload(call, HOST) if call.op.name.split(".")[-1] == rule.op else None
-        if workload is not None:
+        if workload is not None and rule.serves(workload, HOST):
             return rule, workload
     raise AssertionError(f"no {family} rule serves {call.op.name}")
 

@@ -25,8 +25,8 @@ from tvm_fuel.schedules.cuda.rules import cuda_rules
 from tvm_fuel.tuning import TuningLogWarning, TuningRecords, target_key
 from tvm_fuel.tuning.buckets import bucket_module
 from tvm_fuel.tuning.report import TIR_FUNCTION, tuning_report
-from tvm_fuel.tuning.records import BLOCK, KNOB_PREFIX, kernel_family, replay
-from tvm_fuel.tuning.log_database import RECORD_FILE, WORKLOAD_FILE, LogDatabase
+from tvm_fuel.dispatch.records import BLOCK, KNOB_PREFIX, kernel_family, replay
+from tvm_fuel.dispatch.log_database import RECORD_FILE, WORKLOAD_FILE, LogDatabase
 from tvm_fuel.tuning.space import ValidKnobs, workload_module
 from tvm_fuel.tuning.kernels import commit_record, workloads_of
 

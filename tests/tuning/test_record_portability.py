@@ -26,7 +26,7 @@ from tvm_fuel.schedules import rule_for
 from tvm_fuel.schedules.cpu.rules import FlashBackward
 from tvm_fuel.tuning import TuningLogWarning, TuningRecords, shipped_logs, target_key
 from tvm_fuel.tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module
-from tvm_fuel.tuning.log_database import RECORD_FILE, WORKLOAD_FILE
+from tvm_fuel.dispatch.log_database import RECORD_FILE, WORKLOAD_FILE
 from tvm_fuel.schedules.workload import size_bucket
 from tvm_fuel.tuning.kernels import workloads_of
 

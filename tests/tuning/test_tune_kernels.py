@@ -23,11 +23,12 @@ from tvm import relax, s_tir
 
 import tvm_fuel
 from tvm_fuel import reference as ref
-from tvm_fuel.schedules import rule_for, tuned_legalize_map
+from tvm_fuel.dispatch import tuned_legalize_map
+from tvm_fuel.schedules import rule_for
 from tvm_fuel.tuning import TuningLogWarning, shipped_logs, target_key, tune, tuning_report
 from tvm_fuel.tuning.buckets import TUNABLE_OPS, benchmark_buckets, bucket_module, parse_bucket
-from tvm_fuel.tuning.records import knobs_of, replay
-from tvm_fuel.tuning.log_database import RECORD_FILE, WORKLOAD_FILE, LogDatabase
+from tvm_fuel.dispatch.records import knobs_of, replay
+from tvm_fuel.dispatch.log_database import RECORD_FILE, WORKLOAD_FILE, LogDatabase
 from tvm_fuel.tuning.space import ValidKnobs, design_space, workload_module
 from tvm_fuel.tuning.kernels import workloads_of
 

@@ -15,8 +15,8 @@ from tvm import relax
 
 import tvm_fuel
 from tvm_fuel import op, reference
-from tvm_fuel.tuning.records import MODEL_FOLDER, POINTS_FILE, target_key
-from tvm_fuel.tuning.log_database import LogDatabase
+from tvm_fuel.dispatch.records import MODEL_FOLDER, POINTS_FILE, target_key
+from tvm_fuel.dispatch.log_database import LogDatabase
 from tvm_fuel.models import llama, peers
 from tvm_fuel.transform.specialize import ShapePoint, specialize
 from tvm_fuel.tuning.model import function_tasks, tune_model

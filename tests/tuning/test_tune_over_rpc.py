@@ -12,7 +12,7 @@ from helpers import HOST
 
 from tvm_fuel.tuning import target_key, tune
 from tvm_fuel.tuning.buckets import bucket_module
-from tvm_fuel.tuning.log_database import RECORD_FILE
+from tvm_fuel.dispatch.log_database import RECORD_FILE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

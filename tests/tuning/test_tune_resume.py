@@ -15,8 +15,8 @@ from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from tvm_fuel.cli import main
-from tvm_fuel.tuning.records import MODEL_FOLDER, kernel_family, knobs_of, target_key
-from tvm_fuel.tuning.log_database import RECORD_FILE, WORKLOAD_FILE, LogDatabase
+from tvm_fuel.dispatch.records import MODEL_FOLDER, kernel_family, knobs_of, target_key
+from tvm_fuel.dispatch.log_database import RECORD_FILE, WORKLOAD_FILE, LogDatabase
 from tvm_fuel.schedules import rule_for
 from tvm_fuel.tuning import TuningLogWarning
 from tvm_fuel.tuning.buckets import bucket_module

@@ -9,7 +9,7 @@ record for this CPU class), "hand_picked" the same kernels with the rules' own k
 ``bench.json`` and ``bench.png``.
 
 Contents:
-    (the shapes and their work counts live in ``tvm_fuel.bench.cases``)
+    (the shapes and their work counts live in ``tvm_fuel.testing.cases``)
     read_probe           -- a streaming all-core read, to time alongside a kernel
     machine_peaks        -- FMA peak and GEMM GFLOP/s, read GB/s of this machine (all cores)
     fma_kernel, fma_chains -- the FMA probe's kernel, and its independent chains (they fit the vector
@@ -44,10 +44,10 @@ from tvm.script import tirx as T
 from .. import op
 from ..build import compile as fuel_compile
 from ..target import host_target
-from ..deploy.node.peers import paged_gather_sdpa
-from .cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite, head_dim_suite, tiny_rows_suite
+from ..testing.cases import FLOOR_MAX_SCORES, FlashCase, PagedCase, default_suite, head_dim_suite, tiny_rows_suite
+from ..testing.peers import paged_gather_sdpa
 from ..schedules.cpu.tiles import vector_lanes, vector_registers
-from ..threads import physical_cores, thread_count
+from ..compat.threads import physical_cores, thread_count
 
 def measure(fn: Callable[[], object], *, min_seconds: float = 0.5, max_runs: int = 10) -> tuple[float, int]:
     """Median seconds of ``fn`` after one warm-up run, and the number of timed runs."""

@@ -30,7 +30,7 @@ from tvm import relax
 from .. import op
 from .attention import build_vm, child_probe, measure, measure_side_by_side, peak_rss_mib
 from ..target import host_target
-from .cases import default_suite
+from ..testing.cases import default_suite
 from ..transform.expand_attention import ExpandAttention
 
 # the double backward's benchmark shape (issue 16): B, H, S, D, causal
@@ -116,7 +116,7 @@ def _torch_double_backward(arrays: dict, causal: bool) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return {"skipped": "torch is not installed (pip install -e '.[bench]')"}
-    from ..threads import thread_count
+    from ..compat.threads import thread_count
 
     torch.set_num_threads(thread_count())
     q, k, v, do = (torch.from_numpy(arrays[n]).requires_grad_(True) for n in ("q", "k", "v", "do"))

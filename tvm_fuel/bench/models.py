@@ -164,7 +164,7 @@ def model_rows(rows=MODEL_ROWS, *, seed: int = 0, mask_rows=MASK_ROWS) -> dict:
     (module docstring)."""
     import torch
 
-    from ..threads import thread_count
+    from ..compat.threads import thread_count
 
     torch.set_num_threads(thread_count())
     return {"model": "SmolLM-135M shape, 4 layers", "config": SMOLLM_4, "threads": torch.get_num_threads(),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cases import PagedCase
+from ..testing.cases import PagedCase
 
 # GQA groups of 4 (Llama-3-8B's heads) at two contexts, and multi-head attention (Llama-2-7B's 32
 # heads, a group of 1): the same cache bytes as the first row, a quarter of its FMAs per byte

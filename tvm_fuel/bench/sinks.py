@@ -20,7 +20,7 @@ import contextlib
 
 import numpy as np
 
-from .cases import FlashCase, PagedCase
+from ..testing.cases import FlashCase, PagedCase
 
 SINK_ROWS = (FlashCase(1, 8, 2048, 64, causal=True), PagedCase(8, 32, 8, 128, 16, 4096, 4096))
 
@@ -81,7 +81,7 @@ def _arrays(case, rng) -> dict:
 def _row(case, target) -> dict:
     import tvm
 
-    from ..deploy.node.peers import paged_gather_sdpa
+    from ..testing.peers import paged_gather_sdpa
     from .attention import build_vm, measure_side_by_side, torch_with_our_threads
 
     rng = np.random.default_rng(0)

@@ -60,7 +60,7 @@ MANY_SHORT_ROW = VarlenCase((1,) * 2048, 8, 8, 64)
 
 def _with_floor(case: VarlenCase) -> bool:
     """Whether the decomposition's [B, Hq, longest, longest] scores are few enough to time."""
-    from .cases import FLOOR_MAX_SCORES
+    from ..testing.cases import FLOOR_MAX_SCORES
 
     return len(case.lens) * case.Hq * max(case.lens) ** 2 <= FLOOR_MAX_SCORES
 

@@ -11,4 +11,5 @@ Contents:
     runtime -- the runtime-only TVM and the wheels the node's Python needs
     imports -- ``tune --import``: a node's tune measurements as tuning records
     node    -- run.py, its supervisor and workers (copied into the bundle)
+    node_code -- the node's code as a bundle holds it (``fuel_node/``: node, testing modules, reference)
 """

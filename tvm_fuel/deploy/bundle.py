@@ -3,7 +3,8 @@
 The bundle folder holds::
 
     run.py, manifest.json     the entry point and every case (inputs as seeded fills, no data)
-    fuel_node/                the node's code (tvm_fuel.deploy.node and tvm_fuel.reference)
+    fuel_node/                the node's code: tvm_fuel.deploy.node, the tvm_fuel.testing modules it
+                              imports (arrays, compare, peers) and tvm_fuel.reference (``node_code``)
     modules/*.so              exported Relax executables (kernels and floor), libraries of TVM-cache
                               slot kernels (fuel's and TVM's); tune/*.so kernel points
     cubins/<sha256>.cubin.gz  nvcc's cubin of each CUDA module's source (gzip), by the source's hash
@@ -60,11 +61,11 @@ from . import suites
 from .runtime import node_runtime
 from .node.environment import NodeError, cubin_name, source_key, written_by_node
 from .node.manifest import SCHEMA, bundle_files, read_manifest
+from .node_code import write_node
 
 ARCHS = tuple(SHARED_MEMORY_LIMIT)  # the CUDA architectures the kernels have rules for
 LIMIT_BYTES = 48_000_000  # 48 MB, counted the strict way
 TUNE_POINTS = 64  # knob points per tune bucket by default (each costs ~60 KB of source and cubin)
-_NODE = Path(__file__).parent / "node"
 _RUN_PY = '''#!/usr/bin/env python3
 """Runs this tvm_fuel bundle here: python3 run.py [--stages smoke,check,bench,tune] [--out results.json]"""
 import sys
@@ -272,8 +273,7 @@ def _fill(work: Path, tvm_target, arch, cases, tune, tune_points, node_python, o
                           "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     manifest["target"] = {"device": "cuda" if options["target"] == "cuda" else "cpu", "arch": arch}
     manifest["runtime"] = node_runtime(work, "runtime", node_python)
-    shutil.copytree(_NODE, work / "fuel_node", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(Path(__file__).parent.parent / "reference.py", work / "fuel_node" / "reference.py")
+    write_node(work)
     (work / "run.py").write_text(_RUN_PY)
     # every file this build wrote: what a later build into the same folder may remove
     files = sorted(str(f.relative_to(work).as_posix()) for f in work.rglob("*") if f.is_file())

@@ -12,7 +12,7 @@ results file of that very bundle, which a run of this command wrote. Any other `
 there (another bundle's, a user's, not JSON) is never removed: the command refuses up front.
 
 Contents:
-    has_gpu, device_arch -- from tvm_fuel.deploy.nvcc
+    has_gpu, device_arch -- from tvm_fuel.target
     run_gpucheck -- build the bundle of a suite for this device and run it; run.py's exit status
     RESULTS
 """
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from ..outputs import check_output_dir
-from .nvcc import device_arch, has_gpu
+from ..target import device_arch, has_gpu
 from .node.environment import NodeError
 from .node.manifest import read_manifest
 

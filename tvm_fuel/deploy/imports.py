@@ -21,8 +21,8 @@ from pathlib import Path
 import tvm
 
 from ..schedules.workload import Workload
-from ..tuning.records import kernel_family, knobs_of, replay, target_key
-from ..tuning.log_database import LogDatabase
+from ..dispatch.records import kernel_family, knobs_of, replay, target_key
+from ..dispatch.log_database import LogDatabase
 from ..tuning.space import fixed_point, workload_module
 from ..tuning.kernels import commit_record, default_work_dir
 

@@ -12,7 +12,8 @@ Contents:
     shared_memory      -- (static, dynamic) shared-memory bytes of every kernel of a build
     build_with_shared_memory -- the build and those bytes, from one compile
     nvcc_available
-    has_gpu, device_arch -- whether this machine has a CUDA device; its sm_XY
+
+(Whether this machine has a CUDA device, and its sm_XY: ``tvm_fuel.target.has_gpu``, ``device_arch``.)
 """
 
 from __future__ import annotations
@@ -153,18 +154,5 @@ def shared_memory(mod: tvm.IRModule | tirx.PrimFunc, target: tvm.target.Target) 
     return build_with_shared_memory(mod, target)[1]
 
 
-def has_gpu() -> bool:
-    """Whether CUDA device 0 exists (False without a CUDA runtime or driver)."""
-    try:
-        return bool(tvm.cuda(0).exist)
-    except Exception:  # noqa: BLE001 (no CUDA runtime in this TVM build or no driver)
-        return False
-
-
-def device_arch() -> str:
-    """``sm_XY`` of device 0."""
-    return "sm_" + tvm.cuda(0).compute_version.replace(".", "")
-
-
 __all__ = ["cuda_source", "kernel_names", "compile_cubin", "ptxas_report", "shared_memory", "build_with_shared_memory",
-           "nvcc_available", "has_gpu", "device_arch"]
+           "nvcc_available"]

@@ -1,7 +1,7 @@
 """The cases a bundle holds: what each stage runs, on which shapes, compared with what.
 
 A ``Case`` is one Relax module (one fuel call over named inputs) plus how the node makes its
-inputs (seeded fills, ``node.arrays``) and what its outputs must match: the float64 reference
+inputs (seeded fills, ``testing.arrays``) and what its outputs must match: the float64 reference
 (small shapes), the floor's module and PyTorch (large shapes). The check matrix follows the CPU
 suite: GQA groups 1, 3 and 7; head dims 40, 64, 80, 96, 128 and 256; causal, windows (with sink
 tokens), softcap, ALiBi, bool and additive masks; rows with no visible key; every dtype; the four
@@ -34,8 +34,8 @@ from tvm import relax
 
 from .. import op as fuel_op
 from ..kv_cache import TVM_SLOTS, tvm_kernels, tvm_own_kernels
-from ..bench.cases import (FLOOR_MAX_SCORES, FlashCase, PagedCase, attention_flops, cuda_suite,
-                           default_suite, kv_bytes)
+from ..testing.cases import (FLOOR_MAX_SCORES, FlashCase, PagedCase, attention_flops, cuda_suite,
+                             default_suite, kv_bytes)
 
 SUITES = {"smoke": ("smoke",), "check": ("smoke", "check"), "bench": ("smoke", "bench"), "tune": ("smoke", "tune"),
           "all": ("smoke", "check", "bench", "tune")}

@@ -111,6 +111,8 @@ def tvm_kernels(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
 
 
 def _cpu_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int, rope_scaling) -> dict:
+    from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
+
     from ..schedules.cpu import tvm_cache
     from ..schedules.cpu.tiles import tiles_for, vector_lanes
 
@@ -119,9 +121,10 @@ def _cpu_tvm_kernels(spec, target, *, page_size: int, sliding_window_size: int, 
     decode_tiles = tiles_for(target, head_dim=head_dim, rows=spec.group, num_kv_heads=1,
                              element_bytes=tvm.DataType(dtype).bits // 8)
     prefill_tiles = tiles_for(target, head_dim=head_dim, rows=None, num_kv_heads=1)
-    return _slot_kernels(functools.partial(tvm_cache.decode, spec, decode_tiles, rope_scaling=rope_scaling),
-                         functools.partial(tvm_cache.prefill, spec, prefill_tiles, rope_scaling=rope_scaling),
-                         functools.partial(tvm_cache.tree_attention, spec, prefill_tiles, rope_scaling=rope_scaling),
+    rope_freq = switch_rope_freq_func(rope_scaling or {})  # the cache's RoPE frequencies, as TVM's kernels take them
+    return _slot_kernels(functools.partial(tvm_cache.decode, spec, decode_tiles, rope_freq=rope_freq),
+                         functools.partial(tvm_cache.prefill, spec, prefill_tiles, rope_freq=rope_freq),
+                         functools.partial(tvm_cache.tree_attention, spec, prefill_tiles, rope_freq=rope_freq),
                          functools.partial(tvm_cache.merge_state, dtype, vector_lanes(target)),
                          page_size=page_size, sliding_window_size=sliding_window_size)
 

@@ -15,7 +15,7 @@ Modules, from the bottom up:
     infer        -- type inference (FInferType)
     decompose    -- the TE compute of every op (the materialized, always-correct floor)
     ragged       -- the floor of the packed variable-length ops (flash_attn_varlen and its backward)
-    legalize     -- FLegalize: host-side checks, then the floor (or a kernel: emit_kernel)
+    legalize     -- FLegalize: host-side checks, then the floor (the kernels: tvm_fuel.dispatch)
     nn_attention -- what TVM's R.nn.attention means in flash_attn's terms
     registry     -- registers the ops with TVM and the TVMScript parser
 """

@@ -11,9 +11,12 @@ before every kernel alike, so bad input raises instead of reading out of bounds:
 
 Contents:
     LEGALIZE     -- op name -> legalization function ``(bb, call) -> relax.Expr`` (the floor)
-    emit_kernel  -- call a performance-path kernel in place of the floor
     checked_dims -- the run-time check of the dims type inference could not prove equal
     checked_cu_seqlens -- varlen's cu_seqlens validated (CPU targets)
+    checked_context_lens -- paged attention's context_lens validated with its block table (CPU targets)
+    added_function -- a PrimFunc added to the module once (an equal one is reused)
+
+``tvm_fuel.dispatch`` runs the same checks before a kernel (``dispatch.routing.emit_kernel``).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def _on_gpu() -> bool:
     return target is not None and "gpu" in [str(key) for key in target.keys]
 
 
-def _checked_context_lens(bb: relax.BlockBuilder, args: dict) -> relax.Expr:
+def checked_context_lens(bb: relax.BlockBuilder, args: dict) -> relax.Expr:
     """context_lens, validated with the block table first on CPU targets (see module docstring)."""
     lens = args["context_lens"]
     if _on_gpu():  # device kernels cannot assert; there the kernels only clamp
@@ -174,7 +177,7 @@ def _live_len(bb: relax.BlockBuilder, args: dict, lens: relax.Expr) -> tirx.Var:
 
 def _paged_attn(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     a = checked_dims(bb, "paged_attn", SPECS["paged_attn"].split_args(call))
-    lens = _checked_context_lens(bb, a)
+    lens = checked_context_lens(bb, a)
     fn = functools.partial(decompose.paged_attn, cfg=_config("paged_attn", call))
     # live_len through call_te (not the partial): call_te passes the variables it is given to the PrimFunc
     return bb.call_te(fn, a["q"], a["k_cache"], a["v_cache"], a["block_table"], lens, a["alibi_slopes"],
@@ -240,7 +243,7 @@ def checked_cu_seqlens(bb: relax.BlockBuilder, call: relax.Call, args: dict, *, 
                                int(call.attrs["max_seqlen_q"]), int(call.attrs["max_seqlen_k"]),
                                int32_rows and str(cu_q.ty.dtype) != "int32")
     # the forward's and the backward's checks differ in their messages: each keeps its own symbol
-    gvar = _added_function(bb, check, "fuel_flash_attn_varlen_check")
+    gvar = added_function(bb, check, "fuel_flash_attn_varlen_check")
     both = bb.emit(relax.call_tir(gvar, [args["q"], args["k"], cu_q, cu_k], out_ty=[cu_q.ty, cu_q.ty]))
     return {**args, "cu_seqlens_q": bb.emit(relax.TupleGetItem(both, 0)),
             "cu_seqlens_k": bb.emit(relax.TupleGetItem(both, 1))}
@@ -273,29 +276,7 @@ def _flash_attn_varlen_backward(bb: relax.BlockBuilder, call: relax.Call) -> rel
                       primfunc_name_hint=f"fuel_{name}")
 
 
-def emit_kernel(bb: relax.BlockBuilder, name: str, call: relax.Call, func: tvm.tirx.PrimFunc,
-                args: dict | None = None) -> relax.Expr:
-    """Call a performance-path PrimFunc whose parameters are the op's present arguments, in
-    order, followed by its outputs. ``args`` overrides the call's arguments by name."""
-    spec = SPECS[name]
-    args = checked_dims(bb, name, dict(args) if args is not None else spec.split_args(call))
-    if name == "paged_attn":
-        args["context_lens"] = _checked_context_lens(bb, args)
-    if name in ("flash_attn_varlen", "flash_attn_varlen_backward"):
-        # the kernels read FlashAttention's int32 offsets: wider ones pass the check first (CPU
-        # targets: within the packed rows and below 2**31); on GPUs a value that wraps is clamped
-        # by the kernels as any bad offset is
-        args = checked_cu_seqlens(bb, call, args, int32_rows=True)
-        for n in ("cu_seqlens_q", "cu_seqlens_k"):
-            if str(args[n].ty.dtype) != "int32":
-                args[n] = bb.emit(relax.op.astype(args[n], "int32"))
-    inputs = [args[n] for n in spec.required + spec.optional if args[n] is not None]
-    out_ty = list(call.ty.fields) if isinstance(call.ty, tvm.ir.TupleType) else call.ty
-    gvar = _added_function(bb, func, f"fuel_{name}_kernel")
-    return relax.call_tir(gvar, inputs, out_ty=out_ty)
-
-
-def _added_function(bb: relax.BlockBuilder, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+def added_function(bb: relax.BlockBuilder, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
     """The global var of ``func`` (a kernel or a host check) in the module: the one of an equal
     function added before (a model's layers call one kernel, compiled once), else a new one named
     from ``name``. Its symbol is the global var's name (two instances of one template would

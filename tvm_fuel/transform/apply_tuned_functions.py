@@ -14,11 +14,11 @@ from .common import unscheduled
 @tvm.transform.module_pass(opt_level=0, name="tvm_fuel.ApplyTunedFunctions")
 class ApplyTunedFunctions:
     """Each unscheduled TIR function with a MetaSchedule record in ``roots`` (their ``model``
-    folders, see ``tvm_fuel.tuning.records``) takes the record's schedule, as ``MetaScheduleApplyDatabase``
+    folders, see ``tvm_fuel.dispatch.records``) takes the record's schedule, as ``MetaScheduleApplyDatabase``
     does, and says so: attribute ``fuel.record`` = the log it came from."""
 
     def __init__(self, target: Any, roots: list):
-        from ..tuning.records import FunctionRecords
+        from ..dispatch.records import FunctionRecords
 
         self.target, self.records = as_target(target), FunctionRecords(roots)
 

@@ -99,8 +99,8 @@ class LegalizeFuel:
             from ..op.legalize import LEGALIZE
 
             return {SPECS[name].op_name: rule for name, rule in LEGALIZE.items()}
-        from ..schedules import tuned_legalize_map
-        from ..tuning.records import TuningRecords, log_roots
+        from ..dispatch.records import TuningRecords, log_roots
+        from ..dispatch.routing import tuned_legalize_map
 
         return tuned_legalize_map(target, TuningRecords(log_roots(self.database, self.shipped_logs)))
 

@@ -8,45 +8,21 @@ makes the public function a dispatcher: a call whose dims equal a point's runs t
 other call the symbolic one, so results never depend on which ran.
 
 Contents:
-    ShapePoint  -- a function name and values of its symbolic dims
+    ShapePoint  -- a function name and values of its symbolic dims (``dispatch.shape_points``)
     specialize  -- the module with a static copy per point and a run-time dispatch
     symbolic_dims -- the names of a function's symbolic dims
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-
-@dataclass(frozen=True)
-class ShapePoint:
-    """``function`` (a Relax function's name) with its symbolic dims ``dims`` (name -> value)."""
-
-    function: str
-    dims: Mapping[str, int] = field(default_factory=dict)
-
-    def __post_init__(self):
-        for name, value in self.dims.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"tvm_fuel.specialize: dim {name} of {self.function} must be a positive int, "
-                                 f"got {value!r}")
-
-    def suffix(self) -> str:
-        return "__at_" + "_".join(f"{re.sub(r'[^0-9A-Za-z]', '', k)}{v}" for k, v in sorted(self.dims.items()))
-
-    def to_json(self) -> dict:
-        return {"function": self.function, "dims": dict(self.dims)}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ShapePoint":
-        return cls(str(data["function"]), {str(k): int(v) for k, v in dict(data["dims"]).items()})
+from ..dispatch.shape_points import ShapePoint
 
 
 def symbolic_dims(func: relax.Function) -> dict[str, tvm.tirx.Var]:

@@ -21,7 +21,7 @@ class SpecializeAtTunedShapes:
     the logs were not tuned for is built as it is."""
 
     def __init__(self, target: Any, roots: list, lower: tvm.transform.Pass):
-        from ..tuning.records import FunctionRecords
+        from ..dispatch.records import FunctionRecords
 
         self.target, self.records, self.lower = as_target(target), FunctionRecords(roots), lower
 

@@ -12,7 +12,7 @@ Contents:
 
 import importlib
 
-from .records import TuningLogWarning, TuningRecords, shipped_logs, target_key
+from ..dispatch.records import TuningLogWarning, TuningRecords, shipped_logs, target_key
 
 # imported on first use: every build reads ``records``, while ``kernels`` loads MetaSchedule (which
 # ``import tvm_fuel`` should not pay for) and ``report`` builds

@@ -102,7 +102,7 @@ def bucket_module(op: str, bucket: dict) -> tvm.IRModule:
 
 def benchmark_buckets(op: str) -> list[dict]:
     """The shapes ``python -m tvm_fuel bench`` runs for ``op``."""
-    from ..bench.cases import default_suite
+    from ..testing.cases import default_suite
 
     flash, paged = default_suite()
     if op == "paged_attn":

@@ -42,12 +42,13 @@ from tvm.s_tir import meta_schedule as ms
 from ..target import as_target
 from ..op.config import as_int
 from ..op import SPECS
-from ..schedules import kernel_call, rule_for
+from ..dispatch.routing import route
+from ..schedules import rule_for
 from ..schedules.workload import Workload
 from . import measure
 from .buckets import TUNABLE_OPS
-from .records import kernel_family, knobs_of, replay, target_key
-from .log_database import LogDatabase
+from ..dispatch.records import kernel_family, knobs_of, replay, target_key
+from ..dispatch.log_database import LogDatabase
 from .space import KnobFeatures, fixed_point, space_generator, workload_module
 
 _OP_NAMES = {spec.op_name: name for name, spec in SPECS.items()}
@@ -113,7 +114,7 @@ class TaskResult:
 def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str] | None = None) -> list[Workload]:
     """The distinct static workloads of the fuel calls of ``mod`` served by a tunable kernel on
     ``target`` (the norm backward kernels' knobs are hand-picked: memory-bound, one pass); a call
-    with sinks: the sink-free kernel's that serves it (``schedules.kernel_call``)."""
+    with sinks: the sink-free kernel's that serves it (``dispatch.routing.route``)."""
     wanted = set(ops) if ops is not None else None
     found: list[Workload] = []
 
@@ -123,9 +124,9 @@ def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str
         name = _OP_NAMES[expr.op.name]
         if wanted is not None and kernel_family(name) not in wanted:
             return
-        rule = rule_for(name, target)
-        workload = rule.workload(kernel_call(name, expr), target) if rule is not None else None
-        if workload is not None and rule.tunable and workload.is_static and workload not in found:
+        found_route = route(name, expr, target)
+        workload = found_route.workload
+        if found_route.rule is not None and found_route.rule.tunable and workload.is_static and workload not in found:
             found.append(workload)
 
     for _, func in mod.functions.items():
@@ -135,7 +136,7 @@ def workloads_of(mod: tvm.IRModule, target: tvm.target.Target, ops: Iterable[str
 
 
 def _rate(workload: Workload, seconds: float) -> str:
-    from ..bench.cases import attention_flops, kv_bytes
+    from ..testing.cases import attention_flops, kv_bytes
 
     spec, dims = workload.spec, workload.dim
     if workload.op == "paged_attn":  # measured with every table full (see measure._arrays)
@@ -290,7 +291,7 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
     if (rpc_tracker is None) != (rpc_key is None):
         raise ValueError("tvm_fuel.tune: rpc_tracker and rpc_key go together")
     if target.kind.name == "cuda" and rpc_tracker is None:
-        from ..deploy.nvcc import has_gpu
+        from ..target import has_gpu
 
         if not has_gpu():
             raise ValueError("tvm_fuel.tune: measuring cuda kernels needs a CUDA device on this machine, or "

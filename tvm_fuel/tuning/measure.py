@@ -26,7 +26,7 @@ import numpy as np
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from ..deploy.node.arrays import make_arrays
+from ..testing.arrays import make_arrays
 
 EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=False)
 
@@ -34,7 +34,7 @@ EVALUATOR = dict(number=1, repeat=3, min_repeat_ms=40, enable_cpu_cache_flush=Fa
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
     """The kernel of a scheduled tuning module (its knob annotations), compiled for ``target``."""
     from ..schedules import rule_for
-    from .records import knobs_of
+    from ..dispatch.records import knobs_of
 
     workload, knobs = knobs_of(mod)
     rule = rule_for(workload.op, target)
@@ -46,7 +46,7 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) 
 
 def input_specs(params) -> list[dict]:
     """How to fill a fuel kernel's parameters with valid values, from their (dtype, shape) in
-    order (``deploy.node.arrays`` fills): a paged kernel gets a block table of block ids below the
+    order (``testing.arrays`` fills): a paged kernel gets a block table of block ids below the
     cache's count and full context lengths, an lse is finite (about log Sk), masks mostly keep,
     floats are normal. The shapes tell the parameters apart: MetaSchedule's runners know no names."""
     params = [(str(dtype), [int(n) for n in shape]) for dtype, shape in params]

@@ -42,8 +42,8 @@ from ..transform.legalize_fuel import LegalizeFuel
 from ..target import as_target
 from ..transform.legalize_and_fuse import fuse
 from ..transform.common import unscheduled
-from .records import MODEL_FOLDER, target_key, write_points
-from .log_database import LogDatabase
+from ..dispatch.records import MODEL_FOLDER, target_key, write_points
+from ..dispatch.log_database import LogDatabase
 from ..transform.specialize import ShapePoint, specialize
 from . import measure
 from .kernels import TaskResult, check_writable_dir, commit_record, default_work_dir, tune, workloads_of

@@ -15,7 +15,7 @@ from ..transform.legalize_fuel import LegalizeFuel
 from ..transform.specialize_at_tuned_shapes import SpecializeAtTunedShapes
 from ..target import as_target
 from ..transform.legalize_and_fuse import fuse
-from .records import log_roots
+from ..dispatch.records import log_roots
 from ..transform.common import unscheduled
 
 TIR_FUNCTION = "tir function"  # the workload column of a model's other functions

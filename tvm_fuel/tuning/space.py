@@ -17,7 +17,7 @@ the space brings its own: ``KnobMutator`` re-samples one knob of a trace (evolut
 Contents:
     workload_module  -- IRModule of a workload's tuning task
     design_space     -- the ScheduleFn: one sample_categorical per knob
-    knobs_of         -- (Workload, knobs) read back from a scheduled module (from tvm_fuel.tuning.records)
+    knobs_of         -- (Workload, knobs) read back from a scheduled module (from tvm_fuel.dispatch.records)
     space_generator  -- ScheduleFn with the mutator and postproc above
     KnobMutator, ValidKnobs, KnobFeatures
 """
@@ -36,7 +36,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import rule_for
 from ..schedules.cpu.tiles import cores
-from .records import BLOCK, KNOB_PREFIX, SPACE_KEY, VERIFIED_KEY, WORKLOAD_KEY, knobs_of
+from ..dispatch.records import BLOCK, KNOB_PREFIX, SPACE_KEY, VERIFIED_KEY, WORKLOAD_KEY, knobs_of
 from ..schedules.workload import Workload
 
 # the features the cost model sees, in this order (absent knobs count as 1)

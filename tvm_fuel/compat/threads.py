@@ -1,27 +1,35 @@
 """TVM's CPU thread pool: one worker per physical core unless the user says otherwise.
 
-TVM's runtime (0.27, ``threading_backend.cc``) sizes its pool, when it first starts, from
-``TVM_NUM_THREADS`` if it is set (even empty), else ``OMP_NUM_THREADS``, read with C's
-``atoi``, and at least 1; without either it takes half of ``hardware_concurrency()`` on x86-64,
-assuming two hyper-threads per core. The pool then runs no more threads than there are CPUs at
-the machine's top ``cpuinfo_max_freq`` (every CPU where the frequencies are equal or unknown).
-So ``abc``, ``0``, ``-1`` or an empty value run 1 thread, and an empty ``TVM_NUM_THREADS`` hides
-``OMP_NUM_THREADS``. On a machine with one thread per core the default halves the cores every
-kernel runs on (2 cores: 1 thread). TVM also binds the launching thread to CPU 0 on the first
-parallel launch, and a PyTorch pool created afterwards inherits that one-core mask.
+Applies to: TVM 0.27.0. Works around: ``src/runtime/threading_backend.cc``: ``MaxConcurrency``
+(the pool's size), ``ThreadGroup::Impl::InitSortedOrder`` (the CPUs at the top frequency) and
+``ThreadGroup::Impl::SetAffinity`` (``TVM_BIND_THREADS``), read when ``thread_pool.cc``'s
+``ThreadPool`` first starts.
 
-``configure`` runs when tvm_fuel is imported (before any kernel can start the pool): where the
-user set neither variable it sets ``TVM_NUM_THREADS`` to the physical core count, and where
-``TVM_BIND_THREADS`` is unset it turns binding off. A user's own setting always wins; one TVM
-would not run as written (not a positive integer) gets a warning, once, and one asking for more
-threads than the pool runs is lowered to what runs (a worker is started per thread asked for:
-a huge value exhausts the memory), with a warning. Import tvm_fuel before running any TVM kernel
-in the process: a pool already started keeps its size.
+TVM's runtime sizes its pool, when it first starts, from ``TVM_NUM_THREADS`` if it is set (even
+empty), else ``OMP_NUM_THREADS``, read with C's ``atoi``, and at least 1; without either it
+takes half of ``hardware_concurrency()`` on x86-64, assuming two hyper-threads per core. The
+pool then runs no more threads than there are CPUs at the machine's top ``cpuinfo_max_freq``
+(every CPU where the frequencies are equal or unknown). So ``abc``, ``0``, ``-1`` or an empty
+value run 1 thread, and an empty ``TVM_NUM_THREADS`` hides ``OMP_NUM_THREADS``. On a machine
+with one thread per core the default halves the cores every kernel runs on (2 cores: 1
+thread). TVM also binds the launching thread to CPU 0 on the first parallel launch, and a
+PyTorch pool created afterwards inherits that one-core mask.
+
+``install`` (``configure`` on the process's environment) runs when tvm_fuel is imported
+(``tvm_fuel.compat.install``, before any kernel can start the pool): where the user set neither
+variable it sets ``TVM_NUM_THREADS`` to the physical core count, and where ``TVM_BIND_THREADS``
+is unset it turns binding off. A user's own setting always wins; one TVM would not run as
+written (not a positive integer) gets a warning, once, and one asking for more threads than the
+pool runs is lowered to what runs (a worker is started per thread asked for: a huge value
+exhausts the memory), with a warning. Import tvm_fuel before running any TVM kernel in the
+process: a pool already started keeps its size.
 
 Contents:
     physical_cores -- cores of this machine (not hyper-threads)
     thread_count   -- the threads TVM's pool runs, computed as TVM computes them
     configure      -- the import-time setting (returns what it set)
+    install        -- ``configure`` on ``os.environ`` (idempotent: a second call sets nothing)
+    USER_VARIABLES -- the variables a user sizes the pool with, in TVM's order
 """
 
 from __future__ import annotations
@@ -142,4 +150,10 @@ def configure(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     return chosen
 
 
-__all__ = ["physical_cores", "thread_count", "configure", "USER_VARIABLES"]
+def install() -> dict[str, str]:
+    """``configure`` the process's environment (what ``import tvm_fuel`` runs first); returns what it
+    set, nothing on a second call (the first call's settings are then the user's)."""
+    return configure(os.environ)
+
+
+__all__ = ["physical_cores", "thread_count", "configure", "install", "USER_VARIABLES"]

@@ -1,7 +1,14 @@
 """TVMScript's parser entries and macro expansion at the cost of a frame walk (the kernels are written
 with ``T.prim_func`` and ``T.macro``).
 
-TVM 0.27's ``ScriptMacro._find_parser_def`` finds the active parser with
+Applies to: TVM 0.27.0. Works around: ``python/tvm/script/parser/core/parser.py``
+``ScriptMacro._find_parser_def`` (``inspect.getouterframes``), and the ``inspect.stack()`` of the
+parser's entries: ``python/tvm/tirx/script/parser/entry.py`` ``prim_func``,
+``python/tvm/script/parser/ir/entry.py`` ``ir_module``, ``python/tvm/relax/script/parser/entry.py``
+``function``. Each replacement checks it finds the code it replaces, and leaves a TVM that differs
+untouched.
+
+TVM's ``ScriptMacro._find_parser_def`` finds the active parser with
 ``inspect.getouterframes``, which reads every outer frame's source line and, for each, scans
 ``sys.modules`` for the frame's module. With PyTorch and transformers imported (thousands of
 modules) that is ~0.35 s per macro call: 15 of the 17 s it took to build one CUDA forward kernel,
@@ -17,7 +24,11 @@ during an import) scans all of ``sys.modules`` every time: importing
 frames, names, line numbers and source lines (``linecache``'s, as ``inspect`` reads them) without
 the module lookups.
 
+``install`` applies both when tvm_fuel is imported (``tvm_fuel.compat.install``), before any
+kernel is parsed.
+
 Contents:
+    install           -- both replacements below (idempotent)
     fast_macro_lookup -- install the frame walk (idempotent; leaves an unfamiliar TVM untouched)
     tvms_lookup       -- TVM's own lookup as it was (None until replaced)
     fast_entry_stacks -- give the parser's entries ``cheap_stack`` (idempotent)
@@ -110,3 +121,12 @@ def fast_entry_stacks() -> list[str]:
         if isinstance(getattr(module, "inspect", None), _InspectWithCheapStack):
             patched.append(name)
     return patched
+
+
+def install() -> dict[str, object]:
+    """Both replacements (idempotent): whether the macro lookup is the frame walk, and the parser's
+    entry modules using ``cheap_stack``."""
+    return {"macro_lookup": fast_macro_lookup(), "entry_stacks": fast_entry_stacks()}
+
+
+__all__ = ["install", "fast_macro_lookup", "fast_entry_stacks", "cheap_stack"]  # (tvms_lookup: read as an attribute)

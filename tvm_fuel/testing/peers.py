@@ -1,7 +1,8 @@
 """PyTorch's side of a comparison: SDPA forward and backward, and vLLM-style paged decode.
 
-Used by the node's check and bench stages and by ``python -m tvm_fuel bench``. Every function
-takes the ``torch`` module and torch tensors (any device) and returns a function to run or time.
+Used by the node's check and bench stages (a copy in the bundle's ``fuel_node/``) and by
+``python -m tvm_fuel bench``. Every function takes the ``torch`` module and torch tensors (any
+device) and returns a function to run or time.
 
 Contents:
     sdpa_forward, sdpa_backward, paged_gather_sdpa

@@ -1,7 +1,7 @@
 """The benchmark's shapes and the work each one does (FlashAttention's FLOP count, K/V bytes read).
 
-Shared by ``python -m tvm_fuel bench`` (CPU), the deploy bundle's bench and tune stages (CUDA)
-and the tuner's progress lines; no TVM needed.
+Shared by ``python -m tvm_fuel bench`` (CPU), the deploy bundle's bench and tune stages (CUDA),
+the tuner's buckets and progress lines; no TVM needed.
 
 Contents:
     attention_flops, kv_bytes -- the work of a case

@@ -42,11 +42,12 @@ Contents:
     kernel_family    -- the log folder of an op
     shipped_logs     -- the package's tuning_logs directory
     TuningRecords    -- records of some log roots; ``lookup(workload, target)`` -> ``KnobMatch``
+    KnobMatch        -- what a lookup found: knobs, their log file, the workload they were tuned at
     replay           -- workload, knobs and time of one MetaSchedule record
     FunctionRecords  -- the ``model`` records of some log roots: ``query(func, target)``, ``points``
     write_points     -- add shape points to a ``model`` folder
     LogDatabase      -- a MetaSchedule database over one log folder: bad lines skipped, lines written whole
-                        (``tuning.log_database``, re-exported)
+                        (``dispatch.log_database``, re-exported)
     TuningLogWarning
     knobs_of, verification_of -- a record's workload and knobs, read from its scheduled module
 """
@@ -60,14 +61,15 @@ import statistics
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import tvm
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from ..diagnostics import TuningLogWarning
-from ..schedules import KnobMatch, rule_for
+from .shape_points import ShapePoint
+from ..schedules import rule_for
 from ..schedules.workload import Workload
 from .log_database import (RECORD_FILE, SHOWN_PER_FILE, WORKLOAD_FILE, describe_error, is_int, memory_database,
                            read_folder)
@@ -144,6 +146,18 @@ def shipped_logs() -> Path:
     from .. import tuning_logs
 
     return Path(tuning_logs.__file__).parent
+
+
+@dataclass(frozen=True)
+class KnobMatch:
+    """What a knob lookup found: the knobs, where they came from (a log file) and the workload
+    they were tuned at (None: unknown). ``exact``: tuned at the call's own dims, not a bucket
+    neighbour's."""
+
+    knobs: Mapping[str, int]
+    source: str
+    tuned: Workload | None = None
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -361,9 +375,7 @@ def _fastest_latest(records: list[Record]) -> Record:
 
 
 def write_points(folder: Path, points) -> None:
-    """Add ``points`` (``specialize.ShapePoint``) to ``folder``'s points file (kept sorted, no repeats)."""
-    from ..transform.specialize import ShapePoint
-
+    """Add ``points`` (``ShapePoint``) to ``folder``'s points file (kept sorted, no repeats)."""
     path = Path(folder) / POINTS_FILE
     known = {json.dumps(p.to_json(), sort_keys=True) for p in _read_points(path)}
     known |= {json.dumps(ShapePoint.to_json(p), sort_keys=True) for p in points}
@@ -371,8 +383,6 @@ def write_points(folder: Path, points) -> None:
 
 
 def _read_points(path: Path) -> list:
-    from ..transform.specialize import ShapePoint
-
     if not path.exists():
         return []
     try:

@@ -1,4 +1,5 @@
-"""A case's inputs from its spec: the same arrays wherever they are made (seeded numpy, no TVM).
+"""A case's inputs from its spec: the same arrays wherever they are made (seeded numpy, no TVM):
+here (the tuner's measurements, the tests) and on a node (a copy in the bundle's ``fuel_node/``).
 
 A bundle stores no data: each input is ``{"name", "shape", "dtype", "fill", ...}`` and a case
 has a ``seed``. Fills: ``normal`` (standard normal times ``scale``), ``keep`` (a bool mask,

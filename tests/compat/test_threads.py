@@ -1,5 +1,6 @@
-"""TVM's CPU thread pool as tvm_fuel sets it up: every physical core unless the user chose,
-and the caller's CPU affinity left whole (a PyTorch pool created afterwards gets every core)."""
+"""TVM's CPU thread pool as tvm_fuel sets it up (``tvm_fuel.compat.threads``): every physical core
+unless the user chose, and the caller's CPU affinity left whole (a PyTorch pool created afterwards
+gets every core)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from tvm_fuel import threads
+from tvm_fuel.compat import threads
 
 pytestmark = pytest.mark.unit
 
@@ -19,7 +20,7 @@ import json, os, warnings
 import numpy as np
 warnings.simplefilter("always")  # each warning tvm_fuel gives is seen (and counted), not deduplicated
 import tvm_fuel, tvm
-from tvm_fuel import threads
+from tvm_fuel.compat import threads
 from tvm.script import tirx as T
 
 @T.prim_func

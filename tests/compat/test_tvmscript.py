@@ -1,4 +1,4 @@
-"""The TVMScript macro lookup the kernels are parsed with (``tvm_fuel.schedules.script``)."""
+"""The TVMScript macro lookup and parser entries the kernels are parsed with (``tvm_fuel.compat.tvmscript``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.parser.core.parser import ScriptMacro
 
-from tvm_fuel.schedules import script
+from tvm_fuel.compat import tvmscript
 
 pytestmark = pytest.mark.unit
 
@@ -37,13 +37,13 @@ def _parse():
 def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
     """Nested macros give the same PrimFunc through TVM's own lookup and the frame walk, and the
     walk never builds frame info (what made each macro call cost ~0.35 s with PyTorch imported)."""
-    assert script.fast_macro_lookup()
-    assert ScriptMacro._find_parser_def is script._find_parser_def  # noqa: SLF001
+    assert tvmscript.fast_macro_lookup()
+    assert ScriptMacro._find_parser_def is tvmscript._find_parser_def  # noqa: SLF001
     lookups, frame_reads = [], []
 
     def spied_lookup(self):
         lookups.append(True)
-        return script._find_parser_def(self)  # noqa: SLF001
+        return tvmscript._find_parser_def(self)  # noqa: SLF001
 
     real = inspect.getouterframes
     monkeypatch.setattr(ScriptMacro, "_find_parser_def", spied_lookup)
@@ -57,7 +57,7 @@ def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
     from tvm.script.parser.core import parser as core
 
     frame_reads.clear()
-    monkeypatch.setattr(core.ScriptMacro, "_find_parser_def", script.tvms_lookup)
+    monkeypatch.setattr(core.ScriptMacro, "_find_parser_def", tvmscript.tvms_lookup)
     by_tvm = _parse()
     assert len(frame_reads) == reads_outside_lookups + 3  # and one per macro call
     tvm.ir.assert_structural_equal(walked, by_tvm)
@@ -65,11 +65,11 @@ def test_the_frame_walk_parses_as_tvms_lookup_does(monkeypatch):
 
 def test_no_parser_outside_a_prim_func_is_an_error():
     with pytest.raises(RuntimeError, match="not available"):
-        script._find_parser_def(None)  # noqa: SLF001
+        tvmscript._find_parser_def(None)  # noqa: SLF001
 
 
 def _both_stacks():
-    return script.cheap_stack(), inspect.stack()  # one line: both see the same frames at the same lines
+    return tvmscript.cheap_stack(), inspect.stack()  # one line: both see the same frames at the same lines
 
 
 def test_the_cheap_stack_reads_what_inspects_does():
@@ -91,13 +91,14 @@ def test_the_cheap_stack_reads_a_changed_file_anew(tmp_path):
     import importlib.util
 
     path = tmp_path / "edited_module.py"
-    path.write_text("from tvm_fuel.schedules import script\ndef where():\n    return script.cheap_stack()  # old\n")
+    header = "from tvm_fuel.compat import tvmscript\ndef where():\n"
+    path.write_text(header + "    return tvmscript.cheap_stack()  # old\n")
     spec = importlib.util.spec_from_file_location("edited_module", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.where()[0].code_context == ["    return script.cheap_stack()  # old\n"]
-    path.write_text("from tvm_fuel.schedules import script\ndef where():\n    return script.cheap_stack()  # edited!\n")
-    new_line = ["    return script.cheap_stack()  # edited!\n"]
+    assert module.where()[0].code_context == ["    return tvmscript.cheap_stack()  # old\n"]
+    path.write_text(header + "    return tvmscript.cheap_stack()  # edited!\n")
+    new_line = ["    return tvmscript.cheap_stack()  # edited!\n"]
     assert module.where()[0].code_context == new_line == inspect.getframeinfo(module.where()[0].frame).code_context
 
 
@@ -106,8 +107,8 @@ def test_parser_entries_parse_as_before_without_module_lookups(monkeypatch):
     each outer frame's module (what cost 35-130 s importing tvm.s_tir.tensor_intrin in a test)."""
     from tvm.tirx.script.parser import entry
 
-    assert "tvm.tirx.script.parser.entry" in script.fast_entry_stacks()
-    assert isinstance(entry.inspect, script._InspectWithCheapStack)  # noqa: SLF001
+    assert "tvm.tirx.script.parser.entry" in tvmscript.fast_entry_stacks()
+    assert isinstance(entry.inspect, tvmscript._InspectWithCheapStack)  # noqa: SLF001
     lookups = []
     real = inspect.getmodule
     monkeypatch.setattr(inspect, "getmodule", lambda *a, **k: lookups.append(a) or real(*a, **k))
