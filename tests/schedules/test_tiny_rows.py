@@ -25,6 +25,7 @@ from tvm_fuel import op, reference
 from tvm_fuel.schedules.cpu.rules import SHORT_KEYS
 from tvm_fuel.schedules.cpu.tiles import STREAMING_ROWS
 
+from covering import pairwise
 from helpers import HOST, Runner, applied_knobs, assert_close, build, dense_inputs
 
 pytestmark = pytest.mark.numerics
@@ -42,13 +43,19 @@ def _packs_keys(func: tvm.tirx.PrimFunc) -> bool:
     return "k_tiles" in func.script()
 
 
-@pytest.mark.parametrize("heads", [(8, 8), (6, 2), (7, 1)], ids=lambda h: f"Hq{h[0]}Hkv{h[1]}")
-@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (1, 97), (2, 17), (1, 130), (16, 16), (13, 9)])
-@pytest.mark.parametrize("option", ["plain", "causal", "window", "key_mask", "lse"])
-def test_decode_shaped_dense_forward_streams_and_matches_reference(heads, sq, sk, option):
-    hq, hkv = heads
-    if sq * (hq // hkv) > STREAMING_ROWS and (sq * (hq // hkv) > 2 * STREAMING_ROWS or sk > SHORT_KEYS):
-        pytest.skip("more rows than a decode-shaped call streams")
+def _streamed(heads, shape, option) -> bool:
+    """Whether a call of ``heads`` and ``shape`` (sq, sk) is decode-shaped (few enough rows to stream)."""
+    rows = shape[0] * (heads[0] // heads[1])
+    return rows <= STREAMING_ROWS or (rows <= 2 * STREAMING_ROWS and shape[1] <= SHORT_KEYS)
+
+
+# each pair of a GQA group, a shape and an option that a decode-shaped call can hold (each case
+# builds its own kernel; the full product is 105 cases, 15 of them not decode-shaped)
+@pytest.mark.parametrize("heads,shape,option", pairwise(
+    [(8, 8), (6, 2), (7, 1)], [(1, 1), (1, 17), (1, 97), (2, 17), (1, 130), (16, 16), (13, 9)],
+    ["plain", "causal", "window", "key_mask", "lse"], valid=_streamed))
+def test_decode_shaped_dense_forward_streams_and_matches_reference(heads, shape, option):
+    (hq, hkv), (sq, sk) = heads, shape
     rng = np.random.default_rng(sq * 1000 + sk)
     inputs = dense_inputs(rng, 3, hq, hkv, sq, sk, 40)
     kwargs = dict(causal=option == "causal", window_size=(8, 0) if option == "window" else (-1, -1),
