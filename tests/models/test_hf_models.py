@@ -113,6 +113,12 @@ FLOOR_CASES = {("llama", "sdpa", "padded"), ("mistral", "eager", "ids"), ("gemma
 assert FLOOR_CASES <= set(CASES)
 
 
+def _case_param(case, *more):
+    """A case as a parameter: a quick run (-m "not slow") takes the floor's cases, one of each kind of
+    fused attention (~4 s a case and path to export and build); the whole suite takes every case."""
+    return pytest.param(case, *more, marks=() if case in FLOOR_CASES else pytest.mark.slow)
+
+
 def _with_sinks(model):
     """``model`` with its attention sinks drawn from N(0, 1): its own init (std 0.02) leaves them near 0."""
     with torch.no_grad():
@@ -138,7 +144,7 @@ def _export(name: str, impl: str, inputs: str) -> dict:
     return dict(name=name, batch=batch, inputs=inputs, mod=mod, args=args, logits=logits)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+@pytest.fixture(scope="module", params=[_case_param(case) for case in CASES], ids=_case_id)
 def exported(request):
     return _export(*request.param)
 
@@ -191,7 +197,7 @@ def test_every_layer_is_one_flash_attn_with_the_models_options(exported):
                 assert str(mask.ty.dtype) == "bool" and int(np.prod(dims)) <= exported["batch"] * SEQ
 
 
-@pytest.mark.parametrize("case, kernels", [(case, kernels) for case in CASES for kernels in KERNELS
+@pytest.mark.parametrize("case, kernels", [_case_param(case, kernels) for case in CASES for kernels in KERNELS
                                             if kernels == "tuned" or case in FLOOR_CASES],
                          ids=lambda v: _case_id(v) if isinstance(v, tuple) else v)
 def test_logits_match_torch_on_every_row(case, kernels):

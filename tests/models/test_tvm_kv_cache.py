@@ -56,7 +56,10 @@ class Counted:
         return self.kernel(*args)
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
+# a quick run (-m "not slow") takes the scenarios on the first config; the others build their kernels
+# (TVM's and fuel's, ~60 s a config on 2 cores) in the whole suite
+@pytest.fixture(scope="module", params=[CONFIGS[0], *(pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS[1:])],
+                ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
 def slots(request):
     """(config, TVM's slots, fuel's slots with TVM_SLOTS counted)."""
     hq, hkv, d, dtype = request.param
@@ -436,6 +439,7 @@ def _nn_model(hq: int, hkv: int, d: int, dtype: str, **cache_options):
     return mod
 
 
+@pytest.mark.slow  # builds a model (relax.frontend.nn over the runtime cache): ~50 s
 def test_fuel_paged_kv_cache_in_a_relax_nn_model():
     """FuelPagedKVCache in place of TIRPagedKVCache in a relax.frontend.nn module: the creation
     call passes fuel's kernels for every attention slot (TVM_SLOTS), and the built model's attention over
@@ -504,6 +508,7 @@ def test_fuel_paged_kv_cache_refuses_what_its_kernels_do_not_serve(option, value
 WINDOW = 24  # the sliding-window kernels' window in the direct slot tests (rows drop keys)
 
 
+@pytest.mark.slow  # ~60 s a config: TVM's own slot kernels built beside fuel's
 @pytest.mark.parametrize("config", [(6, 2, 40, "float32"), (3, 3, 96, "float16"), (7, 1, 256, "float16")],
                          ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
 def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
@@ -531,7 +536,9 @@ def _compare_slots(config, ours: dict, theirs: dict, rotary_modes):
     assert not failed, failed
 
 
-@pytest.fixture(scope="module", params=["float16", "float32"])
+# the CUDA kernels' emulation is slow wherever it runs (tests/conftest.py)
+@pytest.fixture(scope="module", params=[pytest.param(dtype, marks=pytest.mark.slow) for dtype in ("float16",
+                                                                                                  "float32")])
 def emulated_cuda(request):
     """fuel's CUDA kernels for every attention slot, built as their llvm emulation (one thread per
     block, serial blocks): (config, slot -> function). float16 runs the register tiles, float32
@@ -572,6 +579,7 @@ def test_cuda_slots_emulated_in_the_runtime_cache(emulated_cuda):
                                                 "prefill_with_tree_mask"))
 
 
+@pytest.mark.slow  # nvcc builds
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc is not installed")
 @pytest.mark.parametrize("dtype, arch", [("float16", "sm_90"), ("float32", "sm_80")])
 def test_cuda_slots_compile_with_nvcc(dtype, arch):
