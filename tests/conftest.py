@@ -8,6 +8,10 @@ reference on every path) or ``integration`` (Relax passes, models, tuning, CLI, 
 that tune or build bundles or models, the CUDA kernels' nvcc builds). A module without exactly one
 tier stops the collection. The CUDA kernels' llvm emulation (the ``cuda-emulated`` parameter of
 the ``kernels`` fixture) is slow wherever it runs; ``gpu`` needs a device.
+
+The quick run takes each ``numerics`` test function once per path (its first parameter case on the
+floor, on the kernels): every check runs on every path; the whole suite runs every case
+(``quick_cases``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda-emulated" in item.nodeid:
             item.add_marker(pytest.mark.slow)
+    for item in set(items) - quick_cases(items):
+        item.add_marker(pytest.mark.slow)
     if not config.getoption("full_emulation"):
         dropped = _beyond_each_choice([item for item in items if "cuda-emulated" in item.nodeid])
         if dropped:
@@ -47,6 +53,27 @@ def pytest_addoption(parser):
     parser.addoption("--full-emulation", action="store_true", default=False,
                      help="run every parameter combination of the CUDA kernels' llvm emulation (default: each "
                           "parameter value of a test at least once on it)")
+
+
+def quick_cases(items) -> set:
+    """The items a quick run keeps: every item of a ``unit`` or ``integration`` module, and of each
+    ``numerics`` test function the first case (collection order) on each path (the ``kernels``
+    parameter: floor, kernels), so every numeric check runs on every path at least once. Numeric
+    cases are ~1.5 s each (a module legalized, compiled and JIT-linked): the whole matrix, run by
+    the whole suite, took 34 of a quick run's 37 worker-minutes."""
+    kept, seen = set(), set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module_tier(module) != "numerics":
+            kept.add(item)
+            continue
+        callspec = getattr(item, "callspec", None)
+        path = None if callspec is None else repr(callspec.params.get("kernels"))
+        key = (module.__name__, getattr(item, "originalname", item.name), path)
+        if key not in seen:
+            seen.add(key)
+            kept.add(item)
+    return kept
 
 
 def _beyond_each_choice(items) -> set:

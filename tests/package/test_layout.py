@@ -231,3 +231,26 @@ def test_the_kernels_read_no_relax():
              if module == "tvm.relax" or module.startswith("tvm.relax.")
              or (isinstance(node, ast.ImportFrom) and module == "tvm" and "relax" in [a.name for a in node.names])]
     assert relax == []
+
+
+def test_the_quick_run_takes_each_numeric_check_once_per_path(tmp_path):
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_numbers.py").write_text(
+        "import pytest\npytestmark = pytest.mark.numerics\n\n"
+        "@pytest.mark.parametrize('x', [1, 2, 3])\ndef test_a(x, kernels):\n    pass\n\n"
+        "def test_b():\n    pass\n")
+    (tmp_path / "test_checks.py").write_text(
+        "import pytest\npytestmark = pytest.mark.unit\n\n"
+        "@pytest.mark.parametrize('x', [1, 2])\ndef test_c(x):\n    pass\n")
+
+    def collected(*flags):
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                              *flags, "."], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return sorted(line for line in run.stdout.splitlines() if "::" in line)
+
+    quick = collected("-m", "not slow")
+    assert quick == sorted(["test_checks.py::test_c[1]", "test_checks.py::test_c[2]", "test_numbers.py::test_b",
+                            "test_numbers.py::test_a[decomposed-1]", "test_numbers.py::test_a[tuned-1]"]), quick
+    whole = collected()  # every case on the floor and the kernels, each value once on the emulation
+    assert len(whole) == 2 + 1 + 3 + 3 + 3, whole
