@@ -332,6 +332,7 @@ def windowed_slots():
     return config, theirs, {slot: Counted(ours[slot]) for slot in TVM_SLOTS}
 
 
+@pytest.mark.slow  # its own slots (TVM's and fuel's, a window of 24): ~50 s to build
 def test_per_layer_sliding_windows(windowed_slots):
     """Layers of kind "mha_sliding" (a window of 24 on every sequence, Gemma's and Mistral's way)
     beside "mha" ones: fuel's kernels against TVM's, step by step. Where a new token's window
@@ -375,6 +376,7 @@ def slots_of_8():
 
 # test_sliding_window_fork is left out: at pages of 8 its forks leave sequence 6 three blocks deep, and TVM
 # 0.27's runtime describes its slid window to the kernels so that TVM's own kernels miss the reference too
+@pytest.mark.slow  # its own slots at pages of 8: ~50 s to build
 @pytest.mark.parametrize("scenario", [
     test_prefill_then_decode_with_sequences_joining_and_leaving, test_fork_and_popn, test_sliding_window_with_sinks,
     test_forks_of_unlimited_depth, test_token_tree_attention_then_commit, test_keys_rotated_in_the_kernel],
