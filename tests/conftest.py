@@ -57,8 +57,8 @@ def pytest_addoption(parser):
 
 def quick_cases(items) -> set:
     """The items a quick run keeps: every item of a ``unit`` or ``integration`` module, and of each
-    ``numerics`` test function the first case (collection order) on each path (the ``kernels``
-    parameter: floor, kernels), so every numeric check runs on every path at least once. Numeric
+    ``numerics`` test function the first case (collection order) not marked slow on each path (the
+    ``kernels`` or ``path`` parameter: floor, kernels), so every numeric check runs on every path. Numeric
     cases are ~1.5 s each (a module legalized, compiled and JIT-linked): the whole matrix, run by
     the whole suite, took 34 of a quick run's 37 worker-minutes."""
     kept, seen = set(), set()
@@ -67,8 +67,10 @@ def quick_cases(items) -> set:
         if module is None or module_tier(module) != "numerics":
             kept.add(item)
             continue
-        callspec = getattr(item, "callspec", None)
-        path = None if callspec is None else repr(callspec.params.get("kernels"))
+        if item.get_closest_marker("slow") is not None:
+            continue  # left out already: the function's first quick case is another
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        path = repr(params.get("kernels", params.get("path")))  # (some modules name the fixture path)
         key = (module.__name__, getattr(item, "originalname", item.name), path)
         if key not in seen:
             seen.add(key)

@@ -51,9 +51,12 @@ def _streamed(heads, shape, option) -> bool:
 
 # each pair of a GQA group, a shape and an option that a decode-shaped call can hold (each case
 # builds its own kernel; the full product is 105 cases, 15 of them not decode-shaped)
-@pytest.mark.parametrize("heads,shape,option", pairwise(
-    [(8, 8), (6, 2), (7, 1)], [(1, 1), (1, 17), (1, 97), (2, 17), (1, 130), (16, 16), (13, 9)],
-    ["plain", "causal", "window", "key_mask", "lse"], valid=_streamed))
+_DECODE_CASES = pairwise([(8, 8), (6, 2), (7, 1)], [(1, 1), (1, 17), (1, 97), (2, 17), (1, 130), (16, 16), (13, 9)],
+                         ["plain", "causal", "window", "key_mask", "lse"], valid=_streamed)
+
+
+@pytest.mark.parametrize("heads,shape,option", _DECODE_CASES,
+                         ids=[f"Hq{h[0]}Hkv{h[1]}-sq{s[0]}sk{s[1]}-{o}" for h, s, o in _DECODE_CASES])
 def test_decode_shaped_dense_forward_streams_and_matches_reference(heads, shape, option):
     (hq, hkv), (sq, sk) = heads, shape
     rng = np.random.default_rng(sq * 1000 + sk)

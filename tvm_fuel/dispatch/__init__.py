@@ -23,7 +23,8 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {"explain": "explanation", "Route": "routing", "route": "routing", "kernel_call": "routing",
-         "tuned_legalize_map": "routing", "workload_of": "workloads"}
+         "tuned_legalize_map": "routing", "emit_kernel": "routing", "knobs_for": "routing",
+         "workload_of": "workloads"}
 
 
 def __getattr__(name: str):
@@ -32,4 +33,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["explain", "Route", "route", "kernel_call", "tuned_legalize_map", "workload_of"]
+__all__ = ["explain", "Route", "route", "kernel_call", "tuned_legalize_map", "emit_kernel", "knobs_for",
+           "workload_of"]

@@ -10,6 +10,7 @@ the same records, without building anything.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, TextIO
 
 import tvm
@@ -35,8 +36,13 @@ def explain(mod: tvm.IRModule, target: Any = "llvm", *, database: Any = None, sh
         if not isinstance(func, relax.Function):
             continue
         for call in _fuel_calls(func):
-            found = route(call.op.name[len(_PREFIX):], call, target)
+            # a rule's own reason for declining (a FloorWarning) goes into the line, not to the
+            # warnings registry, where it would silence the same warning of a later build
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                found = route(call.op.name[len(_PREFIX):], call, target)
             line = f"{gvar.name_hint}: {found.describe()}"
+            line += "".join(f" [{w.message}]" for w in caught)
             if found.rule is not None:
                 with target:
                     line += f" (knobs: {knobs_for(found, target, records)[1]['fuel.knobs']})"

@@ -46,8 +46,7 @@ Contents:
     replay           -- workload, knobs and time of one MetaSchedule record
     FunctionRecords  -- the ``model`` records of some log roots: ``query(func, target)``, ``points``
     write_points     -- add shape points to a ``model`` folder
-    LogDatabase      -- a MetaSchedule database over one log folder: bad lines skipped, lines written whole
-                        (``dispatch.log_database``, re-exported)
+    KnobSource       -- what ``routing.tuned_legalize_map`` takes knobs from (TuningRecords; the tests' pins)
     TuningLogWarning
     knobs_of, verification_of -- a record's workload and knobs, read from its scheduled module
 """
@@ -61,7 +60,7 @@ import statistics
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import tvm
 from tvm import s_tir
@@ -158,6 +157,13 @@ class KnobMatch:
     source: str
     tuned: Workload | None = None
     exact: bool = True
+
+
+class KnobSource(Protocol):
+    """Where tuned knobs come from: ``TuningRecords``, or anything that looks a workload up."""
+
+    def lookup(self, workload: Workload, target: tvm.target.Target) -> KnobMatch | None:
+        """The best record for ``workload`` on ``target``, or None."""
 
 
 @dataclass(frozen=True)

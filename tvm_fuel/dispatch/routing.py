@@ -46,7 +46,7 @@ from ..op.legalize import LEGALIZE, added_function, checked_context_lens, checke
 from ..schedules import rules_for
 from ..schedules.base import KernelRule
 from ..schedules.workload import Workload
-from .records import TuningRecords
+from .records import KnobSource
 from .workloads import why_none, workload_of
 
 # the ops whose kernels serve sinks through a rescale (forwards) or the sinks' out and lse (backwards);
@@ -95,7 +95,7 @@ def route(name: str, call: relax.Call, target: tvm.target.Target,
     return Route(name, workload, rule, why, via_sinks)
 
 
-def tuned_legalize_map(target: tvm.target.Target, records: TuningRecords | None = None, *,
+def tuned_legalize_map(target: tvm.target.Target, records: KnobSource | None = None, *,
                        rules: Sequence[KernelRule] | None = None) -> dict[str, Callable]:
     """op name -> legalization through the performance path (floor where no rule applies);
     ``rules`` replaces the default rules (the tests pass the CUDA rules' llvm emulation)."""
@@ -128,7 +128,7 @@ def tuned_legalize_map(target: tvm.target.Target, records: TuningRecords | None 
     return {spec.op_name: legalize_with(name) for name, spec in SPECS.items()}
 
 
-def knobs_for(found: Route, target: tvm.target.Target, records: TuningRecords | None
+def knobs_for(found: Route, target: tvm.target.Target, records: KnobSource | None
               ) -> tuple[dict[str, int], dict[str, str]]:
     """The knobs of a routed call's kernel (a fitting record's, else the rule's hand-picked ones) and
     the attributes that say so on its PrimFunc."""

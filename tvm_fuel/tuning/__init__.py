@@ -1,7 +1,7 @@
-"""MetaSchedule auto-tuning of the fuel kernels, and the tuning records a build reads.
+"""MetaSchedule auto-tuning of the fuel kernels (the records it writes are read at every build by
+``tvm_fuel.dispatch.records``; ``TuningRecords``, ``shipped_logs``, ``target_key`` re-exported).
 
 Contents:
-    records  -- tuning logs: where they live, their targets, the knobs they give (read at every build)
     space    -- kernels as design spaces (sampled knobs, mutator, features, validity check)
     measure  -- the lean builder and the valid-argument runners (local, RPC)
     kernels  -- ``tune``: the kernels' knobs: tasks from a module's fuel calls, search, progress, resume
@@ -14,7 +14,7 @@ import importlib
 
 from ..dispatch.records import TuningLogWarning, TuningRecords, shipped_logs, target_key
 
-# imported on first use: every build reads ``records``, while ``kernels`` loads MetaSchedule (which
+# imported on first use: ``kernels`` loads MetaSchedule (which
 # ``import tvm_fuel`` should not pay for) and ``report`` builds
 _LAZY = {"tuning_report": "report", "default_work_dir": "kernels", "tune": "kernels"}
 
