@@ -9,9 +9,9 @@ that tune or build bundles or models, the CUDA kernels' nvcc builds). A module w
 tier stops the collection. The CUDA kernels' llvm emulation (the ``cuda-emulated`` parameter of
 the ``kernels`` fixture) is slow wherever it runs; ``gpu`` needs a device.
 
-The quick run takes each ``numerics`` test function once per path (its first parameter case on the
-floor, on the kernels): every check runs on every path; the whole suite runs every case
-(``quick_cases``).
+The quick run takes each ``numerics`` and ``integration`` test function once per path (its first
+parameter case on the floor, on the kernels): every check runs on every path; the whole suite
+runs every case (``quick_cases``).
 """
 
 from __future__ import annotations
@@ -49,22 +49,34 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if item not in dropped]
 
 
+def pytest_configure(config):
+    if not config.getoption("no_compile_cache"):
+        import tvm
+        from compile_cache import CompileCache
+
+        tvm.compile = CompileCache(tvm.compile)
+
+
 def pytest_addoption(parser):
+    parser.addoption("--no-compile-cache", action="store_true", default=False,
+                     help="compile every module anew (default: a module compiled again in the same worker reuses "
+                          "its executable: tests/compile_cache.py)")
     parser.addoption("--full-emulation", action="store_true", default=False,
                      help="run every parameter combination of the CUDA kernels' llvm emulation (default: each "
                           "parameter value of a test at least once on it)")
 
 
 def quick_cases(items) -> set:
-    """The items a quick run keeps: every item of a ``unit`` or ``integration`` module, and of each
-    ``numerics`` test function the first case (collection order) not marked slow on each path (the
-    ``kernels`` or ``path`` parameter: floor, kernels), so every numeric check runs on every path. Numeric
-    cases are ~1.5 s each (a module legalized, compiled and JIT-linked): the whole matrix, run by
-    the whole suite, took 34 of a quick run's 37 worker-minutes."""
+    """The items a quick run keeps: every item of a ``unit`` module, and of each ``numerics`` or
+    ``integration`` test function the first case (collection order) not marked slow on each path
+    (the ``kernels`` or ``path`` parameter: floor, kernels), so every check runs on every path. A
+    case is ~1.5 s (a module legalized, compiled and JIT-linked; an exported model ~8 s): the whole
+    matrix, run by the whole suite, took 34 of a quick run's 37 worker-minutes, and the Hugging Face
+    models and exported programs beyond their first case another 3."""
     kept, seen = set(), set()
     for item in items:
         module = getattr(item, "module", None)
-        if module is None or module_tier(module) != "numerics":
+        if module is None or module_tier(module) == "unit":
             kept.add(item)
             continue
         if item.get_closest_marker("slow") is not None:

@@ -16,18 +16,25 @@ import itertools
 from typing import Any, Callable, Sequence
 
 
-def pairwise(*axes: Sequence[Any], valid: Callable[..., bool] | None = None) -> list[tuple]:
+def pairwise(*axes: Sequence[Any], valid: Callable[..., bool] | None = None,
+             include: Sequence[tuple] = ()) -> list[tuple]:
     """Tuples (one value per axis) such that each pair of values of any two axes that some valid
     tuple of the product holds appears in at least one tuple (``valid(*values)``: whether a tuple
-    of the product is a case at all; default: every one is). With fewer than two axes: the valid
-    tuples of the product."""
+    of the product is a case at all; default: every one is). ``include``: tuples of the product
+    taken first (cases another test needs), the array completed around them. With fewer than two
+    axes: the valid tuples of the product."""
     rows = [row for row in itertools.product(*axes) if valid is None or valid(*row)]
+    missing = [row for row in include if tuple(row) not in rows]
+    if missing:
+        raise ValueError(f"pairwise: include holds tuples that are no valid case: {missing}")
     if len(axes) < 2:
         return rows
     pairs_of = [{(a, repr(row[a]), b, repr(row[b])) for a, b in itertools.combinations(range(len(axes)), 2)}
                 for row in rows]
     uncovered = set().union(*pairs_of) if rows else set()
-    chosen: list[int] = []
+    chosen = [rows.index(tuple(row)) for row in dict.fromkeys(map(tuple, include))]
+    for n in chosen:
+        uncovered -= pairs_of[n]
     while uncovered:
         # the row covering the most uncovered pairs (the first such in product order)
         best = max(range(len(rows)), key=lambda n: len(pairs_of[n] & uncovered))

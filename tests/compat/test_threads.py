@@ -13,7 +13,8 @@ import pytest
 
 from tvm_fuel.compat import threads
 
-pytestmark = pytest.mark.unit
+# each probe builds and runs kernels in a fresh process (~4 s: importing tvm_fuel, TVM and PyTorch)
+pytestmark = pytest.mark.integration
 
 PROBE = """
 import json, os, warnings

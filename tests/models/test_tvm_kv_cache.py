@@ -56,9 +56,9 @@ class Counted:
         return self.kernel(*args)
 
 
-# a quick run (-m "not slow") takes the scenarios on the first config; the others build their kernels
-# (TVM's and fuel's, ~60 s a config on 2 cores) in the whole suite
-@pytest.fixture(scope="module", params=[CONFIGS[0], *(pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS[1:])],
+# the scenarios build their kernels (TVM's and fuel's, ~50 s a config on 2 cores): the whole suite runs them,
+# a quick run (-m "not slow") only this module's refusals
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS],
                 ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
 def slots(request):
     """(config, TVM's slots, fuel's slots with TVM_SLOTS counted)."""

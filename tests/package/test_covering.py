@@ -36,3 +36,13 @@ def test_only_valid_tuples_and_their_pairs():
     possible = [row for row in itertools.product([0, 1, 2], ["x", "y"], [True, False]) if valid(*row)]
     for a, b in itertools.combinations(range(3), 2):
         assert {(row[a], row[b]) for row in rows} == {(row[a], row[b]) for row in possible}
+
+
+def test_included_tuples_come_first_and_the_array_is_completed_around_them():
+    axes = ([0, 1, 2], ["x", "y"], [True, False])
+    rows = pairwise(*axes, include=[(2, "y", False), (0, "x", True)])
+    assert rows[:2] == [(2, "y", False), (0, "x", True)] and len(rows) == len(set(rows))
+    for a, b in itertools.combinations(range(3), 2):
+        assert {(row[a], row[b]) for row in rows} == {(row[a], row[b]) for row in itertools.product(*axes)}
+    with pytest.raises(ValueError, match="include holds tuples that are no valid case"):
+        pairwise(*axes, valid=lambda a, b, c: a != 2, include=[(2, "x", True)])

@@ -160,8 +160,14 @@ def test_every_module_declares_one_tier():
     assert conftest.module_tier(one) == "numerics"
 
 
+def _suite_conftest(folder):
+    """The suite's conftest.py (and the module it installs) in ``folder``."""
+    for name in ("conftest.py", "compile_cache.py"):
+        shutil.copy(REPO / "tests" / name, folder / name)
+
+
 def test_a_new_test_file_without_a_tier_stops_the_collection(tmp_path):
-    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    _suite_conftest(tmp_path)
     (tmp_path / "test_tiered.py").write_text("import pytest\npytestmark = pytest.mark.unit\n\n"
                                              "def test_a():\n    pass\n")
     (tmp_path / "test_untiered.py").write_text("def test_b():\n    pass\n")
@@ -233,8 +239,11 @@ def test_the_kernels_read_no_relax():
     assert relax == []
 
 
-def test_the_quick_run_takes_each_numeric_check_once_per_path(tmp_path):
-    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+def test_the_quick_run_takes_each_check_once_per_path(tmp_path):
+    _suite_conftest(tmp_path)
+    (tmp_path / "test_models.py").write_text(
+        "import pytest\npytestmark = pytest.mark.integration\n\n"
+        "@pytest.mark.parametrize('m', ['p', 'q'])\ndef test_m(m):\n    pass\n")
     (tmp_path / "test_numbers.py").write_text(
         "import pytest\npytestmark = pytest.mark.numerics\n\n"
         "@pytest.mark.parametrize('x', [1, 2, 3])\ndef test_a(x, kernels):\n    pass\n\n"
@@ -251,6 +260,7 @@ def test_the_quick_run_takes_each_numeric_check_once_per_path(tmp_path):
 
     quick = collected("-m", "not slow")
     assert quick == sorted(["test_checks.py::test_c[1]", "test_checks.py::test_c[2]", "test_numbers.py::test_b",
-                            "test_numbers.py::test_a[decomposed-1]", "test_numbers.py::test_a[tuned-1]"]), quick
+                            "test_numbers.py::test_a[decomposed-1]", "test_numbers.py::test_a[tuned-1]",
+                            "test_models.py::test_m[p]"]), quick
     whole = collected()  # every case on the floor and the kernels, each value once on the emulation
-    assert len(whole) == 2 + 1 + 3 + 3 + 3, whole
+    assert len(whole) == 2 + 2 + 1 + 3 + 3 + 3, whole
