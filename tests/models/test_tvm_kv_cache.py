@@ -14,6 +14,7 @@ it: in a relax.frontend.nn module, in place of TIRPagedKVCache.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -321,14 +322,25 @@ def test_token_tree_attention_then_commit(slots):
     assert run.calls("prefill_with_tree_mask") > 0 and run.calls("prefill_with_tree_mask_paged_kv_cache") > 0
 
 
+WINDOW = 24  # the sliding-window kernels' window where rows must drop keys (per-layer windows, the slot tests)
+# head dims 40, 96 and 256, GQA groups 3, 1 and 7 (the slot-by-slot comparison; the first also the per-layer windows)
+WINDOW_CONFIGS = [(6, 2, 40, "float32"), (3, 3, 96, "float16"), (7, 1, 256, "float16")]
+
+
+@functools.cache  # the module runs on one worker: each config's slots are built once for both tests
+def _window_slots(config) -> tuple[dict, dict]:
+    """(TVM's slots, fuel's) for ``config`` with the sliding-window kernels built for a window of WINDOW."""
+    hq, hkv, d, dtype = config
+    options = dict(num_layers=LAYERS, rope_theta=THETA, sliding_window_size=WINDOW)
+    return (runtime_kernels(hkv, hq, d, dtype, kernels="tvm", **options),
+            runtime_kernels(hkv, hq, d, dtype, **options))
+
+
 @pytest.fixture(scope="module")
 def windowed_slots():
     """(config, TVM's slots, fuel's slots) with the sliding-window kernels built for a window of 24."""
-    config = CONFIGS[0]
-    hq, hkv, d, dtype = config
-    options = dict(num_layers=LAYERS, rope_theta=THETA, sliding_window_size=24)
-    theirs = runtime_kernels(hkv, hq, d, dtype, kernels="tvm", **options)
-    ours = runtime_kernels(hkv, hq, d, dtype, **options)
+    config = WINDOW_CONFIGS[0]
+    theirs, ours = _window_slots(config)
     return config, theirs, {slot: Counted(ours[slot]) for slot in TVM_SLOTS}
 
 
@@ -340,7 +352,7 @@ def test_per_layer_sliding_windows(windowed_slots):
     that part's empty state (0, lse -5e4: the merge keeps the other part): those rows are only
     checked finite."""
     run = Scenario(windowed_slots, sliding_window=True, reference=False, layer_kinds=["mha_sliding", "mha"],
-                   layer_sliding_window_size=24)
+                   layer_sliding_window_size=WINDOW)
     for seq in range(3):
         run.add(seq)
     run.step([(0, 5), (1, 17)])
@@ -507,21 +519,15 @@ def test_fuel_paged_kv_cache_refuses_what_its_kernels_do_not_serve(option, value
         _nn_model(8, 2, 64, "float32", **{option: value}, **cuda)
 
 
-WINDOW = 24  # the sliding-window kernels' window in the direct slot tests (rows drop keys)
-
-
 @pytest.mark.slow  # ~60 s a config: TVM's own slot kernels built beside fuel's
-@pytest.mark.parametrize("config", [(6, 2, 40, "float32"), (3, 3, 96, "float16"), (7, 1, 256, "float16")],
-                         ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
+@pytest.mark.parametrize("config", WINDOW_CONFIGS, ids=lambda c: f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}")
 def test_every_slot_matches_tvms_kernel_on_its_own_inputs(config):
     """Each attention slot's kernel called directly, fuel's against TVM's, on one batch of
     TVM-cache inputs: pages in random order, sequences of 0, 1, 17 and 97 cached keys (a window
     offset and sinks for the sliding-window slots, a window of 24 so rows drop keys), new tokens
     with RoPE in the kernel (rotary_mode 1) and without, token trees; head dims 40, 96 and 256."""
-    hq, hkv, d, dtype = config
-    options = dict(num_layers=1, rope_theta=THETA, sliding_window_size=WINDOW)
-    _compare_slots(config, runtime_kernels(hkv, hq, d, dtype, **options),
-                   runtime_kernels(hkv, hq, d, dtype, kernels="tvm", **options), rotary_modes=(NONE, 1))
+    theirs, ours = _window_slots(config)
+    _compare_slots(config, ours, theirs, rotary_modes=(NONE, 1))
 
 
 def _compare_slots(config, ours: dict, theirs: dict, rotary_modes):
