@@ -55,12 +55,22 @@ def pytest_configure(config):
         from compile_cache import CompileCache
 
         tvm.compile = CompileCache(tvm.compile)
+    report = config.getoption("compile_report")
+    if report:  # around the cache: a hit is timed too
+        import os
+
+        from compile_clock import CompileClock
+
+        CompileClock(f"{report}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}").install()
 
 
 def pytest_addoption(parser):
     parser.addoption("--no-compile-cache", action="store_true", default=False,
                      help="compile every module anew (default: a module compiled again in the same worker reuses "
                           "its executable: tests/compile_cache.py)")
+    parser.addoption("--compile-report", metavar="FILE", default=None,
+                     help="write each test's seconds in tvm.compile and in creating its VMs (LLVM's JIT) to "
+                          "FILE.<worker>; python tests/compile_clock.py FILE.* --junit XML sums them")
     parser.addoption("--full-emulation", action="store_true", default=False,
                      help="run every parameter combination of the CUDA kernels' llvm emulation (default: each "
                           "parameter value of a test at least once on it)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 from typing import Callable, Mapping
 
 import ml_dtypes
@@ -401,3 +403,10 @@ WINDOWS = {
     "two_sided": dict(window_size=(4, 2)),
     "causal_left": dict(causal=True, window_size=(6, -1)),
 }
+
+
+def suite_conftest(folder: Path):
+    """The suite's conftest.py and the modules it installs, copied into ``folder`` (a test suite of
+    a test's own, run in a fresh pytest)."""
+    for name in ("conftest.py", "compile_cache.py", "compile_clock.py"):
+        shutil.copy(Path(__file__).parent / name, Path(folder) / name)

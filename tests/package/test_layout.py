@@ -6,7 +6,6 @@ module declares its tier (issue 30)."""
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
 import types
@@ -160,14 +159,10 @@ def test_every_module_declares_one_tier():
     assert conftest.module_tier(one) == "numerics"
 
 
-def _suite_conftest(folder):
-    """The suite's conftest.py (and the module it installs) in ``folder``."""
-    for name in ("conftest.py", "compile_cache.py"):
-        shutil.copy(REPO / "tests" / name, folder / name)
-
-
 def test_a_new_test_file_without_a_tier_stops_the_collection(tmp_path):
-    _suite_conftest(tmp_path)
+    from helpers import suite_conftest  # (TVM imported only by the tests that copy the suite)
+
+    suite_conftest(tmp_path)
     (tmp_path / "test_tiered.py").write_text("import pytest\npytestmark = pytest.mark.unit\n\n"
                                              "def test_a():\n    pass\n")
     (tmp_path / "test_untiered.py").write_text("def test_b():\n    pass\n")
@@ -240,7 +235,9 @@ def test_the_kernels_read_no_relax():
 
 
 def test_the_quick_run_takes_each_check_once_per_path(tmp_path):
-    _suite_conftest(tmp_path)
+    from helpers import suite_conftest  # (TVM imported only by the tests that copy the suite)
+
+    suite_conftest(tmp_path)
     (tmp_path / "test_models.py").write_text(
         "import pytest\npytestmark = pytest.mark.integration\n\n"
         "@pytest.mark.parametrize('m', ['p', 'q'])\ndef test_m(m):\n    pass\n")
