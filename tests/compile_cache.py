@@ -40,6 +40,12 @@ def _holds_fuel_calls(mod) -> bool:
     return bool(found)
 
 
+def _warn_again(caught):
+    """Raise the recorded warnings ``caught`` again, through the filters in force now."""
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
 class CompileCache:
     """``compile_fn`` (``tvm.compile``'s signature) with its executables kept, the ``limit`` latest."""
 
@@ -74,14 +80,12 @@ class CompileCache:
             if entry["script"] == script:
                 self._entries.move_to_end(key)
                 self.hits += 1
-                for caught in entry["warnings"]:
-                    warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
+                _warn_again(entry["warnings"])
                 return entry["executable"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             executable = self._compile(mod, target, relax_pipeline=relax_pipeline, tir_pipeline=tir_pipeline)
-        for warning in caught:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        _warn_again(caught)
         self.misses += 1
         self._entries.setdefault(key, []).append(
             dict(mod=mod, script=script, executable=executable, warnings=caught))

@@ -344,7 +344,7 @@ def windowed_slots():
     return config, theirs, {slot: Counted(ours[slot]) for slot in TVM_SLOTS}
 
 
-@pytest.mark.slow  # its own slots (TVM's and fuel's, a window of 24): ~50 s to build
+@pytest.mark.slow  # the window-24 slots (TVM's and fuel's, shared with the slot comparison): ~50 s to build
 def test_per_layer_sliding_windows(windowed_slots):
     """Layers of kind "mha_sliding" (a window of 24 on every sequence, Gemma's and Mistral's way)
     beside "mha" ones: fuel's kernels against TVM's, step by step. Where a new token's window
