@@ -78,26 +78,29 @@ def pytest_addoption(parser):
 
 def quick_cases(items) -> set:
     """The items a quick run keeps: every item of a ``unit`` module, and of each ``numerics`` or
-    ``integration`` test function the first case (collection order) not marked slow on each path
-    (the ``kernels`` or ``path`` parameter: floor, kernels), so every check runs on every path. A
-    case is ~1.5 s (a module legalized, compiled and JIT-linked; an exported model ~8 s): the whole
-    matrix, run by the whole suite, took 34 of a quick run's 37 worker-minutes, and the Hugging Face
-    models and exported programs beyond their first case another 3."""
-    kept, seen = set(), set()
+    ``integration`` test function one case not marked slow on each path (the ``kernels`` or
+    ``path`` parameter: floor, kernels), so every check runs on every path: the case marked
+    ``quick`` (``pytest.param(..., marks=pytest.mark.quick)``, where the first is far costlier than
+    another that runs the same check), else the first in collection order. A case is ~1.5 s (a
+    module legalized, compiled and JIT-linked; an exported model ~8 s): the whole matrix, run by
+    the whole suite, took 34 of a quick run's 37 worker-minutes, and the Hugging Face models and
+    exported programs beyond their first case another 3."""
+    chosen: dict[tuple, object] = {}
+    kept = set()
     for item in items:
         module = getattr(item, "module", None)
         if module is None or module_tier(module) == "unit":
             kept.add(item)
             continue
         if item.get_closest_marker("slow") is not None:
-            continue  # left out already: the function's first quick case is another
+            continue  # left out already: the function's quick case is another
         params = getattr(getattr(item, "callspec", None), "params", {})
         path = repr(params.get("kernels", params.get("path")))  # (some modules name the fixture path)
         key = (module.__name__, getattr(item, "originalname", item.name), path)
-        if key not in seen:
-            seen.add(key)
-            kept.add(item)
-    return kept
+        if key not in chosen or (item.get_closest_marker("quick") is not None
+                                 and chosen[key].get_closest_marker("quick") is None):
+            chosen[key] = item
+    return kept | set(chosen.values())
 
 
 def _beyond_each_choice(items) -> set:

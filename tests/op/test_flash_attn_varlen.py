@@ -177,7 +177,7 @@ def _adjoint(mod, args, path: str = "decomposed"):
     return [loss.numpy()] + [g.numpy() for g in grads]
 
 
-@pytest.mark.parametrize("state", ["recomputed", "given"])
+@pytest.mark.parametrize("state", ["recomputed", pytest.param("given", marks=pytest.mark.quick)])
 @pytest.mark.parametrize("path", ["decomposed", "tuned"])
 def test_backward_op(state, path):
     """The backward op alone, recomputing the softmax state or given the forward's out and lse (on

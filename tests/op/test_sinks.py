@@ -66,7 +66,7 @@ def test_forward_half_precision_with_alibi(dtype, kernels):
     np.testing.assert_allclose(lse, want_lse, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("given", ["none", "out_lse"])
+@pytest.mark.parametrize("given", ["none", pytest.param("out_lse", marks=pytest.mark.quick)])
 @pytest.mark.parametrize("options,group,sq,sk", [("causal", 3, 17, 33), ("softcap", 1, 33, 17), ("full", 7, 1, 97)])
 def test_backward(options, group, sq, sk, given, kernels):
     """dq, dk, dv with sinks, from the forward state the backward recomputes or is given (the forward's

@@ -166,12 +166,14 @@ def test_a_new_test_file_without_a_tier_stops_the_collection(tmp_path):
     (tmp_path / "test_tiered.py").write_text("import pytest\npytestmark = pytest.mark.unit\n\n"
                                              "def test_a():\n    pass\n")
     (tmp_path / "test_untiered.py").write_text("def test_b():\n    pass\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "."],
+    # (--no-compile-cache: no TVM import in the inner runs, which check the tiers only)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-compile-cache", "-m",
+                          "not slow", "."],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout + run.stderr
     assert "test_untiered.py: declare exactly one tier" in run.stdout + run.stderr
     (tmp_path / "test_untiered.py").unlink()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-compile-cache", "."],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
 
@@ -244,20 +246,24 @@ def test_the_quick_run_takes_each_check_once_per_path(tmp_path):
     (tmp_path / "test_numbers.py").write_text(
         "import pytest\npytestmark = pytest.mark.numerics\n\n"
         "@pytest.mark.parametrize('x', [1, 2, 3])\ndef test_a(x, kernels):\n    pass\n\n"
-        "def test_b():\n    pass\n")
+        "def test_b():\n    pass\n\n"
+        "@pytest.mark.parametrize('y', [1, pytest.param(2, marks=pytest.mark.quick), 3])\n"
+        "def test_q(y, kernels):\n    pass\n")
     (tmp_path / "test_checks.py").write_text(
         "import pytest\npytestmark = pytest.mark.unit\n\n"
         "@pytest.mark.parametrize('x', [1, 2])\ndef test_c(x):\n    pass\n")
 
     def collected(*flags):
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                              *flags, "."], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                              "--no-compile-cache", *flags, "."], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
         return sorted(line for line in run.stdout.splitlines() if "::" in line)
 
     quick = collected("-m", "not slow")
     assert quick == sorted(["test_checks.py::test_c[1]", "test_checks.py::test_c[2]", "test_numbers.py::test_b",
                             "test_numbers.py::test_a[decomposed-1]", "test_numbers.py::test_a[tuned-1]",
+                            "test_numbers.py::test_q[decomposed-2]", "test_numbers.py::test_q[tuned-2]",
                             "test_models.py::test_m[p]"]), quick
     whole = collected()  # every case on the floor and the kernels, each value once on the emulation
-    assert len(whole) == 2 + 2 + 1 + 3 + 3 + 3, whole
+    assert len(whole) == 2 + 2 + 1 + 3 + 3 + 3 + 3 + 3 + 3, whole

@@ -32,7 +32,8 @@ CASES = {
 # (the kernel's single-cotangent paths are checked op by op in op/test_jvp_and_double_backward), on a case
 # without softcap (the backward_v kernel with softcap compiles for a minute)
 SINGLE_CASE = "g7-d40-alibi"
-SINGLE = [("q", "decomposed"), ("q", "tuned"), ("k", "decomposed"), ("v", "decomposed")]
+SINGLE = [("q", "decomposed"), ("q", "tuned"), ("k", "decomposed"),
+          pytest.param("v", "decomposed", marks=pytest.mark.quick)]  # the quick run's floor case: 4 s, not 7
 _ALL_CASES = {**CASES, SINGLE_CASE: (7, 40, 97, 97, dict(), "alibi")}
 
 
@@ -119,7 +120,9 @@ def _assert_matches(got, want, what):
 
 
 @pytest.mark.parametrize("kernels", PATHS)
-@pytest.mark.parametrize("case", list(CASES))
+# the quick run takes the decode case (8 s through the kernels; the first, with softcap, 24 s)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.quick) if "decode" in case else case
+                                  for case in CASES])
 def test_gradient_of_the_adjoint_is_the_double_backward(case, kernels):
     rng = np.random.default_rng(len(case))
     arrays, constants = _inputs(case, rng)
