@@ -50,6 +50,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    if config.getoption("numprocesses", default=None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test (and TVM's import takes 3 s before the workers start)
     if not config.getoption("no_compile_cache"):
         import tvm
         from compile_cache import CompileCache
