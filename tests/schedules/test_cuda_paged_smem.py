@@ -2,10 +2,10 @@
 
 TVM 0.27's runtime raises a kernel's dynamic shared-memory limit only for more than 48 KiB of
 dynamic bytes, so a block with static + dynamic > 48 KiB and dynamic <= 48 KiB cannot launch
-(``tests.helpers.launchable``). The rule picks its tiles by ``forward_smem``'s estimate; here each
-paged kernel it builds, at head dims 40-256, float16, bfloat16 and float32, decode and a few query
-rows, GQA groups 1, 4, 7, block sizes 16 and 32 (each with decode rows and with more), sm_80 and
-sm_90, is measured after TVM merges its dynamic buffers into the one it launches with
+(``tests.helpers.launchable``). The rule picks its tiles by ``forward_smem``'s estimate; here the
+paged kernels it builds over a pairwise covering array of head dims 40-256, float16, bfloat16 and
+float32, decode and a few query rows, GQA groups 1, 4, 7, block sizes 16 and 32 (each with decode
+rows and with more), sm_80 and sm_90, are measured after TVM merges its dynamic buffers into the one it launches with
 (``MergeSharedMemoryAllocations``): the block can be launched, its dynamic bytes are the estimate's
 and its static bytes within it. Before the merge (what ``nvcc.build_with_shared_memory`` reports)
 the dynamic bytes are only a bound, and the launch rule cannot use a bound: more dynamic bytes can
@@ -143,18 +143,38 @@ def _problems(arch, dtype, d, shape, knobs, measured) -> list[str]:
     return problems
 
 
-CASES = [pytest.param("sm_90", "float16", FEW, id="sm_90-float16-few")] + [
-    pytest.param(arch, dtype, ALL, marks=pytest.mark.slow, id=f"{arch}-{dtype}-all")
-    for arch in ARCHS for dtype in ("float16", "bfloat16", "float32")]
+DTYPES = ("float16", "bfloat16", "float32")
 
 
-@pytest.mark.parametrize("arch,dtype,shapes", CASES)
-def test_every_paged_block_launches_with_the_estimated_bytes(arch, dtype, shapes):
-    """Every paged kernel the rule builds at head dims 40-256 can be launched by TVM's runtime,
-    with the dynamic bytes the rule estimated and no more static bytes (on the old estimate the
-    float16/bfloat16 decode at D 80 failed: 1288 + 47872 bytes built, 1544 + 68352 estimated)."""
+def _covering(i: int, d: int) -> list[tuple]:
+    """Head dim d's (arch, dtype, d, shape) of a pairwise covering array of arch x dtype x head dim x
+    shape (``i``: d's index): its six shapes, the dtype and arch rotating with the two indexes, so
+    that every pair of values of any two axes is built (60 builds; the full product took 360)."""
+    return [(ARCHS[(i + j // 3) % 2], DTYPES[(i + j) % 3], d, shape) for j, shape in enumerate(ALL)]
+
+
+# the quick run: sm_90 float16 on FEW shapes at the head dims of FEW_DIMS (the smallest, the D 80 decode
+# defect, the hand-picked D 128, the largest); the whole suite also the covering array, a case per head dim
+FEW_DIMS = (40, 80, 128, 256)
+CASES = [pytest.param([("sm_90", "float16", d, shape) for d in FEW_DIMS for shape in FEW], id="sm_90-float16-few")] + [
+    pytest.param(_covering(i, d), marks=pytest.mark.slow, id=f"d{d}-pairwise") for i, d in enumerate(HEAD_DIMS)]
+
+
+def test_the_covering_array_builds_every_pair():
+    rows = [row for i, d in enumerate(HEAD_DIMS) for row in _covering(i, d)]
+    axes = (ARCHS, DTYPES, HEAD_DIMS, ALL)
+    for a, b in itertools.combinations(range(len(axes)), 2):
+        assert {(row[a], row[b]) for row in rows} == set(itertools.product(axes[a], axes[b])), (a, b)
+
+
+@pytest.mark.parametrize("cases", CASES)
+def test_every_paged_block_launches_with_the_estimated_bytes(cases):
+    """Every paged kernel the rule builds at head dims 40-256 (``cases``: (arch, dtype, head dim,
+    shape)) can be launched by TVM's runtime, with the dynamic bytes the rule estimated and no more
+    static bytes (on the old estimate the float16/bfloat16 decode at D 80 failed: 1288 + 47872
+    bytes built, 1544 + 68352 estimated)."""
     problems = []
-    for d, shape in itertools.product(HEAD_DIMS, shapes):
+    for arch, dtype, d, shape in cases:
         knobs, measured, _ = _measure(arch, dtype, d, shape)
         _, group, sq = shape
         if group * sq <= 16:  # the decode candidates served the call: one 16-row tile
