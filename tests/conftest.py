@@ -10,8 +10,9 @@ tier stops the collection. The CUDA kernels' llvm emulation (the ``cuda-emulated
 the ``kernels`` fixture) is slow wherever it runs; ``gpu`` needs a device.
 
 The quick run takes each ``numerics`` and ``integration`` test function once per path (its first
-parameter case on the floor, on the kernels): every check runs on every path; the whole suite
-runs every case (``quick_cases``).
+parameter case on the floor, on the kernels, or the case marked ``quick``): every check runs on
+every path but a few left to the whole suite by a ``slow`` mark; the whole suite runs every case
+(``quick_cases``).
 """
 
 from __future__ import annotations

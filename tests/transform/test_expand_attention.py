@@ -61,7 +61,7 @@ def _compare(name: str, inputs: dict, dtype="float32", *, scale=2.0, **options) 
     want = _reference(name, inputs, options)
     assert len(got) == len(want) == len(declared)
     for index, (g, w, info) in enumerate(zip(got, want, declared)):
-        assert str(g.dtype) == info.dtype and g.shape == tuple(int(n) for n in info.shape) == w.shape, (
+        assert str(g.dtype) == str(info.dtype) and g.shape == tuple(int(n) for n in info.shape) == w.shape, (
             index, g.dtype, g.shape, info, w.shape)
         if g.ndim == 3 and g.dtype == np.float32 and np.isneginf(w).any():  # lse: empty rows are -inf
             np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
