@@ -5,8 +5,8 @@ dynamic bytes, so a block with static + dynamic > 48 KiB and dynamic <= 48 KiB c
 (``tests.helpers.launchable``). The rule picks its tiles by ``forward_smem``'s estimate; here the
 paged kernels it builds over a pairwise covering array of head dims 40-256, float16, bfloat16 and
 float32, decode and a few query rows, GQA groups 1, 4, 7, block sizes 16 and 32 (each with decode
-rows and with more), sm_80 and sm_90, are measured after TVM merges its dynamic buffers into the one it launches with
-(``MergeSharedMemoryAllocations``): the block can be launched, its dynamic bytes are the estimate's
+rows and with more), sm_80 and sm_90, are measured after TVM merges its dynamic buffers into the
+one it launches with (``MergeSharedMemoryAllocations``): the block can be launched, its dynamic bytes are the estimate's
 and its static bytes within it. Before the merge (what ``nvcc.build_with_shared_memory`` reports)
 the dynamic bytes are only a bound, and the launch rule cannot use a bound: more dynamic bytes can
 make a block launchable.
@@ -18,11 +18,11 @@ two stages) was counted at 1544 + 68352 bytes (launchable) and built with 1288 +
 
 from __future__ import annotations
 
-import itertools
 import warnings
 
 import pytest
 import tvm
+from covering import pairwise
 from helpers import applied_knobs, build, launchable
 from tvm import tirx
 from tvm.ir.instrument import pass_instrument
@@ -146,25 +146,15 @@ def _problems(arch, dtype, d, shape, knobs, measured) -> list[str]:
 DTYPES = ("float16", "bfloat16", "float32")
 
 
-def _covering(i: int, d: int) -> list[tuple]:
-    """Head dim d's (arch, dtype, d, shape) of a pairwise covering array of arch x dtype x head dim x
-    shape (``i``: d's index): its six shapes, the dtype and arch rotating with the two indexes, so
-    that every pair of values of any two axes is built (60 builds; the full product took 360)."""
-    return [(ARCHS[(i + j // 3) % 2], DTYPES[(i + j) % 3], d, shape) for j, shape in enumerate(ALL)]
-
-
+# every pair of values of any two of head dim x shape x dtype x arch built: 60 builds (the full product
+# took 360), each head dim with its 6 shapes (a case per head dim)
+_COVERING = pairwise(HEAD_DIMS, ALL, DTYPES, ARCHS)
 # the quick run: sm_90 float16 on FEW shapes at the head dims of FEW_DIMS (the smallest, the D 80 decode
-# defect, the hand-picked D 128, the largest); the whole suite also the covering array, a case per head dim
+# defect, the hand-picked D 128, the largest); the whole suite also the covering array
 FEW_DIMS = (40, 80, 128, 256)
 CASES = [pytest.param([("sm_90", "float16", d, shape) for d in FEW_DIMS for shape in FEW], id="sm_90-float16-few")] + [
-    pytest.param(_covering(i, d), marks=pytest.mark.slow, id=f"d{d}-pairwise") for i, d in enumerate(HEAD_DIMS)]
-
-
-def test_the_covering_array_builds_every_pair():
-    rows = [row for i, d in enumerate(HEAD_DIMS) for row in _covering(i, d)]
-    axes = (ARCHS, DTYPES, HEAD_DIMS, ALL)
-    for a, b in itertools.combinations(range(len(axes)), 2):
-        assert {(row[a], row[b]) for row in rows} == set(itertools.product(axes[a], axes[b])), (a, b)
+    pytest.param([(arch, dtype, d, shape) for d, shape, dtype, arch in _COVERING if d == head_dim],
+                 marks=pytest.mark.slow, id=f"d{head_dim}-pairwise") for head_dim in HEAD_DIMS]
 
 
 @pytest.mark.parametrize("cases", CASES)
