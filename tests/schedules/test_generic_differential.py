@@ -324,7 +324,7 @@ def test_default_schedules_compute_what_tvm_computes(batch):
         skipped.append(f"{by_name[name]}: {why}")
         names.remove(name)
         plain, error = _built(mod, names, _plain)
-    assert len(skipped) <= PROGRAMS // 10, "\n".join(skipped)  # (seeded: the same programs on every run)
+    assert len(skipped) <= PROGRAMS // 20, "\n".join(skipped)
     ours, error = _built(mod, names, _fuel)
     if error:
         name, why = _failing(mod, names, _fuel)
