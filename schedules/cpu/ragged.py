@@ -328,11 +328,15 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
     @T.macro
     def attend_task(a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles, nonfinite,
                     first_tile, b, g, t, own_scratch=None):
-        # row tile t of (sequence b, KV head g) over the sequence's packed key tiles
-        packed = T.meta_var(None if stream else PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[b], g, Hkv,
+        # row tile t of (sequence b, KV head g) over the sequence's packed key tiles. The sequence and
+        # its key count are bound once: written out in every bound and index, TVM's passes spent
+        # seconds on a sliding window's page arithmetic (docs/test-time.md)
+        seq: T.int64 = b
+        kv_len: T.int64 = a.kv_len(seq)
+        packed = T.meta_var(None if stream else PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[seq], g, Hkv,
                                                            (D, BK, DP)))
-        args = T.meta_var((a.q, a.output, a.lse, params, packed, a.keys(b), b, g, t, a.kv_len(b), a.q_len(b),
-                           a.q_start(b), a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale,
+        args = T.meta_var((a.q, a.output, a.lse, params, packed, a.keys(seq), seq, g, t, kv_len, a.q_len(seq),
+                           a.q_start(seq), a.q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale,
                            own_scratch))
         if causal_task is None:
             plain.attend_rows(*args)
@@ -376,10 +380,11 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
             for pack in T.parallel(T.Cast("int64", B) * Hkv):
                 pb: T.int64 = pack // Hkv
                 pg: T.int64 = pack % Hkv
+                pack_kv_len: T.int64 = a.kv_len(pb)
                 tiles_of = T.meta_var(PackedKeys(k_tiles, v_tiles, nonfinite, first_tile[pb], pg, Hkv, (D, BK, DP)))
                 for kt in range(first_tile[pb + 1] - first_tile[pb]):
                     Kt, Vt, count = T.meta_var(tiles_of.tile(kt))
-                    plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, a.kv_len(pb), kt, rotary_mode, rope_scale,
+                    plain.pack_tile(Kt, Vt, count, a.keys(pb), pg, pack_kv_len, kt, rotary_mode, rope_scale,
                                     rope_theta)
         if workers > 0:
             context = T.meta_var((a, params, causal, rotary_mode, rope_scale, rope_theta, sm_scale, k_tiles, v_tiles,
