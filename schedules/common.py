@@ -262,10 +262,17 @@ def masked_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delt
 
 def probability(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse, *, fast: bool = False):
     """P = exp(logit - lse) of query (b, h, i) and key j from the (softcapped) score and the row's
-    lse, 0 where the key is dropped: what every backward kernel recomputes per score element."""
+    lse, 0 where the key is dropped: what every backward kernel recomputes per score element.
+    With ``fast`` a kernel stores ``shifted_logit`` first and takes ``semantics.exp_shifted`` of its
+    load (``exp_shifted`` says why)."""
+    return sem.exp_shifted(shifted_logit(spec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse), lse, fast=fast)
+
+
+def shifted_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse):
+    """``logit - lse`` of query (b, h, i) and key j, ``-inf`` where the key is dropped: what
+    ``probability`` exponentiates."""
     return T.Select(visible(spec, mask, b, h, i, j, kv_len, delta),
-                    sem.probability(biased(spec, capped, alibi, mask, b, h, i, j, delta), lse, fast=fast),
-                    T.float32(0))
+                    biased(spec, capped, alibi, mask, b, h, i, j, delta) - lse, sem.NEG_INF)
 
 
 def is_key_mask(spec: KernelSpec) -> bool:
@@ -305,14 +312,12 @@ def add_key_term(logit, term):
     return tirx.Select(term == sem.NEG_INF, sem.NEG_INF, logit + term)
 
 
-def key_masked_probability(spec: KernelSpec, capped, alibi, term, b, h, i, j, kv_len, delta, lse, *,
-                           fast: bool = False):
-    """``probability`` under a key mask (``is_key_mask``) from key j's ``key_term`` (natural units),
-    read once per key tile: 0 where the window/length rule or the term drops the key."""
+def key_masked_shifted_logit(spec: KernelSpec, capped, alibi, term, b, h, i, j, kv_len, delta, lse):
+    """``shifted_logit`` under a key mask (``is_key_mask``) from key j's ``key_term`` (natural
+    units), read once per key tile: ``-inf`` where the window/length rule or the term drops the key."""
     plain = without_mask(spec)
     keep = tirx.all(visible(plain, None, b, h, i, j, kv_len, delta), term != sem.NEG_INF)
-    return T.Select(keep, sem.probability(biased(plain, capped, alibi, None, b, h, i, j, delta) + term, lse,
-                                          fast=fast), T.float32(0))
+    return T.Select(keep, biased(plain, capped, alibi, None, b, h, i, j, delta) + term - lse, sem.NEG_INF)
 
 
 def mask_shape(spec: KernelSpec, B, Sq, Sk):

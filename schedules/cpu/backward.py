@@ -35,8 +35,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_fuel.op import semantics as sem
-from ..common import (F32, KernelSpec, drop_params, finish, is_key_mask, kernel_params, key_masked_probability,
-                      key_term, probability, kernel_sizes)
+from ..common import (F32, KernelSpec, drop_params, finish, is_key_mask, kernel_params,
+                      key_masked_shifted_logit, key_term, shifted_logit, kernel_sizes)
 from .common import Buffers, absent_inputs, named_buffer
 from .micro import Micro
 from .row_layouts import DenseRows
@@ -131,14 +131,14 @@ class _Body:
         # per-key terms, not per score
         KEY_MASK = is_key_mask(spec)
 
-        def pair_probability(capped, lse_row, params, seq, pair, r, c, terms):
-            # P = exp(logit - lse) of one score from its capped value, 0 where the key is dropped
+        def pair_shifted_logit(capped, lse_row, params, seq, pair, r, c, terms):
+            # logit - lse of one score from its capped value, -inf where the key is dropped
             Sq, Sk = seq.q_len(pair.b), seq.k_len(pair.b)
             if KEY_MASK:
-                return key_masked_probability(spec, capped, params.alibi, terms[c], pair.b, pair.h, pair.i0 + r,
-                                              pair.key_start + c, Sk, Sk - Sq, lse_row, fast=True)
-            return probability(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r, pair.key_start + c,
-                               Sk, Sk - Sq, lse_row, fast=True)
+                return key_masked_shifted_logit(spec, capped, params.alibi, terms[c], pair.b, pair.h, pair.i0 + r,
+                                                pair.key_start + c, Sk, Sk - Sq, lse_row)
+            return shifted_logit(spec, capped, params.alibi, params.mask, pair.b, pair.h, pair.i0 + r,
+                                 pair.key_start + c, Sk, Sk - Sq, lse_row)
 
         @T.macro
         def load_keys(keys, params, seq, b, g, kt):
@@ -195,12 +195,14 @@ class _Body:
             for r in range(BQ):
                 if pair.i0 + r < seq.q_len(pair.b):
                     for c in T.vectorized(BK):
+                        # the shifted logit stored before its exp (semantics.exp_shifted says why)
                         if capped_stored:
                             Cap[r, c] = sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True)
-                            S[r, c] = pair_probability(Cap[r, c], lse_r[r], params, seq, pair, r, c, terms)
+                            S[r, c] = pair_shifted_logit(Cap[r, c], lse_r[r], params, seq, pair, r, c, terms)
                         else:
-                            S[r, c] = pair_probability(sem.softcap(cfg, S[r, c] * T.float32(scale), fast=True),
-                                                       lse_r[r], params, seq, pair, r, c, terms)
+                            S[r, c] = pair_shifted_logit(S[r, c] * T.float32(scale), lse_r[r], params, seq, pair, r,
+                                                         c, terms)
+                        S[r, c] = sem.exp_shifted(S[r, c], lse_r[r], fast=True)
                 else:  # rows past Sq: P = 0, and no garbage left in the capped scores (0 * NaN is NaN)
                     for c in T.vectorized(BK):
                         S[r, c] = T.float32(0)

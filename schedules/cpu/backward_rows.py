@@ -26,7 +26,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_fuel.op import semantics as sem
-from ..common import F32, KernelSpec, probability
+from ..common import F32, KernelSpec, shifted_logit
 from .backward import flash_backward
 from .common import named_buffer
 from .micro import adds_anything, RowOps
@@ -36,7 +36,9 @@ from .tiles import CpuTiles
 @dataclass(frozen=True)
 class _RowScratch:
     """A task's float32 scratch: the keys' dk, dv accumulators [block_k, D]; one query row's q, do
-    [D] and dq [1, D]; a dot product's lane sums [1, LD] and their total [1]."""
+    [D] and dq [1, D]; a dot product's lane sums [1, LD] and their total [1]; a score's shifted logit
+    [1] (``semantics.exp_shifted``: stored, not bound, as TVM's simplifier substitutes a bound value
+    into each of the exp's hundred reads of it)."""
 
     dK: tirx.Buffer
     dV: tirx.Buffer
@@ -45,6 +47,7 @@ class _RowScratch:
     dq_row: tirx.Buffer
     lanes: tirx.Buffer
     total: tirx.Buffer
+    shifted: tirx.Buffer
 
 
 class RowsTask:
@@ -84,8 +87,9 @@ class RowsTask:
                     dot(scratch.total, scratch.lanes, scratch.q_row,
                         lambda d: seq.key(params.k, b, g, j, d).astype(F32))
                     capped: T.let[T.float32] = sem.softcap(cfg, scratch.total[0] * scale, fast=True)
-                    p: T.let[T.float32] = probability(spec, capped, params.alibi, params.mask, b, h, i, j, Sk, Sk - Sq,
-                                                      lse_row, fast=True)
+                    scratch.shifted[0] = shifted_logit(spec, capped, params.alibi, params.mask, b, h, i, j, Sk, Sk - Sq,
+                                                       lse_row)
+                    p: T.let[T.float32] = sem.exp_shifted(scratch.shifted[0], lse_row, fast=True)
                     if adds_anything(p):
                         if want_dv:
                             add_row(scratch.dV, j, p, lambda d: scratch.do_row[d])
@@ -110,7 +114,8 @@ class RowsTask:
         def scratch():
             return _RowScratch(named_buffer("dK", (BK, D)), named_buffer("dV", (BK, D)), named_buffer("q_row", (D,)),
                                named_buffer("do_row", (D,)), named_buffer("dq_row", (1, D)),
-                               named_buffer("lanes", (1, LD)), named_buffer("total", (1,)))
+                               named_buffer("lanes", (1, LD)), named_buffer("total", (1,)),
+                               named_buffer("shifted", (1,)))
 
         self.task, self.scratch = task, scratch
 

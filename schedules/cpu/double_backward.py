@@ -29,7 +29,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_fuel.op import semantics as sem
-from ..common import F32, KernelSpec, drop_params, finish, kernel_params, probability, kernel_sizes
+from ..common import F32, KernelSpec, drop_params, finish, kernel_params, shifted_logit, kernel_sizes
 from .common import absent_inputs
 from .micro import Micro
 from .tangent import COTANGENTS, Direction, TangentBuffers, TangentPass
@@ -179,8 +179,9 @@ class _KeyPass:
                         t.Cap[r, c] = sem.softcap(cfg, t.S[r, c] * T.float32(scale), fast=True)
                     if direction.scores:
                         t.St[r, c] = sem.logit_tangent(cfg, capped(t, r, c), t.St[r, c] * T.float32(scale))
-                    t.S[r, c] = probability(spec, capped(t, r, c), params.alibi, params.mask, pair.b, pair.h,
-                                            pair.i0 + r, pair.key_start + c, Sk, Sk - Sq, rows.lse_r[r], fast=True)
+                    t.S[r, c] = shifted_logit(spec, capped(t, r, c), params.alibi, params.mask, pair.b, pair.h,
+                                              pair.i0 + r, pair.key_start + c, Sk, Sk - Sq, rows.lse_r[r])
+                    t.S[r, c] = sem.exp_shifted(t.S[r, c], rows.lse_r[r], fast=True)  # stored first: exp_shifted
                     t.dPt[r, c] = sem.score_grad_tangent(
                         cfg, t.S[r, c], sem.prob_tangent(t.S[r, c], logit_dot(t, r, c), rows.lsed_r[r]), t.dP[r, c],
                         dp_dot(t, r, c), rows.D_r[r], rows.Dd_r[r], capped(t, r, c), logit_dot(t, r, c),

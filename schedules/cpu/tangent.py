@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 
 from tvm_fuel.op import semantics as sem
 from ..common import (F32, KernelSpec, balanced_order, drop_params, finish, key_tiles, masked_logit, kernel_params,
-                      probability, kernel_sizes)
+                      shifted_logit, kernel_sizes)
 from .common import Buffers, absent_inputs
 from .micro import Micro, lane_tree
 from .tiles import CpuTiles
@@ -238,9 +238,11 @@ class TangentPass:
                                                         tile.h, tile.i0 + r, key_start + c, Sk,
                                                         Sk - Sq) * T.float32(sem.LOG2E)
                         else:
-                            scores.S[r, c] = probability(spec, capped(scores, r, c), params.alibi, params.mask, tile.b,
-                                                         tile.h, tile.i0 + r, key_start + c, Sk, Sk - Sq, rows.m[r],
-                                                         fast=True)
+                            scores.S[r, c] = shifted_logit(spec, capped(scores, r, c), params.alibi, params.mask,
+                                                           tile.b, tile.h, tile.i0 + r, key_start + c, Sk, Sk - Sq,
+                                                           rows.m[r])
+                            # stored before its exp (semantics.exp_shifted says why)
+                            scores.S[r, c] = sem.exp_shifted(scores.S[r, c], rows.m[r], fast=True)
                 else:  # rows past Sq weigh nothing
                     for c in T.vectorized(BK):
                         scores.S[r, c] = T.float32(dead_weight)

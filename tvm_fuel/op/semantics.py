@@ -223,7 +223,18 @@ def probability(logit, lse, *, fast: bool = False):
 
     ``fast`` uses ``fast_exp``: LLVM turns a vector ``exp`` into one libm call per lane.
     """
-    return tirx.Select(lse == NEG_INF, _ZERO, (fast_exp if fast else te.exp)(logit - lse))
+    return exp_shifted(logit - lse, lse, fast=fast)
+
+
+def exp_shifted(shifted, lse, *, fast: bool = False):
+    """``exp(shifted)`` for ``shifted = logit - lse`` (``-inf`` for a dropped key), and 0 for rows
+    whose ``lse`` is ``-inf``: ``probability`` from a shift computed beforehand.
+
+    ``fast_exp`` reads its argument about a hundred times: a kernel stores a compound shift (a
+    masked, biased logit) first and passes its load here, or TVM's passes spend seconds on the
+    copies.
+    """
+    return tirx.Select(lse == NEG_INF, _ZERO, (fast_exp if fast else te.exp)(shifted))
 
 
 _EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
