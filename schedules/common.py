@@ -13,9 +13,9 @@ Contents:
     balanced_order    -- a task order whose contiguous chunks carry equal causal work
     tile_is_interior  -- whether a (rows, key tile) pair needs no masking
     row_head, row_position -- the GQA row packing of the forward kernels
-    visible, biased, masked_logit, probability -- the element-wise mask, logit and softmax weight (via
-                      tvm_fuel.op.semantics)
-    is_key_mask, key_mask_heads, without_mask, key_term, add_key_term, key_masked_probability -- a mask the
+    visible, biased, masked_logit, probability, shifted_logit -- the element-wise mask, logit and softmax
+                      weight (via tvm_fuel.op.semantics), and the logit less the lse that the weight exponentiates
+    is_key_mask, key_mask_heads, without_mask, key_term, add_key_term, key_masked_shifted_logit -- a mask the
                       same for every query row (a key mask or bias), read once per key tile instead of per score
     mask_shape, mask_at, drop_params, finish
     ceil_div, NEG_INF -- trip counts; the -inf literal of the kernels' running maxima

@@ -25,8 +25,8 @@ underflows to 0 passes its NaN on is unspecified (the paths round differently).
 
 Contents:
     kv_head, keep, in_subtree, softcap, softcap_grad, alibi_bias, add_mask (BIAS_BOUND), masked, mask_index, NEG_INF,
-    safe_row_max, normalize, with_sink, log_sum_exp, probability, score_grad, weighted, add_weighted, fast_exp,
-    fast_exp2 (LOG2E, LN2), fast_tanh
+    safe_row_max, normalize, with_sink, log_sum_exp, probability, exp_shifted, score_grad, weighted, add_weighted,
+    fast_exp, fast_exp2 (LOG2E, LN2), fast_tanh
     logit_tangent, prob_tangent, score_grad_tangent -- forward-mode pieces of the JVP and the
         double backward (the derivatives of the lines above along a tangent direction)
 """
