@@ -123,7 +123,7 @@ class _Body:
         BQ, BK, DP, L = tiles.block_q, tiles.block_k, tiles.padded_dim(D), tiles.lanes
         want_dk, want_dv = "dk" in grads, "dv" in grads
         # with a softcap the capped score is stored, for the softcap derivative (dq, dk) and for dv
-        # alone too: inlined into the probability, the fast tanh's expression is duplicated until
+        # alone too: inlined into the shifted logit, the fast tanh's expression is duplicated until
         # LLVM takes 70 s to compile the dv kernel
         capped_stored = cfg.softcap > 0
 
