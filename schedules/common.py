@@ -260,13 +260,13 @@ def masked_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delt
                       biased(spec, capped, alibi, mask, b, h, i, j, delta))
 
 
-def probability(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse, *, fast: bool = False):
+def probability(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse):
     """P = exp(logit - lse) of query (b, h, i) and key j from the (softcapped) score and the row's
     lse, 0 where the key is dropped: what every backward kernel recomputes per score element (the
     CUDA kernels, whose exp is one instruction). The CPU kernels, whose vectorizing exp reads its
     argument a hundred times, store ``shifted_logit`` first and take ``semantics.exp_shifted`` of
     its load."""
-    return sem.exp_shifted(shifted_logit(spec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse), lse, fast=fast)
+    return sem.exp_shifted(shifted_logit(spec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse), lse)
 
 
 def shifted_logit(spec: KernelSpec, capped, alibi, mask, b, h, i, j, kv_len, delta, lse):
