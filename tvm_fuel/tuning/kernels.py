@@ -315,7 +315,9 @@ def tune(mod: tvm.IRModule | Iterable[Workload], target, *, ops: Iterable[str] |
             results += _tune_family(group, target, folder, root / "logs", database, builder, runner, trials,
                                     trials_per_iter, seed, log, verify_top, verify_rounds)
     finally:
-        runner.pool.shutdown()  # its measuring processes, now rather than at garbage collection
+        # their worker processes, now rather than at garbage collection
+        builder.close()
+        runner.pool.shutdown()
     return results
 
 

@@ -11,6 +11,7 @@ Contents:
     input_specs                 -- valid fills of a kernel's parameters (also the deploy bundle's)
     alloc_arguments             -- f_alloc_argument of ``ms.runner.LocalRunner``
     alloc_arguments_rpc         -- f_alloc_argument of ``ms.runner.RPCRunner``
+    PooledBuilder               -- MetaSchedule's local builder on worker processes kept between batches
     local_runner, rpc_runner, builder
     build_function, function_builder, function_runner -- the same for a model's other TIR
                                   functions (MetaSchedule's own schedules, random inputs)
@@ -21,10 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 import numpy as np
 import tvm
+from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+from tvm.support.tar import tar
 
 from ..testing.arrays import make_arrays
 
@@ -86,9 +91,49 @@ def alloc_arguments_rpc(session, device, args_info, alloc_repeat: int):
     return alloc_arguments(device, args_info, alloc_repeat)
 
 
-def builder(workers: int | None = None) -> ms.builder.LocalBuilder:
-    return ms.builder.LocalBuilder(f_build=build_candidate, max_workers=workers or os.cpu_count() or 1,
-                                   timeout_sec=120)
+def _build_and_export(f_build, mod: tvm.IRModule, target: tvm.target.Target) -> str:
+    """In a worker: ``f_build``'s module exported as MetaSchedule's default export does (a tar in a
+    new temporary folder, which the measure callbacks or ``side_by_side`` remove)."""
+    artifact = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod." + tar.output_format)
+    f_build(mod, target, None).export_library(artifact, fcompile=tar)
+    return artifact
+
+
+@derived_object
+class PooledBuilder(ms.builder.PyBuilder):
+    """MetaSchedule's LocalBuilder, its worker processes kept from one batch to the next.
+
+    LocalBuilder starts a pool for every batch, and one more to check its build function: each
+    worker imports TVM anew (3-4 s), four or five times for every kernel tuned. These workers live
+    until ``close`` and each is replaced after ``uses`` builds, which bounds the memory growth that
+    made TVM restart its pools. A build that times out or raises is that candidate's error, as in
+    LocalBuilder.
+    """
+
+    def __init__(self, f_build, workers: int, timeout_sec: float = 120, uses: int = 64):
+        self.f_build, self.timeout_sec = f_build, timeout_sec
+        self.pool = PopenPoolExecutor(max_workers=workers, timeout=timeout_sec, maximum_process_uses=uses)
+
+    def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
+        jobs = [(self.f_build, build_input.mod, build_input.target) for build_input in build_inputs]
+        results = []
+        for outcome in self.pool.map_with_error_catching(lambda job: _build_and_export(*job), jobs):
+            if outcome.status == StatusKind.COMPLETE:
+                results.append(ms.builder.BuilderResult(outcome.value, None))
+            elif outcome.status == StatusKind.TIMEOUT:
+                results.append(ms.builder.BuilderResult(
+                    None, f"PooledBuilder: Timeout, killed after {self.timeout_sec} seconds"))
+            else:
+                results.append(ms.builder.BuilderResult(None, f"PooledBuilder: An exception occurred\n{outcome.value}"))
+        return results
+
+    def close(self) -> None:
+        """End the worker processes (now rather than at garbage collection)."""
+        self.pool.shutdown()
+
+
+def builder(workers: int | None = None) -> PooledBuilder:
+    return PooledBuilder(build_candidate, workers or os.cpu_count() or 1)
 
 
 def local_runner() -> ms.runner.LocalRunner:
@@ -124,9 +169,8 @@ def build_function(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -
     return tvm.tirx.build(mod, target=target)
 
 
-def function_builder(workers: int | None = None) -> ms.builder.LocalBuilder:
-    return ms.builder.LocalBuilder(f_build=build_function, max_workers=workers or os.cpu_count() or 1,
-                                   timeout_sec=120)
+def function_builder(workers: int | None = None) -> PooledBuilder:
+    return PooledBuilder(build_function, workers or os.cpu_count() or 1)
 
 
 def function_runner(tracker: str | None = None, key: str | None = None) -> ms.runner.Runner:

@@ -219,6 +219,7 @@ def _tune_functions(tasks: dict[str, tvm.IRModule], target, root: Path, folder: 
             _verify(result, task, search_db, verified_db, target, builder, runner, top=verify_top,
                     rounds=verify_rounds, log=log)
     finally:
+        builder.close()
         pool = getattr(runner, "pool", None)
         if pool is not None:
             pool.shutdown()
