@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 
 import numpy as np
 import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
-from tvm.support.tar import tar
 
 from ..testing.arrays import make_arrays
 
@@ -92,11 +90,11 @@ def alloc_arguments_rpc(session, device, args_info, alloc_repeat: int):
 
 
 def _build_and_export(f_build, mod: tvm.IRModule, target: tvm.target.Target) -> str:
-    """In a worker: ``f_build``'s module exported as MetaSchedule's default export does (a tar in a
-    new temporary folder, which the measure callbacks or ``side_by_side`` remove)."""
-    artifact = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod." + tar.output_format)
-    f_build(mod, target, None).export_library(artifact, fcompile=tar)
-    return artifact
+    """In a worker: ``f_build``'s module through MetaSchedule's default export (a tar in a new
+    temporary folder, which the measure callbacks or ``side_by_side`` remove)."""
+    from tvm.s_tir.meta_schedule.builder.local_builder import default_export
+
+    return default_export(f_build(mod, target, None))
 
 
 @derived_object
