@@ -12,7 +12,8 @@ from helpers import HOST, legalize_checked
 from tvm_fuel.models import llama, peers, train
 from tvm_fuel.models.engine import LlamaEngine
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# one worker: the engines and the trained model are cached per process (_engine, _trained)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("test_decoder")]
 
 CONFIG = llama.LlamaConfig(vocab_size=97, hidden_size=120, intermediate_size=160, num_heads=6, num_kv_heads=2,
                            head_dim=40)  # GQA groups of 3 over 2 KV heads, head dim 40

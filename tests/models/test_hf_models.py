@@ -37,7 +37,8 @@ import tvm_fuel  # noqa: E402
 import tvm_fuel.frontend  # noqa: E402
 from covering import pairwise  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# one worker: each case's export (~6 s) is cached per process (_export)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_hf_models")]
 
 SEQ, LAYERS, PADDED = 40, 2, 5  # the second row of the padded batch starts after 5 pad tokens
 WINDOW, SOFTCAP = 16, 50.0  # Mistral's and Gemma2's sliding window (shorter than SEQ), Gemma2's softcap

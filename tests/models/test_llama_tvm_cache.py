@@ -19,7 +19,8 @@ from tvm import relax
 from tvm_fuel.models import llama, peers
 from tvm_fuel.models.llama_tvm_cache import LlamaCacheEngine
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# one worker: each engine (a module fixture) is built once
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("test_llama_tvm_cache")]
 
 CONFIG = llama.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2,
                            head_dim=64)  # GQA groups of 4; head dim 64 (fuel's cache kernels' smallest tested)
