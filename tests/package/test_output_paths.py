@@ -18,7 +18,6 @@ import pytest
 
 import tvm_fuel
 import tvm_fuel.schedules
-import tvm_fuel.tuning
 from tvm_fuel.bench import attention as bench_attention
 from tvm_fuel.bench import higher_order as bench_higher_order
 from tvm_fuel.cli import build_parser, main
@@ -82,10 +81,22 @@ def calls(monkeypatch) -> list[str]:
     monkeypatch.setattr(bundle_module, "_fill", stop("bundle build"))
     monkeypatch.setattr(gpucheck_module, "has_gpu", stop("has_gpu"))
     monkeypatch.setattr(gpucheck_module, "subprocess", types.SimpleNamespace(run=stop("run.py")))
-    monkeypatch.setattr(tuning_kernels, "tune", stop("tune"))
-    monkeypatch.setattr(tvm_fuel.tuning, "tune", stop("tune"), raising=False)
+    monkeypatch.setattr(tuning_kernels, "tune", stop("tune"))  # tvm_fuel.tuning.tune resolves to it at each access
     monkeypatch.setattr(tuning_report_module, "tuning_report", stop("tuning_report"))
     return called
+
+
+def test_the_stubs_are_gone_after_the_test(request, monkeypatch):
+    """Undoing ``calls`` restores every heavy function: none of its stubs is left in a package for
+    the later tests of the process (the CLI imports ``tune`` from ``tvm_fuel.tuning``)."""
+    import tvm_fuel.tuning
+
+    real_tune = tuning_kernels.tune
+    request.getfixturevalue("calls")
+    assert tvm_fuel.tuning.tune is not real_tune  # the stub, through the package's lazy attribute
+    monkeypatch.undo()
+    assert tuning_kernels.tune is real_tune and tvm_fuel.tuning.tune is real_tune
+    assert "tune" not in vars(tvm_fuel.tuning)
 
 
 @pytest.fixture
@@ -327,7 +338,6 @@ def test_bundle_refuses_an_earlier_bundle_holding_foreign_files(foreign, calls, 
 def test_tune_leaves_the_files_of_its_work_dir(foreign, monkeypatch, calls, capsys):
     tuned = []
     monkeypatch.setattr(tuning_kernels, "tune", lambda *args, **options: tuned.append(options) or [])
-    monkeypatch.setattr(tvm_fuel.tuning, "tune", tuning_kernels.tune, raising=False)
     before = _snapshot(foreign)
     assert _cli([*COMMANDS["tune"], foreign], capsys)[0] == 0
     assert [options["work_dir"] for options in tuned] == [str(foreign)]
