@@ -108,9 +108,10 @@ class PooledBuilder(ms.builder.PyBuilder):
     LocalBuilder.
     """
 
-    def __init__(self, f_build, workers: int, timeout_sec: float = 120, uses: int = 64):
+    def __init__(self, f_build, workers: int | None = None, timeout_sec: float = 120, uses: int = 64):
         self.f_build, self.timeout_sec = f_build, timeout_sec
-        self.pool = PopenPoolExecutor(max_workers=workers, timeout=timeout_sec, maximum_process_uses=uses)
+        self.pool = PopenPoolExecutor(max_workers=workers or os.cpu_count() or 1, timeout=timeout_sec,
+                                      maximum_process_uses=uses)
 
     def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
         jobs = [(self.f_build, build_input.mod, build_input.target) for build_input in build_inputs]
@@ -131,7 +132,7 @@ class PooledBuilder(ms.builder.PyBuilder):
 
 
 def builder(workers: int | None = None) -> PooledBuilder:
-    return PooledBuilder(build_candidate, workers or os.cpu_count() or 1)
+    return PooledBuilder(build_candidate, workers)
 
 
 def local_runner() -> ms.runner.LocalRunner:
@@ -168,7 +169,7 @@ def build_function(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -
 
 
 def function_builder(workers: int | None = None) -> PooledBuilder:
-    return PooledBuilder(build_function, workers or os.cpu_count() or 1)
+    return PooledBuilder(build_function, workers)
 
 
 def function_runner(tracker: str | None = None, key: str | None = None) -> ms.runner.Runner:
