@@ -28,15 +28,18 @@ def test_each_patch_names_its_tvm_and_the_upstream_code(name):
 
 
 def test_import_installed_every_patch_and_a_second_install_changes_nothing():
+    from tvm.script.parser.core.diagnostics import Source
     from tvm.script.parser.core.parser import ScriptMacro
 
     assert tvm_fuel.threads is threads  # (the name tvm_fuel documents)
     assert ScriptMacro._find_parser_def.__module__ == tvmscript.__name__  # noqa: SLF001
+    assert Source.as_ast.__module__ == Source.__init__.__module__ == tvmscript.__name__
     for name in autodiff.RELAX_GRADIENTS:
         assert tvm.ir.Op.get(name).get_attr("FPrimalGradient") is not None, name
     again = compat.install()
     assert again["threads"] == {} and again["relax_gradients"] == []
-    assert again["tvmscript"]["macro_lookup"] and "tvm.tirx.script.parser.entry" in again["tvmscript"]["entry_stacks"]
+    assert again["tvmscript"]["macro_lookup"] and again["tvmscript"]["shared_sources"]
+    assert "tvm.tirx.script.parser.entry" in again["tvmscript"]["entry_stacks"]
 
 
 def test_a_callers_converter_takes_precedence_over_ours():

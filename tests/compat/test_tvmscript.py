@@ -120,3 +120,122 @@ def test_parser_entries_parse_as_before_without_module_lookups(monkeypatch):
     by_tvm = _parse()
     assert len(lookups) > cheap_lookups + 10, (len(lookups), cheap_lookups)  # one per outer frame
     tvm.ir.assert_structural_equal(cheap, by_tvm)
+
+
+def _scaled_by(factor):
+    """A kernel generator as the schedules write them: a macro defined inside, a closure value."""
+
+    @T.macro
+    def scale(buf, i):
+        buf[i] = buf[i] * T.float32(factor)
+
+    @T.prim_func(private=True)
+    def func(a: T.Buffer((8,), "float32")):
+        for i in range(8):
+            scale(a, i)
+
+    return func
+
+
+def test_sources_read_and_parsed_once_give_tvms_prim_funcs(monkeypatch):
+    """Built again (another closure value), a generator's kernel reads no source and parses no text:
+    it walks the doc trees of the first build, and equals what TVM's own ``Source`` parses."""
+    from tvm.script.parser.core import diagnostics, doc
+
+    assert tvmscript.shared_sources()
+    _scaled_by(2.0)
+    reads, parses = [], []
+    real_lines, real_parse = diagnostics.getsourcelines, doc.parse
+    monkeypatch.setattr(diagnostics, "getsourcelines", lambda *a: reads.append(a) or real_lines(*a))
+    monkeypatch.setattr(doc, "parse", lambda *a, **k: parses.append(a) or real_parse(*a, **k))
+    shared = [_scaled_by(factor) for factor in (3.0, 3.0, 5.0)]
+    assert not reads and not parses
+    tvm.ir.assert_structural_equal(shared[0], shared[1])
+
+    monkeypatch.setattr(diagnostics.Source, "__init__", tvmscript.tvms_source[0])
+    monkeypatch.setattr(diagnostics.Source, "as_ast", tvmscript.tvms_source[1])
+    for factor, func in zip((3.0, 5.0), shared[1:]):
+        tvm.ir.assert_structural_equal(func, _scaled_by(factor))
+    assert reads and parses  # (TVM's own Source reads and parses every time)
+    assert shared[0].script() != shared[2].script()  # the closure's value, not the first build's
+
+
+def _sliced(lower, upper):
+    """A slice without a step in an assignment: the parser writes a step of 1 into the tree before it reads it."""
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def func(a: T.Buffer((8,), "float32"), b: T.Buffer((8,), "float32")):
+        with T.sblock("copy"):
+            window = a[lower:upper]
+            T.reads(window)
+            T.writes(b[0])
+            b[0] = a[lower] + a[upper - 1]
+
+    return func
+
+
+def _scaled_inline(scale):
+    """A ``T.inline`` defined in the function: the parser pops its decorator and moves its position in the tree."""
+
+    @T.prim_func(private=True)
+    def func(a: T.Buffer((8,), "float32"), b: T.Buffer((8,), "float32")):
+        @T.inline
+        def scaled(i):
+            b[i] = a[i] * T.float32(scale)
+
+        for i in range(8):
+            scaled(i)
+
+    return func
+
+
+def _slices(tree):
+    from tvm.script.parser.core import doc
+
+    found = []
+
+    def walk(node):
+        if isinstance(node, (list, tuple)):
+            for child in node:
+                walk(child)
+        elif isinstance(node, doc.AST):
+            if isinstance(node, doc.Slice):
+                found.append(node)
+            for field in type(node)._FIELDS:  # noqa: SLF001
+                walk(getattr(node, field, None))
+
+    walk(tree)
+    return found
+
+
+def test_only_trees_the_parser_leaves_as_they_read_are_shared(monkeypatch):
+    """A tree whose omitted slice step the parser filled reads as before (shared: the same PrimFuncs
+    as TVM's own parse); a tree defining a function inside its function (a ``T.inline``, rewritten by
+    the parser) is parsed anew at each build."""
+    from tvm.script.parser.core import diagnostics
+
+    assert tvmscript.shared_sources()
+    shared = [(_sliced, 1, 5), (_sliced, 2, 6), (_scaled_inline, 2.0), (_scaled_inline, 3.0)]
+    built = [make(*args) for make, *args in shared]
+    trees = {text: tree for text, tree in tvmscript._trees.items() if "b[0] = a[lower]" in text}  # noqa: SLF001
+    (tree,) = trees.values()
+    assert [s.step.value for s in _slices(tree)] == [1]  # written by the first build, read by the second
+    assert not any("@T.inline" in text for text in tvmscript._trees)  # noqa: SLF001  (the function holding it)
+
+    monkeypatch.setattr(diagnostics.Source, "__init__", tvmscript.tvms_source[0])
+    monkeypatch.setattr(diagnostics.Source, "as_ast", tvmscript.tvms_source[1])
+    for func, (make, *args) in zip(built, shared):
+        tvm.ir.assert_structural_equal(func, make(*args))
+        assert func.script() == make(*args).script()
+
+
+def test_a_shared_tree_with_an_inline_would_not_parse_again(monkeypatch):
+    """Why such trees are parsed anew: the first parse pops the ``T.inline``'s decorator from the tree."""
+    from tvm.script.parser.core import diagnostics
+
+    assert tvmscript.shared_sources()
+    monkeypatch.setattr(tvmscript, "_nests_a_function", lambda tree: False)
+    monkeypatch.setattr(tvmscript, "_trees", {})
+    _scaled_inline(4.0)
+    with pytest.raises(diagnostics.DiagnosticError, match="must be decorated"):
+        _scaled_inline(5.0)

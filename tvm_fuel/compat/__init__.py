@@ -8,8 +8,9 @@ release is checked here, module by module.
 Modules, in the order ``install`` applies them:
     threads         -- the CPU thread pool's size and binding (``src/runtime/threading_backend.cc``):
                        first, before any kernel starts TVM's pool, which reads them once
-    tvmscript       -- the parser's macro lookup and entries without a frame-info walk
-                       (``python/tvm/script/parser/core/parser.py``): before any kernel is parsed
+    tvmscript       -- the parser's macro lookup and entries without a frame-info walk, each source
+                       read and parsed once (``python/tvm/script/parser/core/parser.py``,
+                       ``diagnostics.py``): before any kernel is parsed
     relax_gradients -- the gradients of TVM's Relax ops that have none (``python/tvm/relax/op/_op_gradient.py``):
                        after TVM's ops are registered (on importing TVM: TVM's own gradients win)
 and one applied per call rather than installed:

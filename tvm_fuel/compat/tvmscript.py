@@ -1,12 +1,12 @@
-"""TVMScript's parser entries and macro expansion at the cost of a frame walk (the kernels are written
-with ``T.prim_func`` and ``T.macro``).
+"""TVMScript's parser entries and macro expansion at the cost of a frame walk, and each source read and
+parsed once (the kernels are written with ``T.prim_func`` and ``T.macro``).
 
 Applies to: TVM 0.27.0. Works around: ``python/tvm/script/parser/core/parser.py``
 ``ScriptMacro._find_parser_def`` (``inspect.getouterframes``), and the ``inspect.stack()`` of the
 parser's entries: ``python/tvm/tirx/script/parser/entry.py`` ``prim_func``,
 ``python/tvm/script/parser/ir/entry.py`` ``ir_module``, ``python/tvm/relax/script/parser/entry.py``
-``function``. Each replacement checks it finds the code it replaces, and leaves a TVM that differs
-untouched.
+``function``; ``python/tvm/script/parser/core/diagnostics.py`` ``Source``. Each replacement checks
+it finds the code it replaces, and leaves a TVM that differs untouched.
 
 TVM's ``ScriptMacro._find_parser_def`` finds the active parser with
 ``inspect.getouterframes``, which reads every outer frame's source line and, for each, scans
@@ -24,15 +24,31 @@ during an import) scans all of ``sys.modules`` every time: importing
 frames, names, line numbers and source lines (``linecache``'s, as ``inspect`` reads them) without
 the module lookups.
 
-``install`` applies both when tvm_fuel is imported (``tvm_fuel.compat.install``), before any
+The parser reads and parses a function's source anew each time (``python/tvm/script/parser/core/
+diagnostics.py`` ``Source.__init__`` and ``Source.as_ast``). A kernel generator defines its
+``T.macro``s inside itself, so every kernel built reads each macro's source (``inspect``: the
+block's lines and its module's whole text) and converts each macro's source to TVMScript's doc
+tree again at every use: a third of building a kernel (36 CPU and emulated CUDA forward kernels,
+5.8-6.4 s; 3.2-3.6 s with both read once). ``shared_sources`` keeps a function's ``Source`` per code
+object (one code object is one place in one file) and each source text's doc tree, which every
+parse of that text then walks. A tree is shared only where a second parse reads what the first
+did: TVM's parser writes into a tree in two places, an omitted slice step it fills with 1
+(``evaluator.py`` ``_visit_node``, ``tirx/script/parser/parser.py`` ``visit_assign``: before it reads
+the slice, so a filled step reads the same), and a ``T.inline`` definition, whose decorator it pops
+and whose position it moves (``visit_inline_function_def``): a tree with a function defined inside
+its function is parsed anew each time.
+
+``install`` applies all three when tvm_fuel is imported (``tvm_fuel.compat.install``), before any
 kernel is parsed.
 
 Contents:
-    install           -- both replacements below (idempotent)
+    install           -- the replacements below (idempotent)
     fast_macro_lookup -- install the frame walk (idempotent; leaves an unfamiliar TVM untouched)
     tvms_lookup       -- TVM's own lookup as it was (None until replaced)
     fast_entry_stacks -- give the parser's entries ``cheap_stack`` (idempotent)
     cheap_stack       -- ``inspect.stack()`` without the module lookups
+    shared_sources    -- read a function's source and parse a source text once (idempotent)
+    tvms_source       -- TVM's own ``Source.__init__`` and ``Source.as_ast`` as they were (None until replaced)
 """
 
 from __future__ import annotations
@@ -123,10 +139,78 @@ def fast_entry_stacks() -> list[str]:
     return patched
 
 
+tvms_source = None
+_SOURCE_FIELDS = ("source_name", "start_line", "start_column", "source", "full_source")
+_sources: dict[object, tuple] = {}  # a function's code object -> its Source's fields
+_trees: dict[str, object] = {}  # a source text -> its doc tree, walked by every parse of the text
+
+
+def _source_init(self, program):
+    """TVM's ``Source.__init__``, its reading of a function's lines and module text done once per code object."""
+    code = getattr(program, "__code__", None)
+    known = _sources.get(code) if code is not None else None
+    if known is None:
+        tvms_source[0](self, program)
+        if code is not None:
+            _sources[code] = tuple(getattr(self, field) for field in _SOURCE_FIELDS)
+        return
+    for field, value in zip(_SOURCE_FIELDS, known):
+        setattr(self, field, value)
+
+
+def _nests_a_function(tree) -> bool:
+    """Whether a function is defined inside one of ``tree``'s functions (a ``T.inline``, which the
+    parser rewrites in place)."""
+    from tvm.script.parser.core import doc
+
+    def walk(node, depth):
+        if isinstance(node, (list, tuple)):
+            return any(walk(child, depth) for child in node)
+        if not isinstance(node, doc.AST):
+            return False
+        if isinstance(node, doc.FunctionDef):
+            if depth:
+                return True
+            depth += 1
+        return any(walk(getattr(node, field, None), depth) for field in type(node)._FIELDS)  # noqa: SLF001
+
+    return walk(tree, 0)
+
+
+def _shared_tree(self):
+    """TVM's ``Source.as_ast``, one doc tree per source text (where a second parse reads what the first did)."""
+    tree = _trees.get(self.source)
+    if tree is None:
+        tree = tvms_source[1](self)
+        if not _nests_a_function(tree):
+            _trees[self.source] = tree
+    return tree
+
+
+def shared_sources() -> bool:
+    """Replace ``Source.__init__`` and ``Source.as_ast`` with the once-per-function read and the
+    once-per-text parse; False where TVM's are not the ones these replace (both stay)."""
+    global tvms_source
+    from tvm.script.parser.core.diagnostics import Source
+
+    init, as_ast = Source.__dict__.get("__init__"), Source.__dict__.get("as_ast")
+    if init is _source_init and as_ast is _shared_tree:
+        return True
+    init_names = getattr(getattr(init, "__code__", None), "co_names", ())
+    as_ast_names = getattr(getattr(as_ast, "__code__", None), "co_names", ())
+    if "getsourcelines" not in init_names or "parse" not in as_ast_names:
+        return False
+    tvms_source = (init, as_ast)
+    Source.__init__, Source.as_ast = _source_init, _shared_tree
+    return True
+
+
 def install() -> dict[str, object]:
-    """Both replacements (idempotent): whether the macro lookup is the frame walk, and the parser's
-    entry modules using ``cheap_stack``."""
-    return {"macro_lookup": fast_macro_lookup(), "entry_stacks": fast_entry_stacks()}
+    """The replacements (idempotent): whether the macro lookup is the frame walk, the parser's entry
+    modules using ``cheap_stack``, and whether sources are read and parsed once."""
+    return {"macro_lookup": fast_macro_lookup(), "entry_stacks": fast_entry_stacks(),
+            "shared_sources": shared_sources()}
 
 
-__all__ = ["install", "fast_macro_lookup", "fast_entry_stacks", "cheap_stack"]  # (tvms_lookup: read as an attribute)
+__all__ = ["install", "fast_macro_lookup", "fast_entry_stacks", "cheap_stack",
+           "shared_sources"]  # (tvms_lookup, tvms_source: read as attributes)
