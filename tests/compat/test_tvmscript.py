@@ -217,10 +217,10 @@ def test_only_trees_the_parser_leaves_as_they_read_are_shared(monkeypatch):
     assert tvmscript.shared_sources()
     shared = [(_sliced, 1, 5), (_sliced, 2, 6), (_scaled_inline, 2.0), (_scaled_inline, 3.0)]
     built = [make(*args) for make, *args in shared]
-    trees = {text: tree for text, tree in tvmscript._trees.items() if "b[0] = a[lower]" in text}  # noqa: SLF001
+    trees = {text: tree for text, tree in tvmscript.shared_trees().items() if "b[0] = a[lower]" in text}
     (tree,) = trees.values()
     assert [s.step.value for s in _slices(tree)] == [1]  # written by the first build, read by the second
-    assert not any("@T.inline" in text for text in tvmscript._trees)  # noqa: SLF001  (the function holding it)
+    assert not any("@T.inline" in text for text in tvmscript.shared_trees())  # (the function holding it)
 
     monkeypatch.setattr(diagnostics.Source, "__init__", tvmscript.tvms_source[0])
     monkeypatch.setattr(diagnostics.Source, "as_ast", tvmscript.tvms_source[1])
@@ -235,7 +235,50 @@ def test_a_shared_tree_with_an_inline_would_not_parse_again(monkeypatch):
 
     assert tvmscript.shared_sources()
     monkeypatch.setattr(tvmscript, "_nests_a_function", lambda tree: False)
-    monkeypatch.setattr(tvmscript, "_trees", {})
+    monkeypatch.setattr(tvmscript._per_thread, "trees", {})  # noqa: SLF001
     _scaled_inline(4.0)
     with pytest.raises(diagnostics.DiagnosticError, match="must be decorated"):
         _scaled_inline(5.0)
+
+
+def test_equal_functions_of_two_files_and_two_wrapped_macros_keep_their_own_sources(tmp_path):
+    """Code objects compare equal across files (annotations are not part of them), and every
+    ``functools.wraps`` wrapper of one decorator has the same code: each place keeps its own source."""
+    import functools
+    import importlib.util
+
+    assert tvmscript.shared_sources()
+    built = []
+    for size in (128, 256):
+        path = tmp_path / f"kernel_{size}.py"
+        path.write_text(f"from tvm.script import tirx as T\nN = {size}\n\n\ndef build():\n"
+                        "    @T.prim_func(private=True)\n    def main(a: T.Buffer((N,), \"float32\")):\n"
+                        "        a[0] = T.float32(1)\n\n    return main\n")
+        spec = importlib.util.spec_from_file_location(f"kernel_{size}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        built.append(module.build())
+    assert "T.Buffer((128,)" in built[0].script() and "T.Buffer((256,)" in built[1].script()
+
+    def logged(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    def plus_one(buf, i):
+        buf[i] = buf[i] + T.float32(1)
+
+    def times_two(buf, i):
+        buf[i] = buf[i] * T.float32(2)
+
+    first, second = T.macro(logged(plus_one)), T.macro(logged(times_two))
+
+    @T.prim_func(private=True)
+    def both(a: T.Buffer((8,), "float32")):
+        for i in range(8):
+            first(a, i)
+            second(a, i)
+
+    assert "+ T.float32(1.0)" in both.script() and "* T.float32(2.0)" in both.script()

@@ -29,14 +29,16 @@ diagnostics.py`` ``Source.__init__`` and ``Source.as_ast``). A kernel generator 
 ``T.macro``s inside itself, so every kernel built reads each macro's source (``inspect``: the
 block's lines and its module's whole text) and converts each macro's source to TVMScript's doc
 tree again at every use: a third of building a kernel (36 CPU and emulated CUDA forward kernels,
-5.8-6.4 s; 3.2-3.6 s with both read once). ``shared_sources`` keeps a function's ``Source`` per code
-object (one code object is one place in one file) and each source text's doc tree, which every
-parse of that text then walks. A tree is shared only where a second parse reads what the first
-did: TVM's parser writes into a tree in two places, an omitted slice step it fills with 1
-(``evaluator.py`` ``_visit_node``, ``tirx/script/parser/parser.py`` ``visit_assign``: before it reads
-the slice, so a filled step reads the same), and a ``T.inline`` definition, whose decorator it pops
-and whose position it moves (``visit_inline_function_def``): a tree with a function defined inside
-its function is parsed anew each time.
+5.8-6.4 s; 3.2-3.6 s with both read once). ``shared_sources`` keeps a function's ``Source`` per
+place (its code object and the one it wraps, by identity: equal code objects of two files are two
+places) and, per thread, the doc tree of each function's source text, which every parse of that
+text then walks. A tree is shared only where a second parse reads what the first did: TVM's parser
+writes into a tree in three places. An omitted slice step it fills with 1 (``evaluator.py``
+``_visit_node``, ``tirx/script/parser/parser.py`` ``visit_assign``) before it reads the slice, so a
+filled step reads the same; an augmented assignment's target it flips to load and back to store
+(``visit_aug_assign``), so a tree is never walked by two threads at once; and a ``T.inline``
+definition loses its decorator and moves (``visit_inline_function_def``), so a tree with a function
+defined inside its function is parsed anew each time.
 
 ``install`` applies all three when tvm_fuel is imported (``tvm_fuel.compat.install``), before any
 kernel is parsed.
@@ -47,7 +49,8 @@ Contents:
     tvms_lookup       -- TVM's own lookup as it was (None until replaced)
     fast_entry_stacks -- give the parser's entries ``cheap_stack`` (idempotent)
     cheap_stack       -- ``inspect.stack()`` without the module lookups
-    shared_sources    -- read a function's source and parse a source text once (idempotent)
+    shared_sources    -- read a function's source and parse its text once (idempotent)
+    shared_trees      -- this thread's shared doc trees, by source text
     tvms_source       -- TVM's own ``Source.__init__`` and ``Source.as_ast`` as they were (None until replaced)
 """
 
@@ -57,6 +60,7 @@ import importlib
 import inspect
 import linecache
 import sys
+import threading
 
 tvms_lookup = None
 
@@ -141,21 +145,42 @@ def fast_entry_stacks() -> list[str]:
 
 tvms_source = None
 _SOURCE_FIELDS = ("source_name", "start_line", "start_column", "source", "full_source")
-_sources: dict[object, tuple] = {}  # a function's code object -> its Source's fields
-_trees: dict[str, object] = {}  # a source text -> its doc tree, walked by every parse of the text
+# (the program's code, the code it wraps, its module name) -> (both codes, kept so that their ids stay
+# theirs, and its Source's fields); equal code objects of two places are two keys
+_sources: dict[tuple, tuple] = {}
+_texts: dict[str, str] = {}  # one copy of each module's text, however many functions of it are kept
+_per_thread = threading.local()  # .trees: a source text -> its doc tree, walked by every parse of it
+
+
+def _source_key(program) -> tuple | None:
+    """What a function's ``Source`` depends on: the code read (``getsourcelines`` unwraps it), the
+    code of the program itself (its file) and its module name (the module text read); None for a
+    program that is no function (a class, a string)."""
+    code = getattr(program, "__code__", None)
+    if code is None:
+        return None
+    try:
+        inner = getattr(inspect.unwrap(program), "__code__", None)
+    except ValueError:  # a cycle of __wrapped__: TVM's own Source reports it
+        return None
+    if inner is None:
+        return None
+    return (id(code), id(inner), getattr(program, "__module__", None)), code, inner
 
 
 def _source_init(self, program):
-    """TVM's ``Source.__init__``, its reading of a function's lines and module text done once per code object."""
-    code = getattr(program, "__code__", None)
-    known = _sources.get(code) if code is not None else None
-    if known is None:
+    """TVM's ``Source.__init__``, a function's lines and module text read once per place in a file."""
+    keyed = _source_key(program)
+    known = _sources.get(keyed[0]) if keyed is not None else None
+    if known is None or known[0] is not keyed[1] or known[1] is not keyed[2]:
         tvms_source[0](self, program)
-        if code is not None:
-            _sources[code] = tuple(getattr(self, field) for field in _SOURCE_FIELDS)
-        return
-    for field, value in zip(_SOURCE_FIELDS, known):
-        setattr(self, field, value)
+        if keyed is not None:
+            self.full_source = _texts.setdefault(self.full_source, self.full_source)
+            _sources[keyed[0]] = (keyed[1], keyed[2], tuple(getattr(self, field) for field in _SOURCE_FIELDS))
+    else:
+        for field, value in zip(_SOURCE_FIELDS, known[2]):
+            setattr(self, field, value)
+    self.of_function = keyed is not None  # (a string's text is parsed as TVM parses it: anew)
 
 
 def _nests_a_function(tree) -> bool:
@@ -177,13 +202,26 @@ def _nests_a_function(tree) -> bool:
     return walk(tree, 0)
 
 
+def shared_trees() -> dict:
+    """This thread's shared doc trees, by source text."""
+    trees = getattr(_per_thread, "trees", None)
+    if trees is None:
+        trees = _per_thread.trees = {}
+    return trees
+
+
 def _shared_tree(self):
-    """TVM's ``Source.as_ast``, one doc tree per source text (where a second parse reads what the first did)."""
-    tree = _trees.get(self.source)
+    """TVM's ``Source.as_ast``, one doc tree per function's source text and thread (where a second
+    parse reads what the first did; a parse flips an augmented assignment's target between load and
+    store, so two threads never walk one tree)."""
+    if not getattr(self, "of_function", False):
+        return tvms_source[1](self)
+    trees = shared_trees()
+    tree = trees.get(self.source)
     if tree is None:
         tree = tvms_source[1](self)
         if not _nests_a_function(tree):
-            _trees[self.source] = tree
+            trees[self.source] = tree
     return tree
 
 
@@ -213,4 +251,4 @@ def install() -> dict[str, object]:
 
 
 __all__ = ["install", "fast_macro_lookup", "fast_entry_stacks", "cheap_stack",
-           "shared_sources"]  # (tvms_lookup, tvms_source: read as attributes)
+           "shared_sources", "shared_trees"]  # (tvms_lookup, tvms_source: read as attributes)
