@@ -235,6 +235,7 @@ def test_a_shared_tree_with_an_inline_would_not_parse_again(monkeypatch):
 
     assert tvmscript.shared_sources()
     monkeypatch.setattr(tvmscript, "_nests_a_function", lambda tree: False)
+    tvmscript.shared_trees()  # (this thread's trees exist, to be set aside for the test)
     monkeypatch.setattr(tvmscript._per_thread, "trees", {})  # noqa: SLF001
     _scaled_inline(4.0)
     with pytest.raises(diagnostics.DiagnosticError, match="must be decorated"):
