@@ -189,25 +189,6 @@ def _scaled_inline(scale):
     return func
 
 
-def _slices(tree):
-    from tvm.script.parser.core import doc
-
-    found = []
-
-    def walk(node):
-        if isinstance(node, (list, tuple)):
-            for child in node:
-                walk(child)
-        elif isinstance(node, doc.AST):
-            if isinstance(node, doc.Slice):
-                found.append(node)
-            for field in type(node)._FIELDS:  # noqa: SLF001
-                walk(getattr(node, field, None))
-
-    walk(tree)
-    return found
-
-
 def test_only_trees_the_parser_leaves_as_they_read_are_shared(monkeypatch):
     """A tree whose omitted slice step the parser filled reads as before (shared: the same PrimFuncs
     as TVM's own parse); a tree defining a function inside its function (a ``T.inline``, rewritten by
@@ -219,14 +200,18 @@ def test_only_trees_the_parser_leaves_as_they_read_are_shared(monkeypatch):
     built = [make(*args) for make, *args in shared]
     trees = {text: tree for text, tree in tvmscript.shared_trees().items() if "b[0] = a[lower]" in text}
     (tree,) = trees.values()
-    assert [s.step.value for s in _slices(tree)] == [1]  # written by the first build, read by the second
+    from tvm.script.parser.core import doc
+
+    slices = [node for node, _ in tvmscript.doc_nodes(tree) if isinstance(node, doc.Slice)]
+    assert [s.step.value for s in slices] == [1]  # written by the first build, read by the second
     assert not any("@T.inline" in text for text in tvmscript.shared_trees())  # (the function holding it)
 
     monkeypatch.setattr(diagnostics.Source, "__init__", tvmscript.tvms_source[0])
     monkeypatch.setattr(diagnostics.Source, "as_ast", tvmscript.tvms_source[1])
     for func, (make, *args) in zip(built, shared):
-        tvm.ir.assert_structural_equal(func, make(*args))
-        assert func.script() == make(*args).script()
+        by_tvm = make(*args)
+        tvm.ir.assert_structural_equal(func, by_tvm)
+        assert func.script() == by_tvm.script()
 
 
 def test_a_shared_tree_with_an_inline_would_not_parse_again(monkeypatch):

@@ -51,6 +51,7 @@ Contents:
     cheap_stack       -- ``inspect.stack()`` without the module lookups
     shared_sources    -- read a function's source and parse its text once (idempotent)
     shared_trees      -- this thread's shared doc trees, by source text
+    doc_nodes         -- a doc tree's nodes, each with the number of functions around it
     tvms_source       -- TVM's own ``Source.__init__`` and ``Source.as_ast`` as they were (None until replaced)
 """
 
@@ -145,16 +146,16 @@ def fast_entry_stacks() -> list[str]:
 
 tvms_source = None
 _SOURCE_FIELDS = ("source_name", "start_line", "start_column", "source", "full_source")
-# (the program's code, the code it wraps, its module name) -> (both codes, kept so that their ids stay
-# theirs, and its Source's fields); equal code objects of two places are two keys
+# a place's key (ids of its two codes, its module name) -> (the place, which keeps both codes and so
+# their ids alive, and its Source's fields); equal code objects of two places are two keys
 _sources: dict[tuple, tuple] = {}
 _texts: dict[str, str] = {}  # one copy of each module's text, however many functions of it are kept
 _per_thread = threading.local()  # .trees: a source text -> its doc tree, walked by every parse of it
 
 
-def _source_key(program) -> tuple | None:
-    """What a function's ``Source`` depends on: the code read (``getsourcelines`` unwraps it), the
-    code of the program itself (its file) and its module name (the module text read); None for a
+def _place(program) -> tuple | None:
+    """What a function's ``Source`` depends on: the code of the program itself (its file), the code
+    read (``getsourcelines`` unwraps it) and its module name (the module text read); None for a
     program that is no function (a class, a string)."""
     code = getattr(program, "__code__", None)
     if code is None:
@@ -163,24 +164,37 @@ def _source_key(program) -> tuple | None:
         inner = getattr(inspect.unwrap(program), "__code__", None)
     except ValueError:  # a cycle of __wrapped__: TVM's own Source reports it
         return None
-    if inner is None:
-        return None
-    return (id(code), id(inner), getattr(program, "__module__", None)), code, inner
+    return None if inner is None else (code, inner, getattr(program, "__module__", None))
 
 
 def _source_init(self, program):
     """TVM's ``Source.__init__``, a function's lines and module text read once per place in a file."""
-    keyed = _source_key(program)
-    known = _sources.get(keyed[0]) if keyed is not None else None
-    if known is None or known[0] is not keyed[1] or known[1] is not keyed[2]:
+    place = _place(program)
+    key = None if place is None else (id(place[0]), id(place[1]), place[2])
+    known = _sources.get(key) if place is not None else None
+    if known is None:
         tvms_source[0](self, program)
-        if keyed is not None:
+        if place is not None:
             self.full_source = _texts.setdefault(self.full_source, self.full_source)
-            _sources[keyed[0]] = (keyed[1], keyed[2], tuple(getattr(self, field) for field in _SOURCE_FIELDS))
+            _sources[key] = (place, tuple(getattr(self, field) for field in _SOURCE_FIELDS))
     else:
-        for field, value in zip(_SOURCE_FIELDS, known[2]):
+        for field, value in zip(_SOURCE_FIELDS, known[1]):
             setattr(self, field, value)
-    self.of_function = keyed is not None  # (a string's text is parsed as TVM parses it: anew)
+    self.of_function = place is not None  # (a string's text is parsed as TVM parses it: anew)
+
+
+def doc_nodes(tree, functions: int = 0):
+    """Every doc node of ``tree`` with the number of function definitions around it (itself not counted)."""
+    from tvm.script.parser.core import doc
+
+    if isinstance(tree, (list, tuple)):
+        for child in tree:
+            yield from doc_nodes(child, functions)
+    elif isinstance(tree, doc.AST):
+        yield tree, functions
+        inner = functions + isinstance(tree, doc.FunctionDef)
+        for field in type(tree)._FIELDS:  # noqa: SLF001
+            yield from doc_nodes(getattr(tree, field, None), inner)
 
 
 def _nests_a_function(tree) -> bool:
@@ -188,18 +202,7 @@ def _nests_a_function(tree) -> bool:
     parser rewrites in place)."""
     from tvm.script.parser.core import doc
 
-    def walk(node, depth):
-        if isinstance(node, (list, tuple)):
-            return any(walk(child, depth) for child in node)
-        if not isinstance(node, doc.AST):
-            return False
-        if isinstance(node, doc.FunctionDef):
-            if depth:
-                return True
-            depth += 1
-        return any(walk(getattr(node, field, None), depth) for field in type(node)._FIELDS)  # noqa: SLF001
-
-    return walk(tree, 0)
+    return any(functions and isinstance(node, doc.FunctionDef) for node, functions in doc_nodes(tree))
 
 
 def shared_trees() -> dict:
@@ -251,4 +254,4 @@ def install() -> dict[str, object]:
 
 
 __all__ = ["install", "fast_macro_lookup", "fast_entry_stacks", "cheap_stack",
-           "shared_sources", "shared_trees"]  # (tvms_lookup, tvms_source: read as attributes)
+           "shared_sources", "shared_trees", "doc_nodes"]  # (tvms_lookup, tvms_source: read as attributes)
