@@ -35,6 +35,18 @@ def _f64(x):
     return None if x is None else np.asarray(x).astype(np.float64)
 
 
+# The contractions go through matmul (BLAS): np.einsum without ``optimize`` loops in C on its own, 17x
+# slower at Sq = Sk = 1024 (0.71 s against 0.04 s a product), which made the reference most of a
+# long-sequence test's time.
+def _dots(a, b):
+    """``a [..., i, d]`` and ``b [..., j, d]`` -> ``[..., i, j]``: each row of a dotted with each row of b."""
+    return a @ np.swapaxes(b, -1, -2)
+
+
+def _transposed(w):
+    return np.swapaxes(w, -1, -2)
+
+
 def visible_keys(sq: int, sk: int, kv_len: int | None = None, *, causal=False, window_size=(-1, -1),
                  sink_tokens: int = 0) -> np.ndarray:
     """Bool [sq, sk]: key j visible to query i (bottom-right aligned, ``kv_len`` valid keys; keys
@@ -57,7 +69,7 @@ def _logits(q, k, alibi_slopes, attn_mask, softmax_scale, causal, window_size, s
     Hkv, Sk = k.shape[1], k.shape[2]
     k = np.repeat(_f64(k), Hq // Hkv, axis=1)  # GQA: query head h reads kv head h // group
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    s = scale * np.einsum("bhid,bhjd->bhij", _f64(q), k)
+    s = scale * _dots(_f64(q), k)
     capped = softcap * np.tanh(s / softcap) if softcap > 0 else s
     kv_len = Sk if kv_len is None else kv_len
     logits = capped.copy()
@@ -103,15 +115,11 @@ def _weighted_sum(w, x):
     its term (so a NaN or Inf in ``x`` reaches only the rows that weigh it)."""
     finite = np.isfinite(x)
     with np.errstate(invalid="ignore"):
-        out = np.einsum("bhij,bhjd->bhid", w, np.where(finite, x, 0.0))
+        out = w @ np.where(finite, x, 0.0)
         for b, h, j, d in zip(*np.nonzero(~finite)):
             rows = w[b, h, :, j] != 0
             out[b, h, rows, d] += w[b, h, rows, j] * x[b, h, j, d]
     return out
-
-
-def _transposed(w):
-    return np.swapaxes(w, -1, -2)
 
 
 def flash_attn(q, k, v, alibi_slopes=None, attn_mask=None, *, softmax_scale=None, causal=False,
@@ -139,7 +147,7 @@ def flash_attn_backward(q, k, v, do, alibi_slopes=None, attn_mask=None, *, softm
     kr, vr, do = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1), _f64(do)
     with np.errstate(invalid="ignore"):
         dv = _weighted_sum(_transposed(p), do)
-        dp = np.einsum("bhid,bhjd->bhij", do, vr)
+        dp = _dots(do, vr)
         p_dp = np.where(p == 0, 0.0, p * dp)
         ds = p * (dp - p_dp.sum(axis=-1, keepdims=True))  # softmax backward
         if softcap > 0:
@@ -178,15 +186,15 @@ def _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_sca
     p, lse = _softmax(logits)
     kr, vr = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1)
     kr_dot, vr_dot = np.repeat(_zeros_or(k_dot, k), group, axis=1), np.repeat(_zeros_or(v_dot, v), group, axis=1)
-    s_dot = scale * (np.einsum("bhid,bhjd->bhij", _zeros_or(q_dot, q), kr)
-                     + np.einsum("bhid,bhjd->bhij", _f64(q), kr_dot))
+    s_dot = scale * (_dots(_zeros_or(q_dot, q), kr)
+                     + _dots(_f64(q), kr_dot))
     slope = 1.0 - (capped / softcap) ** 2 if softcap > 0 else np.ones_like(capped)  # d capped / d s
     capped_dot = slope * s_dot
     logit_dot = np.where(p == 0, 0.0, capped_dot)  # ALiBi and masks are constants
     lse_dot = (p * logit_dot).sum(axis=-1, keepdims=True)
     p_dot = p * (logit_dot - lse_dot)
-    out = np.einsum("bhij,bhjd->bhid", p, vr)
-    out_dot = np.einsum("bhij,bhjd->bhid", p_dot, vr) + np.einsum("bhij,bhjd->bhid", p, vr_dot)
+    out = p @ vr
+    out_dot = p_dot @ vr + p @ vr_dot
     return dict(scale=scale, group=group, capped=capped, capped_dot=capped_dot, slope=slope, p=p, p_dot=p_dot,
                 lse=lse, lse_dot=lse_dot[..., 0], out=out, out_dot=out_dot, kr=kr, vr=vr, kr_dot=kr_dot,
                 vr_dot=vr_dot)
@@ -218,8 +226,8 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
                   softcap, sink_tokens)
     p, p_dot, scale, slope = t["p"], t["p_dot"], t["scale"], t["slope"]
     q64, q_bar, do = _f64(q), _zeros_or(dq_bar, q), _f64(do)
-    dp = np.einsum("bhid,bhjd->bhij", do, t["vr"])
-    dp_dot = np.einsum("bhid,bhjd->bhij", do, t["vr_dot"])
+    dp = _dots(do, t["vr"])
+    dp_dot = _dots(do, t["vr_dot"])
     row = (p * dp).sum(axis=-1, keepdims=True)  # D = rowsum(dO * O)
     row_dot = (p_dot * dp + p * dp_dot).sum(axis=-1, keepdims=True)
     d_logits = p * (dp - row)
@@ -228,9 +236,9 @@ def flash_attn_double_backward(q, k, v, do, dq_bar=None, dk_bar=None, dv_bar=Non
     slope_dot = -2.0 * t["capped"] * t["capped_dot"] / softcap ** 2 if softcap > 0 else 0.0
     ds = d_logits * slope
     ds_dot = np.where(p == 0, 0.0, d_logits_dot * slope + d_logits * slope_dot)
-    q_grad = scale * (np.einsum("bhij,bhjd->bhid", ds_dot, t["kr"]) + np.einsum("bhij,bhjd->bhid", ds, t["kr_dot"]))
-    k_grad = scale * (np.einsum("bhij,bhid->bhjd", ds_dot, q64) + np.einsum("bhij,bhid->bhjd", ds, q_bar))
-    v_grad = np.einsum("bhij,bhid->bhjd", p_dot, do)
+    q_grad = scale * (ds_dot @ t["kr"] + ds @ t["kr_dot"])
+    k_grad = scale * (_transposed(ds_dot) @ q64 + _transposed(ds) @ q_bar)
+    v_grad = _transposed(p_dot) @ do
 
     def per_kv_head(x):  # sum the query heads of each GQA group
         return x.reshape(B, Hkv, t["group"], *x.shape[2:]).sum(axis=2)
