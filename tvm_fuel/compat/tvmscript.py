@@ -171,7 +171,7 @@ def _source_init(self, program):
     """TVM's ``Source.__init__``, a function's lines and module text read once per place in a file."""
     place = _place(program)
     key = None if place is None else (id(place[0]), id(place[1]), place[2])
-    known = _sources.get(key) if place is not None else None
+    known = _sources.get(key)  # (never a None key: a program that is no function is not kept)
     if known is None:
         tvms_source[0](self, program)
         if place is not None:
