@@ -186,8 +186,7 @@ def _tangents(q, k, v, q_dot, k_dot, v_dot, alibi_slopes, attn_mask, softmax_sca
     p, lse = _softmax(logits)
     kr, vr = np.repeat(_f64(k), group, axis=1), np.repeat(_f64(v), group, axis=1)
     kr_dot, vr_dot = np.repeat(_zeros_or(k_dot, k), group, axis=1), np.repeat(_zeros_or(v_dot, v), group, axis=1)
-    s_dot = scale * (_dots(_zeros_or(q_dot, q), kr)
-                     + _dots(_f64(q), kr_dot))
+    s_dot = scale * (_dots(_zeros_or(q_dot, q), kr) + _dots(_f64(q), kr_dot))
     slope = 1.0 - (capped / softcap) ** 2 if softcap > 0 else np.ones_like(capped)  # d capped / d s
     capped_dot = slope * s_dot
     logit_dot = np.where(p == 0, 0.0, capped_dot)  # ALiBi and masks are constants
