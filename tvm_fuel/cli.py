@@ -146,6 +146,8 @@ def _bench_groups(args: argparse.Namespace) -> list[tuple[str, str, Callable]]:
     options writes besides the kernel rows, in order: the files are claimed before any runs."""
     if args.tvm_cache:
         return [("tvm_cache.json", "tvm_cache", lambda module: module.tvm_cache_rows())]
+    if args.gemm:
+        return [("gemm.json", "gemm", lambda module: module.gemm_rows())]
     if args.models:
         return [("models.json", "models",
                  lambda module: module.model_rows(module.MODEL_ROWS if "all" in args.models else args.models))]
@@ -167,7 +169,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .outputs import OutputFiles
 
     groups = _bench_groups(args)
-    kernel_rows = not (args.tvm_cache or args.models or args.higher_order_only)
+    kernel_rows = not (args.tvm_cache or args.models or args.gemm or args.higher_order_only)
     outputs = OutputFiles(args.out, [*(_KERNEL_FILES if kernel_rows else ()), *(file for file, _, _ in groups)],
                           command="bench")
     outputs.claim()  # a bad --out or a file of the user's there: refused now, not after minutes of benchmark
@@ -488,13 +490,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-sinks", action="store_true",
                        help="skip the attention sinks rows: with and without sinks, PyTorch's eager gpt-oss "
                             "attention (sinks.json)")
-    bench.add_argument("--models", nargs="+", metavar="ROW", type=_model_row,
+    instead = bench.add_mutually_exclusive_group()  # each replaces the kernel rows
+    instead.add_argument("--models", nargs="+", metavar="ROW", type=_model_row,
                        help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
                             "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "
                             "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32)")
-    bench.add_argument("--tvm-cache", action="store_true",
+    instead.add_argument("--tvm-cache", action="store_true",
                        help="instead of the kernel rows: one layer's prefill and decode inside TVM's own paged KV "
                             "cache (MLC-LLM's runtime), TVM's CPU kernels against fuel's in its slots")
+    instead.add_argument("--gemm", action="store_true",
+                       help="instead of the kernel rows: the SmolLM-135M-shaped model's matmuls (prefill M 512, "
+                            "decode M 1, 4, 8; the weight a parameter and a constant) against "
+                            "torch.nn.functional.linear and this machine's FMA and read probes (gemm.json)")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)
