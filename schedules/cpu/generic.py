@@ -10,6 +10,8 @@ batch and sequence length), where MetaSchedule cannot tune.
 Contents:
     MatmulTiles  -- the register tile of ``Matmul``
     Matmul       -- C[m, n] = sum_k A[m, k] B[n, k] (any batch dims, any layouts) + its fused epilogue
+    DecodeTiles  -- the accumulators of ``DecodeMatmul``
+    DecodeMatmul -- Matmul at a static M of 1 to ``DECODE_ROWS``, K contiguous (nn.Linear): B read once
     Elementwise  -- functions of spatial blocks only (elementwise, broadcast, transpose, gather)
     ColumnReduction -- sums over outer axes (bias and norm-weight gradients): rows split per core
     RowReduction -- dlight's CPU reduction (norms, softmax rows)
@@ -262,6 +264,152 @@ class Matmul(dl.ScheduleRule):
         return sch
 
 
+# ---- decode: a few rows of x against a weight read once ---------------------------------------------------------
+# ``Matmul`` packs B into panels for its register tile: right for prefill, where each weight element
+# meets hundreds of rows, but at M 1-8 the packing and the padded rows are the work (a decode row ran
+# at 1-4 GB/s). ``DecodeMatmul``: per tile of ``cols`` output columns (the tasks, in parallel) the rows
+# of w stream once in vectors along K, each vector multiplied into ``rows`` accumulators; a tile of
+# M > ``rows`` reads its w slice again from L1. Each accumulator's lanes are summed at the end of
+# the tile (the order of the sum differs from TVM's build; the terms are the same).
+
+DECODE_ROWS = 8  # beyond, each w element meets enough rows for Matmul's packed panels
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """``rows`` x ``cols`` accumulators of ``lanes``. On a 2-vCPU Emerald Rapids (AVX-512) 2 x 4 read
+    the weight at the read probe's rate at M 1-4 (16 accumulators spilled at M 8); ``lanes`` comes
+    from the target."""
+
+    rows: int = 2
+    cols: int = 4
+    lanes: int = 8
+
+
+def _extent(value) -> int | None:
+    return int(value) if isinstance(value, tirx.IntImm) else None
+
+
+def _last_index_is(block: tirx.SBlock, buffer: tirx.Buffer, var: tirx.Var) -> bool:
+    """``block`` reads ``buffer`` with ``var`` alone as its last index (contiguous along ``var``)."""
+    regions = [r for r in block.reads if r.source.same_as(buffer)]
+    return len(regions) == 1 and regions[0].region[-1].min.same_as(var) and _extent(regions[0].region[-1].extent) == 1
+
+
+class DecodeMatmul(dl.ScheduleRule):
+    """nn.Linear's matmul (x [.., M, K] times w [N, K], K contiguous in both, after the same
+    normalization as ``generic.Matmul``) at a static M of 1 to ``DECODE_ROWS``, with its spatial
+    epilogue chain; declines anything else (``generic.Matmul`` takes it)."""
+
+    def __init__(self, tiles: DecodeTiles | None = None):
+        self.tiles = tiles
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
+            return None
+        tiles = self.tiles or DecodeTiles(lanes=vector_lanes(target))
+        try:
+            return _checked(self._schedule(func, tiles))
+        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
+            return None
+
+    @staticmethod
+    def _schedule(func: tirx.PrimFunc, tiles: DecodeTiles):
+        sch = s_tir.Schedule(func)
+        infos = _inline_spatial(sch, dl.normalize_prim_func(sch))
+        if not infos:
+            return None
+        reductions = [info for info in infos if info.is_reduction()]
+        if len(reductions) != 1 or infos[0] is not reductions[0]:
+            return None  # a prologue that did not inline, or a second reduction
+        main = reductions[0].block_rv
+        if _consumer_chain(sch, main) is None:
+            return None
+        if get_index_map(sch.get(main)) is None:  # M = 1: normalized to [N, K] (a GEMV), or no matmul
+            rows, c_map = 1, None
+            if len(sch.get(main).iter_vars) != 2 or not DecodeMatmul._reads_along_k(sch, main, copies=()):
+                return None
+        else:
+            normalized = DecodeMatmul._normalize(sch, main, tiles)
+            if normalized is None:
+                return None
+            rows, c_map = normalized
+        n, k = (_extent(v.dom.extent) for v in sch.get(main).iter_vars[-2:])
+        if k is None or k % tiles.lanes or n is None:
+            return None
+        cols = next(c for c in (tiles.cols, 2, 1) if n % c == 0)
+
+        *outer, n_loop, k_loop = sch.get_loops(main)
+        n_tile, n_col = sch.split(n_loop, [None, cols])
+        k_step, k_lane = sch.split(k_loop, [None, tiles.lanes])
+        if outer:  # [1, M, N, K]: M in tiles of ``rows``
+            b_loop, m_loop = outer
+            m_tile, m_row = sch.split(m_loop, [None, rows])
+            sch.reorder(b_loop, n_tile, m_tile, k_step, m_row, n_col, k_lane)
+        else:
+            sch.reorder(n_tile, k_step, n_col, k_lane)
+        name = sch.get(main).name_hint
+        partial = sch.rfactor(k_lane, 0)  # per lane of K: [lanes, (1, M,) N], summed after the tile
+        main = sch.get_sblock(name)  # the sum over the lanes (the RV now names the rfactor block,
+        loops = sch.get_loops(partial)  # and the loops split above are the sum's)
+        task = sch.fuse(*loops[:2]) if outer else loops[0]
+        sch.parallel(task)
+        sch.set_scope(partial, 0, "local")
+        ndim = len(sch.get(partial).writes[0].source.shape)
+        sch.transform_layout(partial, ("write", 0), tirx.IndexMap.from_func(lambda *i: (*i[1:], i[0]), ndim=ndim))
+        sch.reverse_compute_at(main, task)  # the lanes' sum, per tile
+        chain = _consumer_chain(sch, main)  # un-reindex, the model's epilogue
+        if chain:
+            for block_rv in chain[:-1]:
+                if not (_inlines_exactly(sch, block_rv) and _try(sch.compute_inline, block_rv)):
+                    return None
+            store = chain[-1]
+            if c_map is not None:
+                sch.transform_block_layout(store, c_map)
+            sch.reverse_compute_at(store, task)
+            sch.set_scope(main, 0, "local")
+        # [task, (m_tile,) k_step, (m_row,) n_col, k_lane]
+        loops = sch.get_loops(partial)
+        sch.vectorize(loops[-1])
+        for unrolled in loops[-3 if outer else -2:-1]:
+            sch.unroll(unrolled)
+        init = sch.decompose_reduction(partial, loops[-4 if outer else -3])
+        sch.vectorize(sch.get_loops(init)[-1])
+        return sch
+
+    @staticmethod
+    def _normalize(sch: s_tir.Schedule, main, tiles: DecodeTiles):
+        """``main`` as [1, M, N, K] (``Matmul``'s normalization) reading x and w in place: (its M
+        tile, the map of C's store), or None where M is not static up to ``DECODE_ROWS`` or x or w
+        is not contiguous along K."""
+        a_copy, b_copy, c_copy = (sch.reindex(main, ("read", 0)), sch.reindex(main, ("read", 1)),
+                                  sch.reindex(main, ("write", 0)))
+        block_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+        sch.transform_layout(a_copy, ("write", 0), a_map)
+        sch.transform_layout(b_copy, ("write", 0), b_map)
+        sch.transform_layout(c_copy, ("read", 0), c_map)
+        sch.transform_block_layout(main, block_map)
+        batch, m = (_extent(v.dom.extent) for v in sch.get(main).iter_vars[:2])
+        if batch != 1 or m is None or not 1 <= m <= DECODE_ROWS:
+            return None
+        copies = [sch.get(main).reads[i].source for i in (0, 1)]
+        for copy in (_writer(sch, main, 0), _writer(sch, main, 1)):
+            if not (_inline_producers(sch, copy) and _inlines_exactly(sch, copy) and _try(sch.compute_inline, copy)):
+                return None
+        if not DecodeMatmul._reads_along_k(sch, main, copies):
+            return None
+        return (tiles.rows if m % tiles.rows == 0 else 1), c_map
+
+    @staticmethod
+    def _reads_along_k(sch: s_tir.Schedule, main, copies) -> bool:
+        """``main`` reads two buffers, none of ``copies``, each with the reduced var alone as its last index."""
+        block = sch.get(main)
+        k_var = block.iter_vars[-1].var
+        inputs = [r.source for r in block.reads]
+        return len(inputs) == 2 and all(_last_index_is(block, buffer, k_var) for buffer in inputs) and \
+            not any(buffer.same_as(copy) for buffer in inputs for copy in copies)
+
+
 class Elementwise(dl.ScheduleRule):
     """Functions whose blocks are all spatial (elementwise ops, broadcasts, transposes, RoPE,
     gathers): producers inlined where they can be; then per remaining block the outer loops run
@@ -390,6 +538,7 @@ class RowReduction(dl.ScheduleRule):
             return None
 
 
-RULES = (Matmul(), ColumnReduction(), RowReduction(), Elementwise())
+RULES = (DecodeMatmul(), Matmul(), ColumnReduction(), RowReduction(), Elementwise())
 
-__all__ = ["MatmulTiles", "Matmul", "Elementwise", "ColumnReduction", "RowReduction", "RULES"]
+__all__ = ["MatmulTiles", "Matmul", "DecodeTiles", "DecodeMatmul", "DECODE_ROWS", "Elementwise", "ColumnReduction",
+           "RowReduction", "RULES"]

@@ -208,6 +208,61 @@ def test_matmul_rule_declines_what_is_not_a_cpu_gemm():
     assert _apply(generic.Elementwise(), gemm["NT_matmul"]) is None  # a reduction is not elementwise
 
 
+# id -> (make, params, reference, the fused functions holding a matmul): decode rows, static M 1-8,
+# K a multiple of every host's vector lanes (the rule's condition), N of 1, 7 and 100
+DECODES = {
+    "M1-bias-N100-K96": (
+        lambda x, w, b: relax.op.add(mm(x, pd(w)), b),
+        dict(x=((1, 96), F32), w=((100, 96), F32), b=((100,), F32)),
+        lambda x, w, b: x @ w.T + b, ["fused_NT_matmul_add"]),
+    "M3-SwiGLU-N40-K32": (
+        lambda x, wg, wu: relax.op.multiply(relax.op.nn.silu(mm(x, pd(wg))), mm(x, pd(wu))),
+        dict(x=((3, 32), F32), wg=((40, 32), F32), wu=((40, 32), F32)),
+        lambda x, wg, wu: _silu(x @ wg.T) * (x @ wu.T), ["NT_matmul", "fused_NT_matmul_silu_multiply"]),
+    "M8-residual-N7-K48": (
+        lambda x, w, r: relax.op.add(mm(x, pd(w)), r),
+        dict(x=((8, 48), F32), w=((7, 48), F32), r=((8, 7), F32)),
+        lambda x, w, r: x @ w.T + r, ["fused_NT_matmul_add"]),
+    "M2-batch-dims-N1-K16": (
+        lambda x, w: mm(x, pd(w)),
+        dict(x=((1, 2, 16), F32), w=((1, 16), F32)),
+        lambda x, w: x @ w.T, ["NT_matmul"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODES))
+def test_decode_rule_schedules_and_matches_tvm_and_numpy(case):
+    """A few static rows against a weight [N, K]: DecodeMatmul (not Matmul's packed panels) is what
+    compile builds, its lanes summed per tile; the result is the float64 product's and TVM's own
+    build's (plain ``tvm.compile``) to float32's rounding."""
+    make, params, reference, names = DECODES[case]
+    mod = _module(make, params)
+    for name, script in _assert_scheduled_by(generic.DecodeMatmul(), mod, names).items():
+        assert "T.vectorized" in script and "rf" in script, script  # vectors along K, summed per tile
+    inputs = _inputs(params, np.random.default_rng(3))
+    (got,), = _run(mod, [inputs])
+    tvm_own = relax.VirtualMachine(tvm.compile(mod, HOST), tvm.cpu())["main"](*map(tvm.runtime.tensor, inputs))
+    want = reference(*_f64(*inputs))
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5, err_msg=case)
+    np.testing.assert_allclose(got, tvm_own.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
+
+
+def test_decode_rule_declines_what_is_not_a_decode_row():
+    """Matmul (or TVM) keeps: nine rows, symbolic rows, K not a multiple of the vector lanes, a weight
+    stored [K, N] (not contiguous along K), and anything for a non-llvm target."""
+    def fused(params, make=lambda x, w: mm(x, pd(w))):
+        return next(f for n, f in _prim_funcs(_fused(_module(make, params))).items() if "matmul" in n)
+
+    control = fused(dict(x=((4, 64), F32), w=((40, 64), F32)))
+    assert _apply(generic.DecodeMatmul(), control) is not None
+    declined = [fused(dict(x=((9, 64), F32), w=((40, 64), F32))), fused(dict(x=(("n", 64), F32), w=((40, 64), F32))),
+                fused(dict(x=((4, 97), F32), w=((40, 97), F32))),
+                fused(dict(x=((4, 64), F32), w=((64, 40), F32)), make=mm)]
+    for func in declined:
+        assert _apply(generic.DecodeMatmul(), func) is None, func
+    assert generic.DecodeMatmul().apply(control, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), False) is None
+
+
 def test_matmul_of_symbolic_k_is_still_correct():
     """When every rule declines (symbolic K), the function is left to TVM's default lowering: still right."""
     params = dict(x=(("n", "k"), F32), w=(("k", 64), F32))
