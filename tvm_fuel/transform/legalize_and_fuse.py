@@ -25,10 +25,15 @@ def fuse(mod: tvm.IRModule, target: Any) -> tvm.IRModule:
 
 def cpu_legalize_passes(target: tvm.target.Target) -> list:
     """TVM's CPU legalization and fusion, each op's bfloat16 results rounded where the op stores them
-    (``RoundBfloat16Results``, before FuseOps)."""
+    (``RoundBfloat16Results``, before FuseOps), behind ``FuseTransposeMatmul``: nn.Linear's
+    ``matmul(x, permute_dims(w))`` becomes one NT_matmul reading w [N, K] as stored (as MLC-LLM's
+    pipeline does), where legalized apart a weight passed as a parameter was transposed at every call
+    (a 576 x 49152 output layer: 90 ms of a 4.6 ms decode row) and the decode rows could not read
+    it along K (``schedules.cpu.generic.DecodeMatmul``)."""
+    from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as cpu_backend
 
     passes = cpu_backend.legalize_passes(target)
     # after the op patterns are read (the rounding would hide a reduction's pattern from FuseOps)
     at = next(i for i, p in enumerate(passes) if p.info.name == "AnnotateTIROpPattern") + 1
-    return passes[:at] + [RoundBfloat16Results()] + passes[at:]
+    return [relax.transform.FuseTransposeMatmul()] + passes[:at] + [RoundBfloat16Results()] + passes[at:]
