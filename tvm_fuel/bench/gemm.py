@@ -32,6 +32,7 @@ from .timing import in_blocks
 _LAYERS = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N)
 GEMM_SHAPES = tuple((m, k, n) for m in (512, 1, 4, 8) for k, n in _LAYERS)
 WEIGHTS = ("parameter", "constant")
+SETTLE_SECONDS = 0.3
 
 
 def _module(M: int, K: int, N: int, weight: np.ndarray | None):
@@ -96,6 +97,9 @@ def gemm_row(M: int, K: int, N: int, weight: str = "parameter", *, seed: int = 0
     order = list(calls)
     for _ in range(3):  # blocks taking turns (bench.timing); the first run of each dropped there
         for name in order:
+            # the other's threads spin a while after its block (PyTorch's OpenMP pool up to 200 ms):
+            # a block started among them lost a scheduler tick (4-8 ms) on runs of microseconds
+            time.sleep(SETTLE_SECONDS)
             in_blocks({name: lambda name=name: timed(name)}, runs, rounds=1, block=blocks[name])
         order.reverse()
     seconds = {name: float(np.median(times)) for name, times in runs.items()}
