@@ -148,6 +148,16 @@ def _checked(sch: s_tir.Schedule | None) -> s_tir.Schedule | None:
     return None if sch is None or _vectorizes_promoted_constant(sch) else sch
 
 
+def _scheduled(schedule, *args) -> s_tir.Schedule | None:
+    """``schedule(*args)`` (``_checked``), or None where one of its primitives refused: the function
+    is not the rule's pattern (a layout the normalization cannot express, a block that does not
+    compute-at)."""
+    try:
+        return _checked(schedule(*args))
+    except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
+        return None
+
+
 def _consumer_chain(sch: s_tir.Schedule, block) -> list | None:
     """The blocks after ``block``, when each has one consumer and all are spatial (an epilogue; a
     reduction over size-1 axes is none)."""
@@ -178,6 +188,32 @@ def _inline_producers(sch: s_tir.Schedule, block) -> bool:
     return True
 
 
+def _gemm_block(sch: s_tir.Schedule):
+    """The function's one reduction, its spatial prologues inlined and a chain of spatial epilogues
+    after it (``_consumer_chain``); None for any other function."""
+    infos = _inline_spatial(sch, dl.normalize_prim_func(sch))
+    if not infos:
+        return None
+    reductions = [info for info in infos if info.is_reduction()]
+    if len(reductions) != 1 or infos[0] is not reductions[0]:
+        return None  # a prologue that did not inline, or a second reduction
+    main = reductions[0].block_rv
+    return None if _consumer_chain(sch, main) is None else main
+
+
+def _normalize_gemm(sch: s_tir.Schedule, main):
+    """``main`` (``get_index_map`` accepts it) as dlight's GPU matmul normalizes it: A, B and C
+    reindexed to [S, M, N, K]-ordered copies, the block's iterators [S, M, N, K]; the map of C's."""
+    a_copy, b_copy, c_copy = (sch.reindex(main, ("read", 0)), sch.reindex(main, ("read", 1)),
+                              sch.reindex(main, ("write", 0)))
+    block_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+    sch.transform_layout(a_copy, ("write", 0), a_map)
+    sch.transform_layout(b_copy, ("write", 0), b_map)
+    sch.transform_layout(c_copy, ("read", 0), c_map)
+    sch.transform_block_layout(main, block_map)
+    return c_map
+
+
 class Matmul(dl.ScheduleRule):
     """A GEMM-like reduction (dlight's ``get_index_map`` accepts it) with spatial prologues that
     inline and a chain of spatial epilogues (bias, residual add, SiLU-gating, casts).
@@ -197,30 +233,15 @@ class Matmul(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
         tiles = self.tiles or MatmulTiles(lanes=vector_lanes(target))
-        try:
-            return _checked(self._schedule(func, tiles))
-        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
-            return None  # (layouts the normalization cannot express, blocks that do not compute-at)
+        return _scheduled(self._schedule, func, tiles)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: MatmulTiles):
         sch = s_tir.Schedule(func)
-        infos = _inline_spatial(sch, dl.normalize_prim_func(sch))
-        if not infos:
+        main = _gemm_block(sch)
+        if main is None or get_index_map(sch.get(main)) is None:
             return None
-        reductions = [info for info in infos if info.is_reduction()]
-        if len(reductions) != 1 or infos[0] is not reductions[0]:
-            return None  # a prologue that did not inline, or a second reduction
-        main = reductions[0].block_rv
-        if get_index_map(sch.get(main)) is None or _consumer_chain(sch, main) is None:
-            return None
-        a_copy, b_copy, c_copy = (sch.reindex(main, ("read", 0)), sch.reindex(main, ("read", 1)),
-                                  sch.reindex(main, ("write", 0)))
-        block_map, a_map, b_map, c_map = get_index_map(sch.get(main))
-        sch.transform_layout(a_copy, ("write", 0), a_map)
-        sch.transform_layout(b_copy, ("write", 0), b_map)
-        sch.transform_layout(c_copy, ("read", 0), c_map)
-        sch.transform_block_layout(main, block_map)
+        c_map = _normalize_gemm(sch, main)
         k_extent = sch.get(main).iter_vars[3].dom.extent
         if not isinstance(k_extent, tirx.IntImm):
             return None  # the packed B tile is [K, cols]: K must be known
@@ -308,22 +329,13 @@ class DecodeMatmul(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
         tiles = self.tiles or DecodeTiles(lanes=vector_lanes(target))
-        try:
-            return _checked(self._schedule(func, tiles))
-        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
-            return None
+        return _scheduled(self._schedule, func, tiles)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: DecodeTiles):
         sch = s_tir.Schedule(func)
-        infos = _inline_spatial(sch, dl.normalize_prim_func(sch))
-        if not infos:
-            return None
-        reductions = [info for info in infos if info.is_reduction()]
-        if len(reductions) != 1 or infos[0] is not reductions[0]:
-            return None  # a prologue that did not inline, or a second reduction
-        main = reductions[0].block_rv
-        if _consumer_chain(sch, main) is None:
+        main = _gemm_block(sch)
+        if main is None:
             return None
         if get_index_map(sch.get(main)) is None:  # M = 1: normalized to [N, K] (a GEMV), or no matmul
             rows, c_map = 1, None
@@ -382,13 +394,7 @@ class DecodeMatmul(dl.ScheduleRule):
         """``main`` as [1, M, N, K] (``Matmul``'s normalization) reading x and w in place: (its M
         tile, the map of C's store), or None where M is not static up to ``DECODE_ROWS`` or x or w
         is not contiguous along K."""
-        a_copy, b_copy, c_copy = (sch.reindex(main, ("read", 0)), sch.reindex(main, ("read", 1)),
-                                  sch.reindex(main, ("write", 0)))
-        block_map, a_map, b_map, c_map = get_index_map(sch.get(main))
-        sch.transform_layout(a_copy, ("write", 0), a_map)
-        sch.transform_layout(b_copy, ("write", 0), b_map)
-        sch.transform_layout(c_copy, ("read", 0), c_map)
-        sch.transform_block_layout(main, block_map)
+        c_map = _normalize_gemm(sch, main)
         batch, m = (_extent(v.dom.extent) for v in sch.get(main).iter_vars[:2])
         if batch != 1 or m is None or not 1 <= m <= DECODE_ROWS:
             return None
@@ -418,10 +424,7 @@ class Elementwise(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
-        try:
-            return _checked(self._schedule(func, vector_lanes(target)))
-        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
-            return None
+        return _scheduled(self._schedule, func, vector_lanes(target))
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, lanes: int):
@@ -460,10 +463,7 @@ class ColumnReduction(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
-        try:
-            return _checked(self._schedule(func, vector_lanes(target), cores(target)))
-        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
-            return None
+        return _scheduled(self._schedule, func, vector_lanes(target), cores(target))
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, lanes: int, runs: int):
@@ -532,10 +532,7 @@ class RowReduction(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
-        try:
-            return _checked(self.rule.apply(func, target, tunable))
-        except Exception:  # noqa: BLE001 -- a primitive refusing this function: not this rule's pattern
-            return None
+        return _scheduled(self.rule.apply, func, target, tunable)
 
 
 RULES = (DecodeMatmul(), Matmul(), ColumnReduction(), RowReduction(), Elementwise())
