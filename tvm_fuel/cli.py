@@ -492,16 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "attention (sinks.json)")
     instead = bench.add_mutually_exclusive_group()  # each replaces the kernel rows
     instead.add_argument("--models", nargs="+", metavar="ROW", type=_model_row,
-                       help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
-                            "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "
-                            "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32)")
+                         help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
+                              "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "
+                              "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32)")
     instead.add_argument("--tvm-cache", action="store_true",
-                       help="instead of the kernel rows: one layer's prefill and decode inside TVM's own paged KV "
-                            "cache (MLC-LLM's runtime), TVM's CPU kernels against fuel's in its slots")
+                         help="instead of the kernel rows: one layer's prefill and decode inside TVM's own paged KV "
+                              "cache (MLC-LLM's runtime), TVM's CPU kernels against fuel's in its slots")
     instead.add_argument("--gemm", action="store_true",
-                       help="instead of the kernel rows: the SmolLM-135M-shaped model's matmuls (prefill M 512, "
-                            "decode M 1, 4, 8; the weight a parameter and a constant) against "
-                            "torch.nn.functional.linear and this machine's FMA and read probes (gemm.json)")
+                         help="instead of the kernel rows: the SmolLM-135M-shaped model's matmuls (prefill M 512, "
+                              "decode M 1, 4, 8; the weight a parameter and a constant) against "
+                              "torch.nn.functional.linear and this machine's FMA and read probes (gemm.json)")
     bench.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                        help="cpu (this machine's llvm) or cuda (device 0; see also gpucheck)")
     bench.set_defaults(run=_bench)
