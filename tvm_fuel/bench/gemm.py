@@ -32,7 +32,7 @@ from .timing import in_blocks
 _LAYERS = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N)
 GEMM_SHAPES = tuple((m, k, n) for m in (512, 1, 4, 8) for k, n in _LAYERS)
 WEIGHTS = ("parameter", "constant")
-SETTLE_SECONDS = 0.3
+SETTLE_SECONDS = 0.3  # before each block: the other pool's threads stop spinning (in_blocks)
 
 
 def _module(M: int, K: int, N: int, weight: np.ndarray | None):
@@ -66,16 +66,17 @@ def gemm_row(M: int, K: int, N: int, weight: str = "parameter", *, seed: int = 0
     "parameter" or a "constant", against ``torch.nn.functional.linear`` on the same arrays: median
     seconds of each, their GFLOP/s and weight GB/s, tvm_fuel's time over PyTorch's and its largest
     error relative to the float64 product."""
-    import torch
     import tvm
     from tvm import relax
 
     from ..build import compile as fuel_compile
-    from ..compat.threads import thread_count
+    from .attention import torch_with_our_threads
 
     if weight not in WEIGHTS:
         raise ValueError(f"bench gemm: weight must be one of {WEIGHTS}, got {weight!r}")
-    torch.set_num_threads(thread_count())
+    torch = torch_with_our_threads()
+    if torch is None:
+        raise RuntimeError("bench gemm: PyTorch is not installed (pip install -e '.[test]')")
     rng = np.random.default_rng(seed)
     x, w = (rng.standard_normal(shape).astype(np.float32) for shape in ((M, K), (N, K)))
     mod = _module(M, K, N, w if weight == "constant" else None)
@@ -94,14 +95,7 @@ def gemm_row(M: int, K: int, N: int, weight: str = "parameter", *, seed: int = 0
         calls[name]()
         runs[name].append(time.perf_counter() - start)
 
-    order = list(calls)
-    for _ in range(3):  # blocks taking turns (bench.timing); the first run of each dropped there
-        for name in order:
-            # the other's threads spin a while after its block (PyTorch's OpenMP pool up to 200 ms):
-            # a block started among them lost a scheduler tick (4-8 ms) on runs of microseconds
-            time.sleep(SETTLE_SECONDS)
-            in_blocks({name: lambda name=name: timed(name)}, runs, rounds=1, block=blocks[name])
-        order.reverse()
+    in_blocks({name: lambda name=name: timed(name) for name in calls}, runs, block=blocks, settle=SETTLE_SECONDS)
     seconds = {name: float(np.median(times)) for name, times in runs.items()}
     flops, nbytes = 2.0 * M * N * K, 4.0 * N * K
     return {"M": M, "K": K, "N": N, "weight": weight, "seconds": seconds,
