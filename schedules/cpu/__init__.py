@@ -14,6 +14,8 @@ Modules:
     tangent         -- the tangent pass, and flash_attn_jvp on it
     double_backward -- flash_attn_double_backward
     norm            -- layer_norm_backward, rms_norm_backward
-    generic         -- default schedules of a model's other TIR functions
+    generic         -- default schedules of a model's other TIR functions (their rules, in order)
+    matmul          -- the default schedules of its matmuls (register tiles, weights in panels, decode rows)
+    rule_steps      -- what the default rules share (exact inlining, a GEMM's blocks)
     common          -- prefetch, absent inputs, the parameter bundles' base
 """

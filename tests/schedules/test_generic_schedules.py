@@ -15,6 +15,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 import tvm_fuel
 from tvm_fuel.schedules.cpu import generic
+from tvm_fuel.transform.legalize_and_fuse import cpu_legalize_passes
 
 pytestmark = pytest.mark.numerics
 
@@ -38,11 +39,12 @@ def _module(make, params: dict) -> tvm.IRModule:
 
 
 def _fused(mod: tvm.IRModule) -> tvm.IRModule:
-    """The module as ``build.default_pipeline`` hands it to the rules: legalized and fused, unscheduled."""
+    """The module as ``build.default_pipeline`` hands it to the rules: legalized and fused (constant
+    weights in panels), unscheduled."""
     with HOST:
         return tvm.transform.Sequential(
             [relax.transform.SpecializePrimFuncBasedOnCallSite()] + cpu_generic.library_dispatch_passes(HOST)
-            + cpu_generic.legalize_passes(HOST))(mod)
+            + cpu_legalize_passes(HOST))(mod)
 
 
 def _prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
@@ -261,6 +263,97 @@ def test_decode_rule_declines_what_is_not_a_decode_row():
     for func in declined:
         assert _apply(generic.DecodeMatmul(), func) is None, func
     assert generic.DecodeMatmul().apply(control, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), False) is None
+
+
+# id -> (make(inputs..., weights...), inputs, constant weights {name: shape}, reference, fused names): nn.Linear
+# over a constant weight, which PackLinearWeights lays out in panels [N / cols, K, cols] at build.
+# Symbolic rows, GEMV (M 1), a few static rows, batch dims; K 1-577; N 32 (no 3-vector panel on any
+# host), 96, 49152 (an output layer)
+PANELS = {
+    "rows-bias-silu-N96-K577": (
+        lambda x, w, b: relax.op.nn.silu(relax.op.add(mm(x, pd(w)), b)),
+        dict(x=(("n", 577), F32)), dict(w=(96, 577), b=(96,)),
+        lambda x, w, b: _silu(x @ w.T + b), ["fused_NT_matmul_panels_add_silu"]),
+    "M1-N96-K40": (
+        lambda x, w: mm(x, pd(w)), dict(x=((1, 40), F32)), dict(w=(96, 40)),
+        lambda x, w: x @ w.T, ["NT_matmul_panels"]),
+    "M4-residual-N96-K64": (
+        lambda x, r, w: relax.op.add(mm(x, pd(w)), r), dict(x=((4, 64), F32), r=((4, 96), F32)), dict(w=(96, 64)),
+        lambda x, r, w: x @ w.T + r, ["fused_NT_matmul_panels_add"]),
+    "M17-batch-N32-K33": (
+        lambda x, w: mm(x, pd(w)), dict(x=((1, 17, 33), F32)), dict(w=(32, 33)),
+        lambda x, w: x @ w.T, ["NT_matmul_panels"]),
+    "rows-N49152-K40": (
+        lambda x, w: mm(x, pd(w)), dict(x=(("n", 40), F32)), dict(w=(49152, 40)),
+        lambda x, w: x @ w.T, ["NT_matmul_panels"]),
+}
+
+
+def _with_constants(make, params: dict, constants: dict, rng: np.random.Generator):
+    """``_module`` of ``make(*inputs, *weights)`` with the weights as constants; (module, weights)."""
+    weights = [(rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(F32) for shape in constants.values()]
+    return _module(lambda *inputs: make(*inputs, *map(relax.const, weights)), params), weights
+
+
+@pytest.mark.parametrize("case", list(PANELS))
+def test_packed_rule_reads_constant_weights_in_panels(case):
+    """A constant weight is laid out in panels when the model is built, and PackedMatmul (not Matmul's
+    packing at each call) is what compile builds over it, its epilogue fused; the results are the
+    float64 product's and TVM's own build's (plain ``tvm.compile``, the weight [N, K] as given) at
+    every row count of one executable."""
+    make, params, constants, reference, names = PANELS[case]
+    rng = np.random.default_rng(9)
+    mod, weights = _with_constants(make, params, constants, rng)
+    for name, script in _assert_scheduled_by(generic.PackedMatmul(), mod, names).items():
+        assert "T.vectorized" in script and "T.unroll" in script, script
+    fused = _prim_funcs(_fused(mod))
+    for name in names:  # the weight reaches the kernel in panels [N / cols, K, cols]
+        assert any(len(p.ty.shape) == 3 for p in fused[name].params), fused[name]
+    rows = (0, 1, 17, 97) if any("n" in shape for shape, _ in params.values()) else (None,)
+    batches = [_inputs(params, rng, n=r) for r in rows]
+    plain = _plain(mod)
+    for inputs, (got,) in zip(batches, _run(mod, batches)):
+        want = reference(*_f64(*inputs, *weights))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5, err_msg=f"{case} {got.shape}")
+        tvm_own = plain["main"](*map(tvm.runtime.tensor, inputs)).numpy()
+        np.testing.assert_allclose(got, tvm_own, rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
+
+
+def test_panels_only_for_constant_float32_weights():
+    """PackLinearWeights lays out a constant float32 weight once (two calls over one constant share one
+    copy) and leaves alone: a weight passed as a parameter, N no vector width divides (7), a float16
+    weight, and every non-llvm target; the packed panels hold w exactly."""
+    from tvm_fuel.transform.pack_linear_weights import PackLinearWeights, panels
+
+    rng = np.random.default_rng(10)
+    w = rng.standard_normal((96, 64)).astype(F32)
+    shared = relax.const(w)
+    mod = _module(lambda x: relax.op.add(mm(x, pd(shared)), mm(relax.op.nn.silu(x), pd(shared))),
+                  dict(x=(("n", 64), F32)))
+    packed = PackLinearWeights(HOST)(mod)
+    callees = [name for name in (gv.name_hint for gv in packed.get_global_vars()) if name.startswith("NT_matmul")]
+    assert callees == ["NT_matmul_panels"], callees  # both calls, one function; the NT_matmul is gone
+    consts = []
+    tvm_ffi.structural_walk(packed["main"], (type(shared), consts.append))
+    assert len({hash(c) for c in consts}) == 1 and consts[0].ty.shape.values[-1] in (16, 32, 48, 8, 24), consts
+    cols = int(consts[0].ty.shape.values[-1])
+    np.testing.assert_array_equal(consts[0].value.numpy(), panels(w, cols))
+    np.testing.assert_array_equal(panels(w, cols)[1, :, 2], w[cols + 2])  # panel j, column c: row j * cols + c
+    kept = [_module(lambda x, w: mm(x, pd(w)), dict(x=(("n", 64), F32), w=((96, 64), F32))),
+            _module(lambda x: mm(x, pd(relax.const(w[:7]))), dict(x=(("n", 64), F32))),
+            _module(lambda x: mm(x, pd(relax.const(w.astype("float16")))), dict(x=(("n", 64), "float16")))]
+    for module in kept:
+        assert tvm_ffi.structural_equal(PackLinearWeights(HOST)(module), module), module
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    assert tvm_ffi.structural_equal(PackLinearWeights(cuda)(mod), mod)
+
+
+def test_packed_rule_declines_what_reads_no_panels():
+    """NT_matmul over a weight as stored is Matmul's or DecodeMatmul's, never PackedMatmul's."""
+    fused = _prim_funcs(_fused(_module(lambda x, w: mm(x, pd(w)), dict(x=(("n", 64), F32), w=((96, 64), F32)))))
+    assert _apply(generic.Matmul(), fused["NT_matmul"]) is not None  # the control
+    assert _apply(generic.PackedMatmul(), fused["NT_matmul"]) is None
 
 
 def test_matmul_of_symbolic_k_is_still_correct():

@@ -15,6 +15,7 @@ Contents:
     ExpandAttention      -- the fuel ops as Relax primitives, which Gradient differentiates to any order
     LegalizeFuel, legalize -- the fuel ops alone lowered to kernels or the floor
     RoundBfloat16Results -- each op's bfloat16 results rounded where it stores them (fusion keeps it)
+    PackLinearWeights    -- nn.Linear's constant weights laid out at build in the CPU matmul's panels
     ApplyTunedFunctions  -- unscheduled TIR functions take their MetaSchedule records
     SpecializeAtTunedShapes, specialize, ShapePoint -- static copies of symbolic functions at the
                             shape points a model was tuned at, dispatched at run time
@@ -27,6 +28,7 @@ from .fuse_attention import FuseAttention
 from .gradient import gradient, with_objective
 from .legalize_and_fuse import fuse
 from .legalize_fuel import KERNEL_PATHS, LegalizeFuel, legalize
+from .pack_linear_weights import PackLinearWeights
 from .repair_imported_program import RepairImportedProgram
 from .round_bfloat16_results import RoundBfloat16Results
 from .share_forward_state import ShareForwardState
@@ -36,4 +38,4 @@ from .use_softmax_backward import UseSoftmaxBackward
 
 __all__ = ["FuseAttention", "RepairImportedProgram", "ShareForwardState", "UseSoftmaxBackward", "gradient",
            "with_objective", "ExpandAttention", "LegalizeFuel", "legalize", "KERNEL_PATHS", "RoundBfloat16Results",
-           "ApplyTunedFunctions", "SpecializeAtTunedShapes", "specialize", "ShapePoint", "fuse"]
+           "PackLinearWeights", "ApplyTunedFunctions", "SpecializeAtTunedShapes", "specialize", "ShapePoint", "fuse"]
