@@ -267,8 +267,8 @@ def test_decode_rule_declines_what_is_not_a_decode_row():
 
 # id -> (make(inputs..., weights...), inputs, constant weights {name: shape}, reference, fused names): nn.Linear
 # over a constant weight, which PackLinearWeights lays out in panels [N / cols, K, cols] at build.
-# Symbolic rows, GEMV (M 1), a few static rows, batch dims; K 1-577; N 32 (no 3-vector panel on any
-# host), 96, 49152 (an output layer)
+# Symbolic rows, GEMV (M 1), a few static rows, batch dims, A in blocks; K 33-577; N 32 (no 3-vector
+# panel on any host), 96, 3072, 49152 (an output layer)
 PANELS = {
     "rows-bias-silu-N96-K577": (
         lambda x, w, b: relax.op.nn.silu(relax.op.add(mm(x, pd(w)), b)),
@@ -282,6 +282,9 @@ PANELS = {
         lambda x, r, w: x @ w.T + r, ["fused_NT_matmul_panels_add"]),
     "M17-batch-N32-K33": (
         lambda x, w: mm(x, pd(w)), dict(x=((1, 17, 33), F32)), dict(w=(32, 33)),
+        lambda x, w: x @ w.T, ["NT_matmul_panels"]),
+    "M1024-blocks-of-A-N3072-K320": (  # A (1.3 MB) in blocks of rows that stay in L2, 64+ panels
+        lambda x, w: mm(x, pd(w)), dict(x=((1024, 320), F32)), dict(w=(3072, 320)),
         lambda x, w: x @ w.T, ["NT_matmul_panels"]),
     "rows-N49152-K40": (
         lambda x, w: mm(x, pd(w)), dict(x=(("n", 40), F32)), dict(w=(49152, 40)),

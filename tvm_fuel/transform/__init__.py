@@ -16,6 +16,7 @@ Contents:
     LegalizeFuel, legalize -- the fuel ops alone lowered to kernels or the floor
     RoundBfloat16Results -- each op's bfloat16 results rounded where it stores them (fusion keeps it)
     PackLinearWeights    -- nn.Linear's constant weights laid out at build in the CPU matmul's panels
+    DropMatmulBroadcasts -- a matmul reads its operands, not their broadcasts to its batch dims
     ApplyTunedFunctions  -- unscheduled TIR functions take their MetaSchedule records
     SpecializeAtTunedShapes, specialize, ShapePoint -- static copies of symbolic functions at the
                             shape points a model was tuned at, dispatched at run time
@@ -23,6 +24,7 @@ Contents:
 """
 
 from .apply_tuned_functions import ApplyTunedFunctions
+from .drop_matmul_broadcasts import DropMatmulBroadcasts
 from .expand_attention import ExpandAttention
 from .fuse_attention import FuseAttention
 from .gradient import gradient, with_objective
@@ -38,4 +40,5 @@ from .use_softmax_backward import UseSoftmaxBackward
 
 __all__ = ["FuseAttention", "RepairImportedProgram", "ShareForwardState", "UseSoftmaxBackward", "gradient",
            "with_objective", "ExpandAttention", "LegalizeFuel", "legalize", "KERNEL_PATHS", "RoundBfloat16Results",
-           "PackLinearWeights", "ApplyTunedFunctions", "SpecializeAtTunedShapes", "specialize", "ShapePoint", "fuse"]
+           "PackLinearWeights", "DropMatmulBroadcasts", "ApplyTunedFunctions", "SpecializeAtTunedShapes", "specialize",
+           "ShapePoint", "fuse"]

@@ -9,6 +9,7 @@ from typing import Any
 import tvm
 
 from ..target import as_target
+from .drop_matmul_broadcasts import DropMatmulBroadcasts
 from .pack_linear_weights import PackLinearWeights
 from .round_bfloat16_results import RoundBfloat16Results
 
@@ -31,12 +32,13 @@ def cpu_legalize_passes(target: tvm.target.Target) -> list:
     pipeline does). Legalized apart, a weight passed as a parameter was transposed at every call
     (one decode row of a 576 x 49152 output layer: 89 ms, the NT_matmul 4.6 ms) and the decode rows
     could not read it along K (``schedules.cpu.matmul.DecodeMatmul``). A constant weight is then laid
-    out once in the panels the matmul's register tile reads (``PackLinearWeights``)."""
+    out once in the panels the matmul's register tile reads (``PackLinearWeights``); first, a matmul
+    reads its operands where the importer broadcast them to its batch (``DropMatmulBroadcasts``)."""
     from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as cpu_backend
 
     passes = cpu_backend.legalize_passes(target)
     # after the op patterns are read (the rounding would hide a reduction's pattern from FuseOps)
     at = next(i for i, p in enumerate(passes) if p.info.name == "AnnotateTIROpPattern") + 1
-    return ([relax.transform.FuseTransposeMatmul(), PackLinearWeights(target)] + passes[:at] + [RoundBfloat16Results()]
-            + passes[at:])
+    return ([DropMatmulBroadcasts(), relax.transform.FuseTransposeMatmul(), PackLinearWeights(target)] + passes[:at]
+            + [RoundBfloat16Results()] + passes[at:])

@@ -1,0 +1,71 @@
+"""DropMatmulBroadcasts: a matmul reads its operands where TVM's importer broadcast them to its batch
+(nn.Linear over a 3-D input it could not view as 2-D), and the weight then takes nn.Linear's path;
+broadcasts that the product's shape or its last two dims depend on stay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from helpers import HOST
+from tvm import relax
+
+import tvm_fuel
+from tvm_fuel.transform import DropMatmulBroadcasts
+from tvm_fuel.transform.legalize_and_fuse import fuse
+
+pytestmark = pytest.mark.numerics
+
+F32 = "float32"
+
+
+def _module(make, shapes: dict) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    params = [relax.Var(name, relax.TensorType(shape, F32)) for name, shape in shapes.items()]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(make(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _ops(mod: tvm.IRModule) -> list[str]:
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    return found
+
+
+def _linear(bb, x, w, batch=4):
+    """The importer's nn.Linear over x [B, S, K]: both operands broadcast to the batch first."""
+    xb = bb.emit(relax.op.broadcast_to(x, x.ty.shape))
+    wt = bb.emit(relax.op.permute_dims(w))
+    wb = bb.emit(relax.op.broadcast_to(wt, (batch, *wt.ty.shape.values)))
+    return relax.op.matmul(xb, wb)
+
+
+def test_linear_reads_its_weight_once_and_takes_the_panel_path():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 17, 40)).astype(F32)
+    w = rng.standard_normal((96, 40)).astype(F32)
+    mod = _module(lambda bb, x_: _linear(bb, x_, relax.const(w)), dict(x=(4, 17, 40)))
+    dropped = DropMatmulBroadcasts()(mod)
+    assert "relax.broadcast_to" in _ops(mod) and "relax.broadcast_to" not in _ops(dropped), dropped
+    assert tvm_ffi.structural_equal(dropped["main"].ret_ty, mod["main"].ret_ty)
+    names = [gv.name_hint for gv in fuse(mod, HOST).get_global_vars()]
+    assert "NT_matmul_panels" in names, names  # the weight [96, 40] laid out once, not [4, 40, 96] stored
+    got = relax.VirtualMachine(tvm_fuel.compile(mod, HOST), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_broadcasts_the_product_needs_stay():
+    """Both sources 2-D (the product would lose its batch), and a broadcast of the rows themselves
+    ([1, K] to [S, K], the last two dims): unchanged."""
+    both = _module(lambda bb, a, b: relax.op.matmul(bb.emit(relax.op.broadcast_to(a, (3, 5, 8))),
+                                                    bb.emit(relax.op.broadcast_to(b, (3, 8, 6)))),
+                   dict(a=(5, 8), b=(8, 6)))
+    rows = _module(lambda bb, a, b: relax.op.matmul(bb.emit(relax.op.broadcast_to(a, (2, 5, 8))), b),
+                   dict(a=(2, 1, 8), b=(8, 6)))
+    for mod in (both, rows):
+        assert tvm_ffi.structural_equal(DropMatmulBroadcasts()(mod), mod), mod
