@@ -15,9 +15,11 @@ Contents:
     RULES        -- the rules in the order they are tried
 
 Every rule returns None for a function it cannot schedule exactly (what TVM's own build of the
-unscheduled loops computes, bit for bit but for the order of a sum): a reduction over size-1 axes
-(dlight counts it injective: none of its iterators reduces, but it still has an init) is never
-inlined into or out of, and no bfloat16 constant is stored in vectors (TVM cannot compile that).
+unscheduled loops computes, bit for bit but for the order of a sum and for a float32 sigmoid, whose
+exp runs in vectors within a few ulp of libm's: ``rule_steps.with_vector_sigmoid``): a reduction
+over size-1 axes (dlight counts it injective: none of its iterators reduces, but it still has an
+init) is never inlined into or out of, and no bfloat16 constant is stored in vectors (TVM cannot
+compile that).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 
 from .matmul import DECODE_ROWS, DecodeMatmul, DecodeTiles, Matmul, MatmulTiles, PackedMatmul, panel_cols
-from .rule_steps import inline_spatial, is_cpu, scheduled, stores_promoted_constant
+from .rule_steps import inline_spatial, is_cpu, scheduled, stores_promoted_constant, with_vector_sigmoid
 from .tiles import cores, vector_lanes
 
 
@@ -64,7 +66,7 @@ class Elementwise(dl.ScheduleRule):
                     sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
             else:
                 sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
-        return sch
+        return with_vector_sigmoid(sch)
 
 
 class ColumnReduction(dl.ScheduleRule):

@@ -17,6 +17,7 @@ Contents:
     RoundBfloat16Results -- each op's bfloat16 results rounded where it stores them (fusion keeps it)
     PackLinearWeights    -- nn.Linear's constant weights laid out at build in the CPU matmul's panels
     DropMatmulBroadcasts -- a matmul reads its operands, not their broadcasts to its batch dims
+    FuseTransposeMatmul  -- TVM's nn.Linear fusion, where a transposed weight with other users does not break it
     ApplyTunedFunctions  -- unscheduled TIR functions take their MetaSchedule records
     SpecializeAtTunedShapes, specialize, ShapePoint -- static copies of symbolic functions at the
                             shape points a model was tuned at, dispatched at run time
@@ -27,6 +28,7 @@ from .apply_tuned_functions import ApplyTunedFunctions
 from .drop_matmul_broadcasts import DropMatmulBroadcasts
 from .expand_attention import ExpandAttention
 from .fuse_attention import FuseAttention
+from .fuse_transpose_matmul import FuseTransposeMatmul
 from .gradient import gradient, with_objective
 from .legalize_and_fuse import fuse
 from .legalize_fuel import KERNEL_PATHS, LegalizeFuel, legalize
@@ -40,5 +42,5 @@ from .use_softmax_backward import UseSoftmaxBackward
 
 __all__ = ["FuseAttention", "RepairImportedProgram", "ShareForwardState", "UseSoftmaxBackward", "gradient",
            "with_objective", "ExpandAttention", "LegalizeFuel", "legalize", "KERNEL_PATHS", "RoundBfloat16Results",
-           "PackLinearWeights", "DropMatmulBroadcasts", "ApplyTunedFunctions", "SpecializeAtTunedShapes", "specialize",
-           "ShapePoint", "fuse"]
+           "PackLinearWeights", "DropMatmulBroadcasts", "FuseTransposeMatmul", "ApplyTunedFunctions",
+           "SpecializeAtTunedShapes", "specialize", "ShapePoint", "fuse"]

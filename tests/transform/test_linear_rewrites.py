@@ -1,6 +1,7 @@
-"""DropMatmulBroadcasts: a matmul reads its operands where TVM's importer broadcast them to its batch
-(nn.Linear over a 3-D input it could not view as 2-D), and the weight then takes nn.Linear's path;
-broadcasts that the product's shape or its last two dims depend on stay."""
+"""The rewrites in front of nn.Linear's path: DropMatmulBroadcasts (a matmul reads its operands where
+TVM's importer broadcast them to its batch, and the weight then takes the panel path; broadcasts
+that the product's shape or its last two dims depend on stay) and FuseTransposeMatmul (a transpose
+with other users)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,22 @@ def test_broadcasts_the_product_needs_stay():
                    dict(a=(2, 1, 8), b=(8, 6)))
     for mod in (both, rows):
         assert tvm_ffi.structural_equal(DropMatmulBroadcasts()(mod), mod), mod
+
+
+def test_a_transpose_with_other_users_still_fuses():
+    """TVM's FuseTransposeMatmul fails where w.T has another user (a training adjoint reads it again:
+    "'TupleType' object has no attribute 'dtype'"); tvm_fuel's gives the matmul its own transpose."""
+    from tvm_fuel.transform import FuseTransposeMatmul
+
+    def make(bb, x, w):
+        wt = bb.emit(relax.op.permute_dims(w))
+        return relax.Tuple([relax.op.matmul(x, wt), relax.op.add(wt, wt)])
+
+    mod = _module(make, dict(x=(4, 8), w=(6, 8)))
+    fused = FuseTransposeMatmul()(mod)
+    assert "NT_matmul" in [gv.name_hint for gv in fused.get_global_vars()]
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((4, 8)).astype(F32), rng.standard_normal((6, 8)).astype(F32)
+    y, wt2 = relax.VirtualMachine(tvm_fuel.compile(mod, HOST), tvm.cpu())["main"](*map(tvm.runtime.tensor, (x, w)))
+    np.testing.assert_allclose(y.numpy(), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(wt2.numpy(), w.T + w.T)
