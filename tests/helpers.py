@@ -187,6 +187,22 @@ def legalize_checked(mod: tvm.IRModule, target, kernels: str, **logs) -> tvm.IRM
     return legalized
 
 
+def matmul_rules(mod: tvm.IRModule, target) -> dict[str, str]:
+    """The default rule (``schedules.cpu.generic.RULES``, the first that schedules it) of each fused
+    TIR function of ``mod`` (its fuel ops on the tuned path) whose name holds "matmul": name -> rule."""
+    from tvm_fuel.schedules.cpu.generic import RULES
+    from tvm_fuel.transform.legalize_and_fuse import fuse
+
+    target = tvm_fuel.target.as_target(target)
+    fused = fuse(tvm_fuel.transform.legalize(mod, target, kernels="tuned"), target)
+    rules = {}
+    for gvar, func in fused.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc) and "matmul" in gvar.name_hint:
+            rule = next((r for r in RULES if r.apply(func, target, False) is not None), None)
+            rules[gvar.name_hint] = type(rule).__name__ if rule is not None else "none"
+    return rules
+
+
 class Runner:
     """A compiled module that runs on numpy arrays and returns a flat list of numpy outputs."""
 

@@ -54,9 +54,10 @@ class Matmul(dl.ScheduleRule):
     Normalized as dlight's GPU matmul does: A, B and C reindexed to [S, M, K], [S, N, K] and
     [S, M, N] (batch dims fused into M, however the buffers are laid out), M and N padded to the
     register tile so the hot loop has no predicate. Then, per N tile of ``cols`` (in parallel):
-    B's [K, cols] slice is packed contiguous (it stays in L1), and each ``rows`` x ``cols`` tile of C
-    accumulates in registers over K (a broadcast of A times a vector of B per FMA), its epilogue
-    applied as it is stored. A is read in place, or copied once into the padded [M, K] buffer.
+    B's [K, cols] slice is packed contiguous (each tile of C walks it in order), and each ``rows`` x
+    ``cols`` tile of C accumulates in registers over K (a broadcast of A times a vector of B per
+    FMA), its epilogue applied as it is stored. A is read in place, or copied once into the padded
+    [M, K] buffer.
     """
 
     def __init__(self, tiles: MatmulTiles | None = None):
@@ -88,7 +89,8 @@ def _copies_in_place(sch: s_tir.Schedule, block) -> bool:
     return inlines_exactly(sch, block) and isinstance(stmt.body.value, tvm.ir.expr.TensorLoad)
 
 
-A_BLOCK_BYTES = 5 << 18  # rows of A that stay in a 2 MiB L2 beside a panel of B
+A_BLOCK_BYTES = 5 << 18  # rows of A (float32) that stay in a 2 MiB L2 (Sapphire and Emerald Rapids) beside a
+# panel of B; TVM's target carries no cache sizes
 MANY_PANELS = 64  # the output layer's N: re-reading each panel once per block of A is cheap
 
 

@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 import pytest
-from helpers import HOST, legalize_checked
+from helpers import HOST, legalize_checked, matmul_rules
 
 from tvm_fuel.models import llama, peers, train
 from tvm_fuel.models.engine import LlamaEngine
@@ -28,6 +28,16 @@ def test_the_tuned_decoder_runs_kernels_not_the_floor():
     mod, _ = llama.export(CONFIG, num_blocks=12, block_size=8)
     names = {gvar.name_hint for gvar in legalize_checked(mod, HOST, "tuned").functions}
     assert {"fuel_flash_attn_kernel", "fuel_paged_attn_kernel", "fuel_kv_append"} <= names
+
+
+def test_every_matmul_of_the_decoder_takes_a_matmul_rule():
+    """The demo decoder's weights are parameters (MLC-LLM's way): each of its matmuls, prefill and
+    decode, is scheduled by a matmul rule (DecodeMatmul at static rows, else Matmul), none left to
+    the row reduction or unscheduled (issue 57)."""
+    mod, _ = llama.export(CONFIG, num_blocks=12, block_size=8)
+    rules = matmul_rules(mod, HOST)
+    assert len(rules) >= 5, rules
+    assert set(rules.values()) <= {"PackedMatmul", "DecodeMatmul", "Matmul"}, rules
 
 
 @pytest.mark.parametrize("kernels", ["decomposed", "tuned"])

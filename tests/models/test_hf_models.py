@@ -36,6 +36,7 @@ from tvm import relax  # noqa: E402
 import tvm_fuel  # noqa: E402
 import tvm_fuel.frontend  # noqa: E402
 from covering import pairwise  # noqa: E402
+from helpers import matmul_rules  # noqa: E402
 
 # one worker: each case's export (~6 s) is cached per process (_export)
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_hf_models")]
@@ -207,6 +208,14 @@ def test_every_layer_is_one_flash_attn_with_the_models_options(exported):
                 assert int(np.prod(dims)) <= exported["batch"] * heads * SEQ
             else:
                 assert str(mask.ty.dtype) == "bool" and int(np.prod(dims)) <= exported["batch"] * SEQ
+
+
+def test_an_exported_llamas_linear_layers_read_their_weights_in_panels():
+    """Every matmul of an exported Llama (its weights constants: q, k, v, o, the MLP and the output
+    layer) is nn.Linear's over a weight laid out at build, scheduled by PackedMatmul (issue 57)."""
+    rules = matmul_rules(_export("llama", "sdpa", "ids")["mod"], tvm_fuel.host_target())
+    assert len(rules) >= 3, rules  # (one function per shape: q and o share one, k and v, gate and up)
+    assert all("NT_matmul_panels" in name and rule == "PackedMatmul" for name, rule in rules.items()), rules
 
 
 @pytest.mark.parametrize("case, kernels", [_case_param(case, kernels) for case in CASES for kernels in KERNELS
