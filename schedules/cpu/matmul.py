@@ -205,19 +205,10 @@ def _panel_read(sch: s_tir.Schedule, main) -> tuple[int, int] | None:
     return found[0] if len(found) == 1 else None
 
 
-class PackedMatmul(dl.ScheduleRule):
+class PackedMatmul(Matmul):
     """nn.Linear's matmul over a weight in panels (``transform.PackLinearWeights``): ``Matmul``'s
     register tile reading the panels in place, at any M (symbolic included) and its epilogue chain
     fused; declines every function that reads no weight in panels."""
-
-    def __init__(self, tiles: MatmulTiles | None = None):
-        self.tiles = tiles
-
-    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not is_cpu(target):
-            return None
-        tiles = self.tiles or MatmulTiles.for_target(target)
-        return scheduled(self._schedule, func, tiles)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: MatmulTiles):

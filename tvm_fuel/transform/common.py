@@ -2,6 +2,7 @@
 
 Contents:
     rewrite_functions -- a module with every Relax function visited by a PyExprMutator
+    rewrite_functions_with -- the same, and the mutator (what it counted)
     op_name           -- the name of the op a call calls (None: not an op call)
     constant_value    -- the value of a Relax tensor constant (None: no constant)
     int_dim           -- a dim as an int (None: symbolic)
@@ -21,11 +22,17 @@ from tvm.relax.expr_functor import PyExprMutator
 def rewrite_functions(mod: tvm.IRModule, make_mutator: Callable[[tvm.IRModule], PyExprMutator]) -> tvm.IRModule:
     """``mod`` with each Relax function replaced by what ``make_mutator(mod)`` makes of it (one
     mutator, so the functions it adds share its block builder)."""
+    return rewrite_functions_with(mod, make_mutator)[0]
+
+
+def rewrite_functions_with(mod: tvm.IRModule, make_mutator: Callable[[tvm.IRModule], PyExprMutator]):
+    """``rewrite_functions``, and the mutator that rewrote them (what it counted: did it change
+    anything?)."""
     rewriter = make_mutator(mod)
     for gvar, func in mod.functions.items():
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
-    return rewriter.builder_.get()
+    return rewriter.builder_.get(), rewriter
 
 
 def op_name(expr) -> str | None:

@@ -16,7 +16,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .common import op_name, rewrite_functions
+from .common import op_name, rewrite_functions_with
 
 
 @mutator
@@ -59,13 +59,7 @@ class DropMatmulBroadcasts:
     docstring); run before ``FoldConstant`` and ``FuseTransposeMatmul``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        made: list[_Drop] = []
-
-        def make(module: tvm.IRModule) -> _Drop:
-            made.append(_Drop(module))
-            return made[-1]
-
-        rewritten = rewrite_functions(mod, make)
-        if not made[0].dropped:
+        rewritten, drop = rewrite_functions_with(mod, _Drop)
+        if not drop.dropped:
             return mod
         return relax.transform.DeadCodeElimination()(rewritten)  # the broadcasts no call reads

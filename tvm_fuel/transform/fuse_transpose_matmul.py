@@ -14,7 +14,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .common import op_name, rewrite_functions
+from .common import op_name, rewrite_functions_with
 
 
 @mutator
@@ -65,12 +65,6 @@ class FuseTransposeMatmul:
     (module docstring); run before LegalizeOps."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        made: list[_OwnTranspose] = []
         users = _users(mod)
-
-        def make(module: tvm.IRModule) -> _OwnTranspose:
-            made.append(_OwnTranspose(module, users))
-            return made[-1]
-
-        owned = rewrite_functions(mod, make)
-        return relax.transform.FuseTransposeMatmul()(owned if made[0].split else mod)
+        owned, own = rewrite_functions_with(mod, lambda module: _OwnTranspose(module, users))
+        return relax.transform.FuseTransposeMatmul()(owned if own.split else mod)

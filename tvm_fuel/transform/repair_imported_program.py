@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .common import constant_value, op_name, rewrite_functions
+from .common import constant_value, op_name, rewrite_functions_with
 
 
 @mutator
@@ -72,11 +72,5 @@ class RepairImportedProgram:
     ``tvm_fuel.compile`` before FuseAttention."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        made: list[_Repairs] = []
-
-        def make(module: tvm.IRModule) -> _Repairs:
-            made.append(_Repairs(module))
-            return made[-1]
-
-        repaired = rewrite_functions(mod, make)
-        return repaired if made[0].repaired else mod  # a module with nothing to repair stays as it is
+        repaired, repairs = rewrite_functions_with(mod, _Repairs)
+        return repaired if repairs.repaired else mod  # a module with nothing to repair stays as it is
