@@ -19,8 +19,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.matmul import get_index_map
 
-from .rule_steps import (attempt, consumer_chain, gemm_block, inline_producers, inlines_exactly, is_cpu,
-                         normalize_gemm, scheduled, static_extent, writer)
+from .rule_steps import (attempt, consumer_chain, gemm_block, inline_all_but_last, inline_producers, inlines_exactly,
+                         is_cpu, normalize_gemm, scheduled, static_extent, writer)
 from .tiles import vector_lanes, vector_registers
 
 
@@ -149,9 +149,8 @@ def _register_tiled(sch: s_tir.Schedule, main, c_map, tiles: MatmulTiles, *, b_i
         sch.transform_layout(b_tile, ("write", 0), lambda s, j, kk: (s, kk, j))
 
     chain = consumer_chain(sch, main)  # unpad, un-reindex, the model's epilogue
-    for block in chain[:-1]:
-        if not (inlines_exactly(sch, block) and attempt(sch.compute_inline, block)):
-            return None
+    if not inline_all_but_last(sch, chain):
+        return None
     store = chain[-1]
     sch.transform_block_layout(store, c_map)
     sch.reverse_compute_at(store, m_tile)
@@ -240,9 +239,8 @@ class PackedMatmul(Matmul):
         sch.reorder(n_tile, k, n_vec, n_lane)
         sch.parallel(n_tile)
         chain = consumer_chain(sch, main)
-        for block in chain[:-1]:
-            if not (inlines_exactly(sch, block) and attempt(sch.compute_inline, block)):
-                return None
+        if not inline_all_but_last(sch, chain):
+            return None
         if chain:
             store = chain[-1]
             sch.reverse_compute_at(store, n_tile)
@@ -275,7 +273,6 @@ class DecodeTiles:
     rows: int = 2
     cols: int = 4
     lanes: int = 8
-
 
 
 def _last_index_is(block: tirx.SBlock, buffer: tirx.Buffer, var: tirx.Var) -> bool:
@@ -340,9 +337,8 @@ class DecodeMatmul(dl.ScheduleRule):
         sch.reverse_compute_at(main, task)  # the lanes' sum, per tile
         chain = consumer_chain(sch, main)  # un-reindex, the model's epilogue
         if chain:
-            for block_rv in chain[:-1]:
-                if not (inlines_exactly(sch, block_rv) and attempt(sch.compute_inline, block_rv)):
-                    return None
+            if not inline_all_but_last(sch, chain):
+                return None
             store = chain[-1]
             if c_map is not None:
                 sch.transform_block_layout(store, c_map)

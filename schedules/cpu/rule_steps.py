@@ -4,7 +4,7 @@ refuses).
 
 Contents:
     is_cpu, scheduled -- a rule's target test, and its schedule or None where a primitive refused
-    inlines_exactly, inline_spatial, inline_producers, attempt -- exact inlining
+    inlines_exactly, inline_spatial, inline_producers, inline_all_but_last, attempt -- exact inlining
     stores_promoted_constant -- a block that TVM's bfloat16 legalization cannot vectorize
     consumer_chain, writer, gemm_block, normalize_gemm -- a GEMM's blocks, normalized to [S, M, N, K]
     static_extent -- an extent as an int, None where it is symbolic
@@ -142,6 +142,12 @@ def consumer_chain(sch: s_tir.Schedule, block) -> list | None:
         if _reduces(sch.get(block)):
             return None
         chain.append(block)
+
+
+def inline_all_but_last(sch: s_tir.Schedule, chain: list) -> bool:
+    """Each block of an epilogue ``chain`` but its last (the store) inlined, each where that is
+    exact; False where one is left."""
+    return all(inlines_exactly(sch, block) and attempt(sch.compute_inline, block) for block in chain[:-1])
 
 
 def writer(sch: s_tir.Schedule, block, read_index: int):

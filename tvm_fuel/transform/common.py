@@ -4,6 +4,7 @@ Contents:
     rewrite_functions -- a module with every Relax function visited by a PyExprMutator
     rewrite_functions_with -- the same, and the mutator (what it counted)
     op_name           -- the name of the op a call calls (None: not an op call)
+    is_tensor_constant -- a Relax tensor constant (its value not copied)
     constant_value    -- the value of a Relax tensor constant (None: no constant)
     int_dim           -- a dim as an int (None: symbolic)
     unscheduled       -- the TIR functions of a module that no schedule has touched
@@ -40,10 +41,15 @@ def op_name(expr) -> str | None:
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
 
 
+def is_tensor_constant(expr) -> bool:
+    """``expr`` is a Relax tensor constant (not one of TVM 0.27's IntImm arguments, which subclass
+    Constant); no copy of its value is made."""
+    return isinstance(expr, tvm.ir.expr.Constant) and not isinstance(expr, tvm.tirx.IntImm)
+
+
 def constant_value(expr) -> np.ndarray | None:
-    """The value of a Relax tensor constant, None where ``expr`` is none (TVM 0.27's IntImm
-    arguments, which subclass Constant, included)."""
-    if isinstance(expr, tvm.tirx.IntImm) or not isinstance(expr, tvm.ir.expr.Constant):
+    """The value of a Relax tensor constant, None where ``expr`` is none (``is_tensor_constant``)."""
+    if not is_tensor_constant(expr):
         return None
     return expr.value.numpy() if hasattr(expr.value, "numpy") else np.asarray(expr.value)
 

@@ -18,7 +18,7 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..schedules.cpu.matmul import panel_cols
-from .common import constant_value, int_dim
+from .common import constant_value, int_dim, is_tensor_constant, op_name, rewrite_functions_with
 
 PACKED_NAME = "NT_matmul_panels"  # the PrimFunc a packed call lowers to
 
@@ -52,13 +52,10 @@ class PackLinearWeights:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         if self.target.kind.name != "llvm":
             return mod
-        packer = _Packer(mod, self.target)
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                packer.builder_.update_func(gvar, packer.visit_expr(func))
+        packed, packer = rewrite_functions_with(mod, lambda module: _Packer(module, self.target))
         if not packer.packed:
             return mod
-        return relax.transform.DeadCodeElimination()(packer.builder_.get())  # the NT_matmuls no call reads
+        return relax.transform.DeadCodeElimination()(packed)  # the NT_matmuls no call reads
 
 
 @mutator
@@ -81,14 +78,14 @@ class _Packer(PyExprMutator):  # pylint: disable=abstract-method
 
     def _linear(self, call: relax.Call):
         """(x, w, cols) of a float32 NT_matmul call over a constant w that panels can hold, else None."""
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir"):
+        if op_name(call) != "relax.call_tir":
             return None
         callee, args = call.args[0], call.args[1]
         if not (isinstance(callee, relax.GlobalVar) and callee.name_hint.startswith("NT_matmul")
                 and isinstance(args, relax.Tuple) and len(args.fields) == 2):
             return None
         x, w = args.fields
-        if constant_value(w) is None or w.ty.ndim != 2 or x.ty.ndim < 2:
+        if not is_tensor_constant(w) or w.ty.ndim != 2 or x.ty.ndim < 2:  # (a value copied only to pack)
             return None
         if any(str(t.dtype) != "float32" for t in (x.ty, w.ty, call.ty)):
             return None
