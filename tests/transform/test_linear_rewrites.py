@@ -82,6 +82,15 @@ def test_a_transpose_with_other_users_still_fuses():
         return relax.Tuple([relax.op.matmul(x, wt), relax.op.add(wt, wt)])
 
     mod = _module(make, dict(x=(4, 8), w=(6, 8)))
+    output = relax.BlockBuilder()  # w.T also returned as it is: a binding of one var to another
+    x_, w_ = relax.Var("x", relax.TensorType((4, 8), F32)), relax.Var("w", relax.TensorType((6, 8), F32))
+    with output.function("main", [x_, w_]):
+        with output.dataflow():
+            wt = output.emit(relax.op.permute_dims(w_))
+            y = output.emit(relax.op.matmul(x_, wt))
+            out = relax.Tuple([output.emit_output(wt), output.emit_output(y)])
+        output.emit_func_output(out)
+    assert "NT_matmul" in [gv.name_hint for gv in FuseTransposeMatmul()(output.get()).get_global_vars()]
     fused = FuseTransposeMatmul()(mod)
     assert "NT_matmul" in [gv.name_hint for gv in fused.get_global_vars()]
     rng = np.random.default_rng(1)

@@ -38,24 +38,17 @@ class _OwnTranspose(PyExprMutator):  # pylint: disable=abstract-method
 
 
 def _users(mod: tvm.IRModule) -> dict:
-    """Each Relax var of ``mod``'s functions -> how many times an expression reads it."""
+    """Each Relax var of ``mod``'s functions -> how many times it is read: every var the visitor meets
+    is a use (a call's argument, a tuple's field, a binding of one var to another, the return)."""
     counts: dict = {}
 
     def visit(expr):
-        if isinstance(expr, relax.Call):
-            for arg in expr.args:
-                if isinstance(arg, relax.Var):
-                    counts[arg] = counts.get(arg, 0) + 1
-        elif isinstance(expr, relax.Tuple):
-            for field in expr.fields:
-                if isinstance(field, relax.Var):
-                    counts[field] = counts.get(field, 0) + 1
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
 
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
-            if isinstance(func.body, relax.SeqExpr) and isinstance(func.body.body, relax.Var):
-                counts[func.body.body] = counts.get(func.body.body, 0) + 1
+            relax.analysis.post_order_visit(func.body, visit)
     return counts
 
 
