@@ -5,6 +5,8 @@ a multiple of the register tile, N not a multiple of the vector tile, K odd)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -129,10 +131,11 @@ MATMULS = {
         lambda x, w, b: relax.op.add(mm(x, pd(w)), b),
         dict(x=((2, "n", 97), F32), w=((100, 97), F32), b=((100,), F32)),
         lambda x, w, b: x @ w.T + b, ["fused_NT_matmul_add"], 1e-5),
-    # the gate's SiLU times the up projection (itself a matmul, an input of the fused function); N 40
-    "SwiGLU-N40-K32": (
+    # the gate's SiLU times the up projection (itself a matmul, an input of the fused function); N 40;
+    # K 33, a multiple of no vector width (DecodeMatmul, which branches on a symbolic M, declines it)
+    "SwiGLU-N40-K33": (
         lambda x, wg, wu: relax.op.multiply(relax.op.nn.silu(mm(x, pd(wg))), mm(x, pd(wu))),
-        dict(x=(("n", 32), F32), wg=((40, 32), F32), wu=((40, 32), F32)),
+        dict(x=(("n", 33), F32), wg=((40, 33), F32), wu=((40, 33), F32)),
         lambda x, wg, wu: _silu(x @ wg.T) * (x @ wu.T), ["NT_matmul", "fused_NT_matmul_silu_multiply"], 1e-5),
     # W stored [K, N]; a residual of the output's shape; N 64 a multiple of the tile
     "KN-residual-N64-K97": (
@@ -249,15 +252,49 @@ def test_decode_rule_schedules_and_matches_tvm_and_numpy(case):
     np.testing.assert_allclose(got, tvm_own.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
 
 
+@pytest.mark.parametrize("case", ["SwiGLU-N40-K64", "bias-batch2-N100-K64"])
+def test_decode_rule_branches_on_a_symbolic_row_count(case):
+    """A symbolic M (a decode step over a varying batch): the kernel branches at run time, up to
+    DECODE_ROWS rows to DecodeMatmul's loop nest, beyond to Matmul's schedule of the same function;
+    one executable matches the float64 product and TVM's own build at 0, 1, 3, 8, 9, 17 and 97 rows."""
+    make, params = {
+        "SwiGLU-N40-K64": (lambda x, wg, wu: relax.op.multiply(relax.op.nn.silu(mm(x, pd(wg))), mm(x, pd(wu))),
+                           dict(x=(("n", 64), F32), wg=((40, 64), F32), wu=((40, 64), F32))),
+        "bias-batch2-N100-K64": (lambda x, w, b: relax.op.add(mm(x, pd(w)), b),
+                                 dict(x=((2, "n", 64), F32), w=((100, 64), F32), b=((100,), F32))),
+    }[case]
+    mod = _module(make, params)
+    names = [name for name in _prim_funcs(_fused(mod)) if "matmul" in name]
+    for name, script in _assert_scheduled_by(generic.DecodeMatmul(), mod, names).items():
+        assert re.search(r"if n( \* T.int64\(2\))? <= T.int64\(8\):", script), script  # the branch on the rows
+        assert "rf" in script and "T.unroll" in script, script  # the decode nest and Matmul's tile
+    rng = np.random.default_rng(5)
+    batches = [_inputs(params, rng, n=rows) for rows in (0, 1, 3, 8, 9, 17, 97)]
+    plain = _plain(mod)
+    for inputs, (got,) in zip(batches, _run(mod, batches)):
+        want = reference_of(case, *_f64(*inputs))
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5, err_msg=f"{case} {got.shape}")
+        tvm_own = plain["main"](*map(tvm.runtime.tensor, inputs)).numpy()
+        np.testing.assert_allclose(got, tvm_own, rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
+
+
+def reference_of(case: str, *arrays):
+    if case.startswith("SwiGLU"):
+        x, wg, wu = arrays
+        return _silu(x @ wg.T) * (x @ wu.T)
+    x, w, b = arrays
+    return x @ w.T + b
+
+
 def test_decode_rule_declines_what_is_not_a_decode_row():
-    """Matmul (or TVM) keeps: nine rows, symbolic rows, K not a multiple of the vector lanes, a weight
-    stored [K, N] (not contiguous along K), and anything for a non-llvm target."""
+    """Matmul (or TVM) keeps: nine rows, K not a multiple of the vector lanes, a weight stored [K, N]
+    (not contiguous along K), and anything for a non-llvm target (symbolic rows: the branch above)."""
     def fused(params, make=lambda x, w: mm(x, pd(w))):
         return next(f for n, f in _prim_funcs(_fused(_module(make, params))).items() if "matmul" in n)
 
     control = fused(dict(x=((4, 64), F32), w=((40, 64), F32)))
     assert _apply(generic.DecodeMatmul(), control) is not None
-    declined = [fused(dict(x=((9, 64), F32), w=((40, 64), F32))), fused(dict(x=(("n", 64), F32), w=((40, 64), F32))),
+    declined = [fused(dict(x=((9, 64), F32), w=((40, 64), F32))), fused(dict(x=(("n", 97), F32), w=((40, 97), F32))),
                 fused(dict(x=((4, 97), F32), w=((40, 97), F32))),
                 fused(dict(x=((4, 64), F32), w=((64, 40), F32)), make=mm)]
     for func in declined:
@@ -475,8 +512,9 @@ def _mlp_block_numpy(x, g, wg, wu, wd):
 
 def test_compile_schedules_every_function_and_matches_numpy():
     """Through ``tvm_fuel.compile``: no kernel of the block is left as single-threaded scalar loops,
-    the matmuls are the Matmul rule's (batch 1 in front), the norm the row reduction's, and one
-    executable serves two sequence lengths."""
+    the gate and up projections (K 64) DecodeMatmul's branch on the symbolic rows, the down
+    projection (K 100, a multiple of no vector width) the Matmul rule's (batch 1 in front), the norm
+    the row reduction's, and one executable serves a decode row count and two sequence lengths."""
     mod = _module(_mlp_block, BLOCK_PARAMS)
     built = _built(mod)
     assert built, "no kernels"
@@ -485,7 +523,10 @@ def test_compile_schedules_every_function_and_matches_numpy():
         assert "T.parallel" in func.script(), f"{name} runs on one thread:\n{func}"
     matmuls = [name for name in built if "matmul" in name]
     assert len(matmuls) == 3, sorted(built)  # up, gate (with SiLU times up) and down (with the residual)
-    _assert_scheduled_by(generic.Matmul(), mod, matmuls)
+    down = [name for name in matmuls if "add" in name]  # its epilogue: the residual
+    assert len(down) == 1, matmuls
+    _assert_scheduled_by(generic.DecodeMatmul(), mod, sorted(set(matmuls) - set(down)))
+    _assert_scheduled_by(generic.Matmul(), mod, down)
     _assert_scheduled_by(generic.RowReduction(), mod, ["rms_norm"])
     rng = np.random.default_rng(5)
     batches = [_inputs(BLOCK_PARAMS, rng, n=r) for r in (3, 17)]
