@@ -494,7 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     instead.add_argument("--models", nargs="+", metavar="ROW", type=_model_row,
                          help="instead of the kernel rows: the Hugging Face rows, an exported SmolLM-135M-shaped "
                               "Llama against PyTorch eager and torch.compile; 'all' (S 512, 2048 x B 1, 4 x float32, "
-                              "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32)")
+                              "bfloat16) or rows SEQxBATCH:DTYPE (512x1:float32); then the decode rows, 512-token "
+                              "prompts at B 1 and 4 and 128 greedy steps over a KV cache against transformers' "
+                              "DynamicCache")
     instead.add_argument("--tvm-cache", action="store_true",
                          help="instead of the kernel rows: one layer's prefill and decode inside TVM's own paged KV "
                               "cache (MLC-LLM's runtime), TVM's CPU kernels against fuel's in its slots")
