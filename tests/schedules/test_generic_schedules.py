@@ -252,17 +252,25 @@ def test_decode_rule_schedules_and_matches_tvm_and_numpy(case):
     np.testing.assert_allclose(got, tvm_own.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
 
 
-@pytest.mark.parametrize("case", ["SwiGLU-N40-K64", "bias-batch2-N100-K64"])
+# id -> (make, params, reference): nn.Linear at a symbolic row count, as a decode step over a varying batch
+SYMBOLIC_DECODES = {
+    "SwiGLU-N40-K64": (
+        lambda x, wg, wu: relax.op.multiply(relax.op.nn.silu(mm(x, pd(wg))), mm(x, pd(wu))),
+        dict(x=(("n", 64), F32), wg=((40, 64), F32), wu=((40, 64), F32)),
+        lambda x, wg, wu: _silu(x @ wg.T) * (x @ wu.T)),
+    "bias-batch2-N100-K64": (
+        lambda x, w, b: relax.op.add(mm(x, pd(w)), b),
+        dict(x=((2, "n", 64), F32), w=((100, 64), F32), b=((100,), F32)),
+        lambda x, w, b: x @ w.T + b),
+}
+
+
+@pytest.mark.parametrize("case", list(SYMBOLIC_DECODES))
 def test_decode_rule_branches_on_a_symbolic_row_count(case):
     """A symbolic M (a decode step over a varying batch): the kernel branches at run time, up to
     DECODE_ROWS rows to DecodeMatmul's loop nest, beyond to Matmul's schedule of the same function;
     one executable matches the float64 product and TVM's own build at 0, 1, 3, 8, 9, 17 and 97 rows."""
-    make, params = {
-        "SwiGLU-N40-K64": (lambda x, wg, wu: relax.op.multiply(relax.op.nn.silu(mm(x, pd(wg))), mm(x, pd(wu))),
-                           dict(x=(("n", 64), F32), wg=((40, 64), F32), wu=((40, 64), F32))),
-        "bias-batch2-N100-K64": (lambda x, w, b: relax.op.add(mm(x, pd(w)), b),
-                                 dict(x=((2, "n", 64), F32), w=((100, 64), F32), b=((100,), F32))),
-    }[case]
+    make, params, reference = SYMBOLIC_DECODES[case]
     mod = _module(make, params)
     names = [name for name in _prim_funcs(_fused(mod)) if "matmul" in name]
     for name, script in _assert_scheduled_by(generic.DecodeMatmul(), mod, names).items():
@@ -272,18 +280,10 @@ def test_decode_rule_branches_on_a_symbolic_row_count(case):
     batches = [_inputs(params, rng, n=rows) for rows in (0, 1, 3, 8, 9, 17, 97)]
     plain = _plain(mod)
     for inputs, (got,) in zip(batches, _run(mod, batches)):
-        want = reference_of(case, *_f64(*inputs))
+        want = reference(*_f64(*inputs))
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5, err_msg=f"{case} {got.shape}")
         tvm_own = plain["main"](*map(tvm.runtime.tensor, inputs)).numpy()
         np.testing.assert_allclose(got, tvm_own, rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
-
-
-def reference_of(case: str, *arrays):
-    if case.startswith("SwiGLU"):
-        x, wg, wu = arrays
-        return _silu(x @ wg.T) * (x @ wu.T)
-    x, w, b = arrays
-    return x @ w.T + b
 
 
 def test_decode_rule_declines_what_is_not_a_decode_row():

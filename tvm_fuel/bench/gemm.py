@@ -25,14 +25,13 @@ import time
 import numpy as np
 
 from ..target import host_target
-from .timing import in_blocks
+from .timing import SETTLE_SECONDS, in_blocks
 
 # SmolLM-135M: hidden 576, MLP 1536, vocabulary 49152 (q and o 576 -> 576, gate and up 576 -> 1536,
 # down 1536 -> 576, the output layer 576 -> 49152); k and v (576 -> 192) are q's shape, narrower
 _LAYERS = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N)
 GEMM_SHAPES = tuple((m, k, n) for m in (512, 1, 4, 8) for k, n in _LAYERS)
 WEIGHTS = ("parameter", "constant")
-SETTLE_SECONDS = 0.3  # before each block: the other pool's threads stop spinning (in_blocks)
 
 
 def _module(M: int, K: int, N: int, weight: np.ndarray | None):

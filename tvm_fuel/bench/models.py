@@ -16,7 +16,8 @@ The decode rows serve the same shape (its head untied, as ``models.llama`` has i
 runs ``batch_decode``: tvm_fuel's ``models.engine.LlamaEngine`` (its paged cache; the decode
 function's batch symbolic, its weights parameters) against transformers' LlamaForCausalLM with a
 ``DynamicCache`` and the same weights, eagerly (torch.compile is not timed here: a DynamicCache
-grows every step). Runs of both take turns; the row gives each phase's median seconds (prefill:
+grows every step). Runs of both go in blocks of two that take turns (``timing.in_blocks``, the
+first of each block dropped); the row gives each phase's median seconds (prefill:
 tvm_fuel prefills its prompts one by one, as its engine does) and how many tokens both chose alike.
 
 The mask rows (issue 55, item 5) time the same model, exported once with the all-ones
@@ -42,13 +43,12 @@ import time
 import numpy as np
 
 from ..target import host_target
-from .timing import in_blocks
+from .timing import SETTLE_SECONDS, in_blocks
 
 MODEL_ROWS = tuple((seq, batch, dtype) for dtype in ("float32", "bfloat16") for seq in (512, 2048)
                    for batch in (1, 4))
 MASK_ROWS = ((512, 1, "float32"),)
 DECODE_ROWS = ((512, 1, 128), (512, 4, 128))  # prompt length, batch, new tokens
-SETTLE_SECONDS = 0.3  # before each run: the other pool's threads stop spinning
 SMOLLM_4 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096, tie_word_embeddings=True)
 
@@ -151,8 +151,10 @@ def mask_row(seq: int, batch: int, dtype: str, seed: int) -> dict:
 
 def hf_name(name: str) -> str:
     """``models.llama``'s weight name as transformers' LlamaForCausalLM names it."""
-    if name in ("embed.weight", "lm_head.weight"):
-        return {"embed.weight": "model.embed_tokens.weight"}.get(name, name)
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    if name == "lm_head.weight":
+        return name
     name = name.replace("post_attn_norm", "post_attention_layernorm").replace("input_norm", "input_layernorm")
     return "model." + name.replace(".attn.", ".self_attn.")
 
@@ -160,7 +162,7 @@ def hf_name(name: str) -> str:
 def decode_row(seq: int, batch: int, new_tokens: int, seed: int) -> dict:
     """``batch`` prompts of ``seq`` tokens, then ``new_tokens`` greedy steps at M = ``batch`` (module
     docstring): tvm_fuel's ``LlamaEngine`` against transformers' LlamaForCausalLM with a DynamicCache,
-    the same weights, runs taking turns; seconds per phase (medians) and the tokens both chose."""
+    the same weights, in blocks that take turns; seconds per phase (medians) and the tokens both chose."""
     import torch
     import transformers
 
@@ -203,11 +205,13 @@ def decode_row(seq: int, batch: int, new_tokens: int, seed: int) -> dict:
 
     runs: dict = {"tvm_fuel": [], "eager": []}
     chosen: dict = {}
-    for turn in range(3):
-        for name, fn in (("tvm_fuel", fuel), ("eager", torch_eager))[::1 if turn % 2 == 0 else -1]:
-            time.sleep(SETTLE_SECONDS)
-            *seconds, chosen[name] = fn()
-            runs[name].append(seconds)
+
+    def timed(name, fn):
+        *seconds, chosen[name] = fn()
+        runs[name].append(seconds)
+
+    in_blocks({"tvm_fuel": lambda: timed("tvm_fuel", fuel), "eager": lambda: timed("eager", torch_eager)}, runs,
+              block=2, settle=SETTLE_SECONDS)
     prefill = {name: float(np.median([r[0] for r in times])) for name, times in runs.items()}
     decode = {name: float(np.median([r[1] for r in times])) / (new_tokens - 1) for name, times in runs.items()}
     same = chosen["tvm_fuel"] == chosen["eager"]

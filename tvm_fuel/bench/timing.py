@@ -1,13 +1,16 @@
 """How the end-to-end rows time their contenders: side by side, in blocks that take turns.
 
 Contents:
-    in_blocks -- run each contender in blocks of consecutive runs, the blocks taking turns
+    in_blocks      -- run each contender in blocks of consecutive runs, the blocks taking turns
+    SETTLE_SECONDS -- a ``settle`` that outlasts PyTorch's spinning OpenMP threads
 """
 
 from __future__ import annotations
 
 import time
 from typing import Callable
+
+SETTLE_SECONDS = 0.3  # PyTorch's OpenMP pool spins up to 200 ms after a parallel job
 
 
 def in_blocks(fns: dict[str, Callable[[], None]], runs: dict, *, rounds: int = 3, block: int | dict[str, int] = 3,
@@ -30,4 +33,4 @@ def in_blocks(fns: dict[str, Callable[[], None]], runs: dict, *, rounds: int = 3
                     runs[name].pop()
         order.reverse()
 
-__all__ = ["in_blocks"]
+__all__ = ["SETTLE_SECONDS", "in_blocks"]
