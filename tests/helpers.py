@@ -187,13 +187,17 @@ def legalize_checked(mod: tvm.IRModule, target, kernels: str, **logs) -> tvm.IRM
     return legalized
 
 
-def matmul_rules(mod: tvm.IRModule, target) -> dict[str, str]:
+def matmul_rules(mod: tvm.IRModule, target, *, pack_params: bool = False) -> dict[str, str]:
     """The default rule (``schedules.cpu.generic.RULES``, the first that schedules it) of each fused
-    TIR function of ``mod`` (its fuel ops on the tuned path) whose name holds "matmul": name -> rule."""
+    TIR function of ``mod`` (its fuel ops on the tuned path; its weight parameters in panels where
+    ``pack_params``) whose name holds "matmul": name -> rule."""
     from tvm_fuel.schedules.cpu.generic import RULES
     from tvm_fuel.transform.legalize_and_fuse import fuse
+    from tvm_fuel.transform.pack_linear_weights import PackLinearParams
 
     target = tvm_fuel.target.as_target(target)
+    if pack_params:
+        mod = PackLinearParams(target)(mod)
     fused = fuse(tvm_fuel.transform.legalize(mod, target, kernels="tuned"), target)
     rules = {}
     for gvar, func in fused.functions_items():

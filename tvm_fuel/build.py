@@ -20,12 +20,13 @@ from .target import as_target
 from .transform.apply_tuned_functions import ApplyTunedFunctions
 from .transform.legalize_and_fuse import cpu_legalize_passes
 from .transform.legalize_fuel import LegalizeFuel
+from .transform.pack_linear_weights import PackLinearParams
 from .transform.repair_imported_program import RepairImportedProgram
 from .transform.specialize_at_tuned_shapes import SpecializeAtTunedShapes
 
 
 def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decomposed", database: Any = None,  # noqa: A001
-            shipped_logs: bool = True, relax_pipeline: Any = "default", **compile_options):
+            shipped_logs: bool = True, relax_pipeline: Any = "default", pack_params: bool = False, **compile_options):
     """``tvm.compile`` with ``LegalizeFuel`` in front of the Relax pipeline (``pipeline``).
 
     Parameters
@@ -48,6 +49,13 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
         Also use the logs shipped with the package (default True).
     relax_pipeline : str or Pass
         The pipeline the fuel ops are lowered in front of (default: TVM's for the target).
+    pack_params : bool
+        On llvm: nn.Linear weights passed as parameters (those after a function's ``"num_input"``,
+        as ``relax.frontend.nn``'s ``export_tvm`` marks them) are laid out in the CPU matmul's
+        panels by the build's ``transform_params`` (``transform.PackLinearParams``): run it once
+        over the weights, ``params = vm["transform_params"](weights)``, and pass ``*params`` in
+        their place to every function. Default False: the weights are passed as given and the
+        matmuls pack them at each call.
     compile_options :
         Passed on to ``tvm.compile``.
 
@@ -59,14 +67,14 @@ def compile(mod: tvm.IRModule, target: Any = "llvm", *, kernels: str = "decompos
     """
     target = as_target(target)
     return tvm.compile(mod, target=target, relax_pipeline=pipeline(
-        target, kernels=kernels, database=database, shipped_logs=shipped_logs, base=relax_pipeline),
-        **compile_options)
+        target, kernels=kernels, database=database, shipped_logs=shipped_logs, base=relax_pipeline,
+        pack_params=pack_params), **compile_options)
 
 
 def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, shipped_logs: bool = True,
-             base: Any = "default") -> tvm.transform.Pass:
-    """``RepairImportedProgram`` (what TVM's PyTorch importer mistranslates), ``SpecializeAtTunedShapes``
-    and ``LegalizeFuel``, followed by ``base``: ``"default"`` is
+             base: Any = "default", pack_params: bool = False) -> tvm.transform.Pass:
+    """``RepairImportedProgram`` (what TVM's PyTorch importer mistranslates), ``PackLinearParams`` where
+    ``pack_params``, ``SpecializeAtTunedShapes`` and ``LegalizeFuel``, followed by ``base``: ``"default"`` is
     ``default_pipeline`` (TVM's Relax pipeline for the target with the tuned records of the
     model's other functions and default schedules), else a pipeline name or a Pass.
 
@@ -79,8 +87,9 @@ def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, 
     roots = log_roots(database, shipped_logs)
     if isinstance(base, str):
         base = default_pipeline(target, roots) if base == "default" else relax.get_pipeline(base)
-    return tvm.transform.Sequential([RepairImportedProgram(), SpecializeAtTunedShapes(target, roots, lower), lower,
-                                     base, MarkVacuousNoAlias()], name="tvm_fuel.pipeline")
+    front = [RepairImportedProgram()] + ([PackLinearParams(target)] if pack_params else [])
+    return tvm.transform.Sequential(front + [SpecializeAtTunedShapes(target, roots, lower), lower, base,
+                                             MarkVacuousNoAlias()], name="tvm_fuel.pipeline")
 
 
 def MarkVacuousNoAlias() -> tvm.transform.Pass:  # noqa: N802

@@ -13,6 +13,7 @@ Contents:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import tvm
@@ -207,8 +208,25 @@ def _panel_read(sch: s_tir.Schedule, main) -> tuple[int, int] | None:
 
 class PackedMatmul(Matmul):
     """nn.Linear's matmul over a weight in panels (``transform.PackLinearWeights``): ``Matmul``'s
-    register tile reading the panels in place, at any M (symbolic included) and its epilogue chain
-    fused; declines every function that reads no weight in panels."""
+    register tile reading the panels in place, at any M and its epilogue chain fused; declines every
+    function that reads no weight in panels.
+
+    At a symbolic M (weight parameters packed at load, ``PackLinearParams``: a decode step's batch
+    varies) the function branches at run time, as ``DecodeMatmul``'s: up to ``DECODE_ROWS`` rows
+    the tile is one row (the panels stream once, no padded rows computed), beyond it ``rows``."""
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
+        larger = super().apply(func, target, _tunable)
+        rows = _output_rows(func) if larger is not None else None
+        if rows is None:
+            return larger
+        tiles = self.tiles or MatmulTiles.for_target(target)
+        decode = scheduled(self._schedule, func, replace(tiles, rows=1))
+        if decode is None:
+            return None
+        scheduled_decode, scheduled_larger = decode.mod["main"], larger.mod["main"]
+        return s_tir.Schedule(scheduled_decode.with_body(
+            tirx.IfThenElse(rows <= DECODE_ROWS, scheduled_decode.body, scheduled_larger.body)))
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: MatmulTiles):
@@ -286,6 +304,18 @@ def _symbolic_rows(func: tirx.PrimFunc) -> tirx.PrimExpr | None:
     normalize_gemm(sch, main)
     rows = sch.get(main).iter_vars[1].dom.extent
     return None if static_extent(rows) is not None else rows
+
+
+def _output_rows(func: tirx.PrimFunc) -> tirx.PrimExpr | None:
+    """The rows of the GEMM's output C [..., N] (its leading dims' product: M as ``normalize_gemm``
+    fuses them), where that is not a constant; None where it is."""
+    sch = s_tir.Schedule(func)
+    main = gemm_block(sch)
+    if main is None:
+        return None
+    shape = sch.get(main).writes[0].source.shape[:-1]
+    rows = functools.reduce(lambda a, b: a * b, shape, tirx.const(1, "int64"))
+    return None if all(static_extent(d) is not None for d in shape) else rows
 
 
 def _last_index_is(block: tirx.SBlock, buffer: tirx.Buffer, var: tirx.Var) -> bool:

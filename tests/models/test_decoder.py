@@ -21,7 +21,10 @@ CONFIG = llama.LlamaConfig(vocab_size=97, hidden_size=120, intermediate_size=160
 
 @functools.lru_cache(maxsize=None)
 def _engine(kernels: str) -> LlamaEngine:
-    return LlamaEngine(CONFIG, target=HOST, kernels=kernels, num_blocks=12, block_size=8, seed=3)
+    """"decomposed", "tuned", or "tuned-packed" (the weights laid out in panels at load: pack_params)."""
+    packed = kernels == "tuned-packed"
+    return LlamaEngine(CONFIG, target=HOST, kernels="tuned" if packed else kernels, num_blocks=12, block_size=8,
+                       seed=3, pack_params=packed)
 
 
 def test_the_tuned_decoder_runs_kernels_not_the_floor():
@@ -41,9 +44,14 @@ def test_every_matmul_of_the_decoder_takes_a_matmul_rule():
     assert len(rules) >= 5, rules
     assert set(rules.values()) <= {"PackedMatmul", "DecodeMatmul", "Matmul"}, rules
     assert "DecodeMatmul" in rules.values(), rules
+    # weights in panels at load (pack_params) where a vector width divides N (q, k, v, gate, up): PackedMatmul's;
+    # o and down (N 120 on AVX-512) and the output layer (97) as stored
+    packed = matmul_rules(mod, HOST, pack_params=True)
+    assert len(packed) == len(rules) and sum("panels" in name for name in packed) >= 4, packed
+    assert all((rule == "PackedMatmul") == ("panels" in name) for name, rule in packed.items()), packed
 
 
-@pytest.mark.parametrize("kernels", ["decomposed", "tuned"])
+@pytest.mark.parametrize("kernels", ["decomposed", "tuned", "tuned-packed"])
 def test_full_sequence_logits_match_numpy(kernels):
     engine = _engine(kernels)
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 17))
@@ -59,9 +67,11 @@ def test_full_sequence_logits_match_torch():
     np.testing.assert_allclose(engine.forward(tokens), want, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("kernels", ["decomposed", "tuned"])
+@pytest.mark.parametrize("kernels", ["decomposed", "tuned", "tuned-packed"])
 def test_paged_decode_reproduces_the_full_sequence(kernels):
     engine = _engine(kernels)
+    if kernels == "tuned-packed":  # the functions take the weights as transform_params laid them out
+        assert sum(p.ndim == 3 for p in engine.params) >= 5, [p.shape for p in engine.params]
     prompts = [[5], [int(t) for t in np.random.default_rng(2).integers(0, CONFIG.vocab_size, 17)], [1, 2, 3]]
     free = engine.cache.free_blocks
     result = engine.generate(prompts, max_new_tokens=7)

@@ -27,13 +27,14 @@ F32 = "float32"
 mm, pd = relax.op.matmul, relax.op.permute_dims
 
 
-def _module(make, params: dict) -> tvm.IRModule:
+def _module(make, params: dict, num_input: int | None = None) -> tvm.IRModule:
     """``main(**params)`` returning ``make(**vars)``; a name in a shape is a symbolic dim (DIMS).
-    FuseTransposeMatmul as a model's export applies it: x @ W^T becomes one NT_matmul."""
+    FuseTransposeMatmul as a model's export applies it: x @ W^T becomes one NT_matmul.
+    ``num_input``: the params after the first ``num_input`` are weights (export_tvm's attribute)."""
     bb = relax.BlockBuilder()
     variables = [relax.Var(name, relax.TensorType(tuple(DIMS.get(d, d) for d in shape), dtype))
                  for name, (shape, dtype) in params.items()]
-    with bb.function("main", variables):
+    with bb.function("main", variables, attrs=None if num_input is None else {"num_input": num_input}):
         with bb.dataflow():
             out = bb.emit_output(make(*variables))
         bb.emit_func_output(out)
@@ -284,6 +285,71 @@ def test_decode_rule_branches_on_a_symbolic_row_count(case):
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5, err_msg=f"{case} {got.shape}")
         tvm_own = plain["main"](*map(tvm.runtime.tensor, inputs)).numpy()
         np.testing.assert_allclose(got, tvm_own, rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
+
+
+# id -> (make, params, reference): nn.Linear over weight parameters (N a multiple of a vector, so panels hold it)
+PARAM_WEIGHTS = {
+    "SwiGLU-N96-K64": (
+        lambda x, wg, wu: relax.op.multiply(relax.op.nn.silu(mm(x, pd(wg))), mm(x, pd(wu))),
+        dict(x=(("n", 64), F32), wg=((96, 64), F32), wu=((96, 64), F32)),
+        lambda x, wg, wu: _silu(x @ wg.T) * (x @ wu.T)),
+    "bias-batch2-N160-K40": (
+        lambda x, w, b: relax.op.add(mm(x, pd(w)), b),
+        dict(x=((2, "n", 40), F32), w=((160, 40), F32), b=((160,), F32)),
+        lambda x, w, b: x @ w.T + b),
+}
+
+
+@pytest.mark.parametrize("case", list(PARAM_WEIGHTS))
+def test_weight_parameters_are_packed_once_at_load(case):
+    """``pack_params``: the weights after ``num_input`` reach the matmuls in panels that the build's
+    ``transform_params`` lays out once (panels(w) exactly; the bias stays as given), and PackedMatmul
+    builds each matmul with a run-time branch on the rows (one-row tiles up to DECODE_ROWS); one
+    executable matches the float64 product and TVM's own build of the unpacked module at 0, 1, 3, 8,
+    9, 17 and 97 rows."""
+    from tvm_fuel.transform.pack_linear_weights import PackLinearParams, panels
+
+    make, params, reference = PARAM_WEIGHTS[case]
+    mod = _module(make, params, num_input=1)
+    packed = PackLinearParams(HOST)(mod)
+    names = [name for name in _prim_funcs(_fused(packed)) if "matmul" in name]
+    assert names and all("panels" in name for name in names), names
+    for name, script in _assert_scheduled_by(generic.PackedMatmul(), packed, names).items():
+        assert re.search(r"if (T.int64\(2\) \* )?n <= T.int64\(8\):", script), script  # the branch on the rows
+    vm = relax.VirtualMachine(tvm_fuel.compile(mod, HOST, pack_params=True), tvm.cpu())
+    rng = np.random.default_rng(6)
+    batches = [_inputs(params, rng, n=rows) for rows in (0, 1, 3, 8, 9, 17, 97)]
+    weights = batches[0][1:]
+    laid_out = [w.numpy() for w in vm["transform_params"]([tvm.runtime.tensor(w) for w in weights])]
+    def layout(w, got):  # what transform_params should make of w, where got is its output
+        return w if w.ndim == 1 else panels(w, got.shape[-1]) if got.ndim == 3 else None
+
+    assert len(laid_out) == len(weights) and sum(got.ndim == 3 for got in laid_out) == sum(w.ndim == 2 for w in weights)
+    for got in laid_out:  # (in the order LiftTransformParams gives them: main takes them so)
+        assert sum(np.array_equal(got, layout(w, got)) for w in weights if layout(w, got) is not None) == 1
+    plain = _plain(mod)
+    for x, *_ in batches:
+        got = vm["main"](tvm.runtime.tensor(x), *map(tvm.runtime.tensor, laid_out)).numpy()
+        np.testing.assert_allclose(got.astype(np.float64), reference(*_f64(x, *weights)), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{case} {x.shape}")
+        tvm_own = plain["main"](*map(tvm.runtime.tensor, (x, *weights))).numpy()
+        np.testing.assert_allclose(got, tvm_own, rtol=1e-5, atol=1e-6, err_msg=f"{case} vs TVM's build")
+
+
+def test_only_weight_parameters_are_packed():
+    """PackLinearParams leaves alone: a function without ``num_input`` (no weights declared), the
+    inputs before it (x @ y.T of two inputs), and every non-llvm target."""
+    from tvm_fuel.transform.pack_linear_weights import PackLinearParams
+
+    params = dict(x=(("n", 64), F32), w=((96, 64), F32))
+    plain = _module(lambda x, w: mm(x, pd(w)), params)
+    assert tvm_ffi.structural_equal(PackLinearParams(HOST)(plain), plain)
+    inputs = _module(lambda x, w: mm(x, pd(w)), params, num_input=2)
+    assert not any("panels" in gv.name_hint for gv in PackLinearParams(HOST)(inputs).get_global_vars())
+    weights = _module(lambda x, w: mm(x, pd(w)), params, num_input=1)
+    assert any("panels" in gv.name_hint for gv in PackLinearParams(HOST)(weights).get_global_vars())  # the control
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    assert tvm_ffi.structural_equal(PackLinearParams(cuda)(weights), weights)
 
 
 def test_decode_rule_declines_what_is_not_a_decode_row():

@@ -14,7 +14,8 @@ tvm_fuel, the first compiled call for inductor) is reported beside it.
 The decode rows serve the same shape (its head untied, as ``models.llama`` has it) over a KV cache:
 ``batch`` prompts of ``seq`` tokens, then greedy steps at M = ``batch``, the way MLC-LLM's engine
 runs ``batch_decode``: tvm_fuel's ``models.engine.LlamaEngine`` (its paged cache; the decode
-function's batch symbolic, its weights parameters) against transformers' LlamaForCausalLM with a
+function's batch symbolic; its weights parameters, laid out in panels once at load:
+``pack_params``) against transformers' LlamaForCausalLM with a
 ``DynamicCache`` and the same weights, eagerly (torch.compile is not timed here: a DynamicCache
 grows every step). Runs of both go in blocks of two that take turns (``timing.in_blocks``, the
 first of each block dropped); the row gives each phase's median seconds (prefill:
@@ -159,10 +160,11 @@ def hf_name(name: str) -> str:
     return "model." + name.replace(".attn.", ".self_attn.")
 
 
-def decode_row(seq: int, batch: int, new_tokens: int, seed: int) -> dict:
+def decode_row(seq: int, batch: int, new_tokens: int, seed: int, *, pack_params: bool = True) -> dict:
     """``batch`` prompts of ``seq`` tokens, then ``new_tokens`` greedy steps at M = ``batch`` (module
     docstring): tvm_fuel's ``LlamaEngine`` against transformers' LlamaForCausalLM with a DynamicCache,
-    the same weights, in blocks that take turns; seconds per phase (medians) and the tokens both chose."""
+    the same weights, in blocks that take turns; seconds per phase (medians) and the tokens both chose.
+    ``pack_params=False``: the engine's weights as initialized (its matmuls pack them at every call)."""
     import torch
     import transformers
 
@@ -174,7 +176,8 @@ def decode_row(seq: int, batch: int, new_tokens: int, seed: int) -> dict:
                                num_layers=SMOLLM_4["num_hidden_layers"], num_heads=SMOLLM_4["num_attention_heads"],
                                num_kv_heads=SMOLLM_4["num_key_value_heads"], head_dim=64)
     blocks = -(-batch * (seq + new_tokens) // 16)
-    engine = LlamaEngine(config, target=host_target(), kernels="tuned", num_blocks=blocks, block_size=16, seed=seed)
+    engine = LlamaEngine(config, target=host_target(), kernels="tuned", num_blocks=blocks, block_size=16, seed=seed,
+                         pack_params=pack_params)
     hf_config = transformers.LlamaConfig(**{**SMOLLM_4, "tie_word_embeddings": False}, rms_norm_eps=config.rms_norm_eps,
                                          rope_theta=config.rope_theta, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(hf_config).eval()
@@ -215,7 +218,7 @@ def decode_row(seq: int, batch: int, new_tokens: int, seed: int) -> dict:
     prefill = {name: float(np.median([r[0] for r in times])) for name, times in runs.items()}
     decode = {name: float(np.median([r[1] for r in times])) / (new_tokens - 1) for name, times in runs.items()}
     same = chosen["tvm_fuel"] == chosen["eager"]
-    return {"seq": seq, "batch": batch, "new_tokens": new_tokens, "dtype": "float32",
+    return {"seq": seq, "batch": batch, "new_tokens": new_tokens, "dtype": "float32", "pack_params": pack_params,
             "prefill_seconds": prefill, "decode_step_seconds": decode,
             "decode_vs_eager": decode["tvm_fuel"] / decode["eager"],
             "prefill_vs_eager": prefill["tvm_fuel"] / prefill["eager"],

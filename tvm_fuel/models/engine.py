@@ -69,26 +69,33 @@ class LlamaEngine:
         Seed of the random weights.
     device : tvm.runtime.Device
         Default ``tvm.cpu()``.
-    shipped_logs, relax_pipeline :
+    shipped_logs, relax_pipeline, pack_params :
         As ``tvm_fuel.compile``'s: the logs shipped with the package (their records for the demo's
-        shapes), and the pipeline after the fuel ops (default: ``build.default_pipeline``).
+        shapes), the pipeline after the fuel ops (default: ``build.default_pipeline``), and whether
+        the weights are laid out once, here, in the panels the CPU matmuls read (the build's
+        ``transform_params``; default: passed as initialized, the matmuls packing them per call).
     """
 
     def __init__(self, config: llama.LlamaConfig, *, target="llvm", kernels: str = "decomposed",
                  num_blocks: int = 64, block_size: int = 16, seed: int = 0, device=None, shipped_logs: bool = True,
-                 relax_pipeline="default"):
+                 relax_pipeline="default", pack_params: bool = False):
         self.config, self.device = config, device or tvm.cpu()
         self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=config.num_kv_heads,
                                   head_dim=config.head_dim, num_layers=config.num_layers, dtype=config.dtype,
                                   device=self.device, target=target)  # first: bad sizes fail before the build
         mod, names = llama.serving_module(config, num_blocks=num_blocks, block_size=block_size, gpu=self.cache.gpu)
         self.module, self.target, self.kernels, self.shipped_logs = mod, target, kernels, shipped_logs
+        self.pack_params = pack_params
         start = time.perf_counter()
         self.vm = relax.VirtualMachine(fuel_compile(mod, target, kernels=kernels, shipped_logs=shipped_logs,
-                                                    relax_pipeline=relax_pipeline), self.device)
+                                                    relax_pipeline=relax_pipeline, pack_params=pack_params),
+                                       self.device)
         self.build_s = time.perf_counter() - start
         self.weights = llama.init_weights(config, names, seed=seed)
-        self._params = [tvm.runtime.tensor(self.weights[name], device=self.device) for name in names]
+        # the weights as the build's functions take them: as initialized, or laid out once by transform_params
+        self.params = [tvm.runtime.tensor(self.weights[name], device=self.device) for name in names]
+        if pack_params:
+            self.params = list(self.vm["transform_params"](self.params))
 
     def records(self) -> dict:
         """What the build took from tuning logs (the shipped ones): ``kernels`` of ``kernel_total``
@@ -96,7 +103,8 @@ class LlamaEngine:
         functions with a MetaSchedule record, and the logs (``sources``); see ``tuning_report``."""
         from ..tuning.report import TIR_FUNCTION, tuning_report
 
-        rows = (tuning_report(self.module, self.target, functions=True, shipped_logs=self.shipped_logs)
+        rows = (tuning_report(self.module, self.target, functions=True, shipped_logs=self.shipped_logs,
+                              pack_params=self.pack_params)
                 if self.kernels == "tuned" else [])
         kernels = [r for r in rows if r["workload"] != TIR_FUNCTION]
         functions = [r for r in rows if r["workload"] == TIR_FUNCTION]
@@ -117,7 +125,7 @@ class LlamaEngine:
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [B, S, vocab] of whole sequences [B, S] without the cache (``flash_attn``)."""
-        return self.vm["forward"](self._tokens(tokens, "forward"), *self._params).numpy()
+        return self.vm["forward"](self._tokens(tokens, "forward"), *self.params).numpy()
 
     def prefill(self, seq: int, prompt: list[int]) -> np.ndarray:
         """Run the prompt of the empty sequence ``seq`` and keep its K/V in the cache; returns
@@ -128,7 +136,7 @@ class LlamaEngine:
                              f"(continue it with decode)")
         with self.cache.rollback_on_error([seq]):
             slots = self.cache.reserve([seq], len(prompt))
-            logits, _, _ = self.vm["prefill"](tokens, self.cache.k_cache, self.cache.v_cache, slots, *self._params)
+            logits, _, _ = self.vm["prefill"](tokens, self.cache.k_cache, self.cache.v_cache, slots, *self.params)
         return logits.numpy()[0]
 
     def decode(self, seqs: list[int], tokens: np.ndarray) -> np.ndarray:
@@ -142,7 +150,7 @@ class LlamaEngine:
             slots = self.cache.reserve(seqs, int(tokens.shape[1]))
             func = self.vm["decode" if tokens.shape[1] == 1 else "extend"]
             logits, _, _ = func(tokens, self.cache.k_cache, self.cache.v_cache, self.cache.block_table(seqs),
-                                self.cache.context_lens(seqs), slots, *self._params)
+                                self.cache.context_lens(seqs), slots, *self.params)
         return logits.numpy()
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, time_attention: bool = False) -> Generation:

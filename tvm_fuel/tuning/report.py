@@ -12,6 +12,7 @@ import tvm
 
 from ..transform.apply_tuned_functions import ApplyTunedFunctions
 from ..transform.legalize_fuel import LegalizeFuel
+from ..transform.pack_linear_weights import PackLinearParams
 from ..transform.specialize_at_tuned_shapes import SpecializeAtTunedShapes
 from ..target import as_target
 from ..transform.legalize_and_fuse import fuse
@@ -22,7 +23,7 @@ TIR_FUNCTION = "tir function"  # the workload column of a model's other function
 
 
 def tuning_report(mod: tvm.IRModule, target, *, database=None, shipped_logs: bool = True,
-                  functions: bool = False) -> list[dict]:
+                  functions: bool = False, pack_params: bool = False) -> list[dict]:
     """Lower ``mod`` as ``tvm_fuel.compile(..., kernels="tuned")`` would and list its kernels.
 
     Returns rows ``{"function", "workload", "knobs", "match", "tuned_at"}`` where ``knobs`` is the
@@ -33,11 +34,14 @@ def tuning_report(mod: tvm.IRModule, target, *, database=None, shipped_logs: boo
 
     ``functions``: also a row per other TIR function (workload ``"tir function"``) after the
     model is specialized at its logs' shape points and fused as a build does: ``knobs`` is the
-    log its MetaSchedule record came from, or ``"default schedule"``.
+    log its MetaSchedule record came from, or ``"default schedule"``. ``pack_params``: as
+    ``tvm_fuel.compile``'s (the matmuls over the packed weights are other functions).
     """
     target = as_target(target)
     roots = log_roots(database, shipped_logs)
     lower = LegalizeFuel(target, kernels="tuned", database=database, shipped_logs=shipped_logs)
+    if pack_params:
+        mod = PackLinearParams(target)(mod)
     legalized = lower(SpecializeAtTunedShapes(target, roots, lower)(mod))
     rows = []
     if functions:
