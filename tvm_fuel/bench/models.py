@@ -72,6 +72,7 @@ def _row(seq: int, batch: int, dtype: str, seed: int) -> dict:
 
     from .. import frontend
     from ..build import compile as fuel_compile
+    from ..models.engine import as_numpy
 
     model = _model(dtype, seed)
     ids = torch.randint(0, SMOLLM_4["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
@@ -84,7 +85,7 @@ def _row(seq: int, batch: int, dtype: str, seed: int) -> dict:
     fused = str(mod["main"]).count("R.fuel.flash_attn(")
 
     def fuel():
-        return _as_numpy(vm["main"](ids_tvm)[0])
+        return as_numpy(vm["main"](ids_tvm)[0])
 
     fuel()
     fuel_first = time.perf_counter() - start
@@ -124,6 +125,7 @@ def mask_row(seq: int, batch: int, dtype: str, seed: int) -> dict:
 
     from .. import frontend
     from ..build import compile as fuel_compile
+    from ..models.engine import as_numpy
 
     model = _model(dtype, seed)
     ids = torch.randint(0, SMOLLM_4["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
@@ -136,7 +138,7 @@ def mask_row(seq: int, batch: int, dtype: str, seed: int) -> dict:
         masks[name] = _fused_mask(mod)
         vm = relax.VirtualMachine(fuel_compile(mod, host_target(), kernels="tuned"), tvm.cpu())
         args = [tvm.runtime.tensor(t.numpy()) for t in (ids, *kwargs.values())]
-        calls[name] = lambda vm=vm, args=args: _as_numpy(vm["main"](*args)[0])
+        calls[name] = lambda vm=vm, args=args: as_numpy(vm["main"](*args)[0])
     logits = {name: call() for name, call in calls.items()}
     difference = float(np.abs(logits["with_mask"] - logits["without_mask"]).max()
                        / np.abs(logits["without_mask"]).max())
@@ -241,13 +243,6 @@ def _fused_mask(mod) -> str | None:
         return None
     mask = found[0].args[3 + bool(found[0].attrs["has_alibi_slopes"])]  # present arguments only
     return f"{mask.ty.dtype}{[int(d) for d in mask.ty.shape]}"
-
-
-def _as_numpy(tensor) -> np.ndarray:
-    """A TVM tensor as numpy as PyTorch's ``.numpy()`` gives a float32 tensor: a view, no copy (the
-    logits of S 512 are 100 MB: a copy on one side only was 10-20 ms of a 170 ms row); other dtypes
-    copied, as PyTorch's ``.float()`` converts them."""
-    return np.from_dlpack(tensor) if str(tensor.dtype) == "float32" else tensor.numpy()
 
 
 def _seconds(fn) -> float:
