@@ -1,7 +1,7 @@
 """Where a paged kernel's tokens live, for every target: one small object per layout with the
 methods the kernels read tokens through (``page(j)``, ``slot(j)``, ``k(page, slot, g, d)``,
 ``v(...)``, ``stored(kind, ...)`` (the element's load, for prefetches); ``rope_position(j)`` where
-keys may be rotated in the kernel).
+keys may be rotated in the kernel; ``page_dtype``, the integer dtype a kernel keeps page ids in).
 
 * vLLM's layout (fuel's own paged ops): caches [num_blocks, block_size, Hkv, D] and a block
   table [B, max_blocks] (``BlockTable``); an 8-bit cache's ``k`` and ``v`` are dequantized, and
@@ -55,6 +55,11 @@ class BlockTable:
     def quantized(self) -> bool:
         return str(self.k_cache.dtype) in quant.QUANT_DTYPES
 
+    @property
+    def page_dtype(self) -> str:
+        """The dtype a kernel keeps page ids in: the table's (int64 only where the caller's is)."""
+        return str(self.table.dtype)
+
     def page(self, j):
         # a live token's block id was validated before the kernel (CPU check); clamp all the same
         return T.max(T.min(T.Cast("int64", self.table[self.b, j // self.block_size]), self.num_blocks - 1),
@@ -103,6 +108,7 @@ class DenseKeys:
     k_rows: tirx.Buffer
     v_rows: tirx.Buffer
     b: tirx.PrimExpr
+    page_dtype = "int64"  # a row of Sk, an int64 dim
 
     def page(self, j):
         return sem.as_int64(j)
@@ -136,6 +142,10 @@ class TvmPages:
 
     def rope_position(self, j):
         return self.rope_offset + T.Cast("int32", j)
+
+    @property
+    def page_dtype(self) -> str:
+        return str(self.page_values.dtype)  # TVM's int32: MLC-LLM's ForceNarrowIndexToInt32 refuses int64 buffers
 
     def offset(self, j):
         j = T.Cast("int32", j)
@@ -174,6 +184,10 @@ class RaggedKeys:
         if self.positions is not None:
             return self.positions[self.start + T.Cast("int32", j)]
         return self.rope_offset + T.Cast("int32", j)
+
+    @property
+    def page_dtype(self) -> str:
+        return str(self.k_rows.shape[0].ty.dtype)  # a row of k, in its row dim's dtype (TVM's total_kv: int32)
 
     def page(self, j):
         return T.Cast("int64", self.start) + T.Cast("int64", j)
@@ -227,8 +241,8 @@ class TreeMask:
     kv_len: Callable
 
     @property
-    def shape(self):  # nominal: every index is clamped into the sequence's nodes below
-        n = tirx.const(2**62, "int64")
+    def shape(self):  # nominal: every index is clamped into the sequence's nodes below (an int32 bound: the
+        n = tirx.const(2**31 - 1, "int64")  # readers' clamps to it stay int32 when MLC-LLM narrows indices)
         return (n, tirx.const(1, "int64"), n, n)
 
     def __getitem__(self, index):

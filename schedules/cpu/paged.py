@@ -210,15 +210,17 @@ class PagedTile:
         @T.macro
         def stream_tile(heads, params, cache, tile, kt):
             # the page of every token of the tile, looked up once (dead tokens reuse the last live one)
-            pages = T.alloc_buffer((BK,), "int64")
+            # (in the layout's page dtype: int32 in TVM's cache, whose kernels MLC-LLM narrows to int32 indices)
+            pages = T.alloc_buffer((BK,), cache.page_dtype)
             sums = T.alloc_buffer((ROWS_POW2 if not INT_DOT else 1,), F32)
             for c in range(BK):
-                pages[c] = cache.page(T.min(kt * BK + c, tile.kv_len - 1))
+                pages[c] = T.Cast(cache.page_dtype, cache.page(T.min(kt * BK + c, tile.kv_len - 1)))
             # and of the token PREFETCH ahead of each (the last live one past the end)
-            pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), "int64")
+            pages_ahead = T.alloc_buffer((BK if PREFETCH > 0 else 1,), cache.page_dtype)
             if PREFETCH > 0:
                 for c in range(BK):
-                    pages_ahead[c] = cache.page(T.min(kt * BK + c + PREFETCH, tile.kv_len - 1))
+                    pages_ahead[c] = T.Cast(cache.page_dtype,
+                                            cache.page(T.min(kt * BK + c + PREFETCH, tile.kv_len - 1)))
             tokens = T.meta_var(_Tokens(kt, pages, pages_ahead))
             # the tile's V scales (and K scales, where q.k is taken in integers), a token's for all heads at once
             v_scales = T.alloc_buffer((HT, BK) if SCALED else (1, 1), F32)

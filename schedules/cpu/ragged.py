@@ -240,9 +240,9 @@ class PackedKeys:
 def find_sequence(bounds, first, B, index):
     # bounds[0] := the sequence b whose units (row tiles, tasks) hold unit ``index``: the last
     # b < B with first[b] <= index (an empty sequence shares its successor's start); log2(B) steps.
-    # bounds: a local int64 buffer of 2
-    bounds[0] = T.int64(0)
-    bounds[1] = T.Cast("int64", B)
+    # bounds: a local buffer of 2 (any integer dtype B fits in)
+    bounds[0] = T.Cast(bounds.dtype, 0)
+    bounds[1] = T.Cast(bounds.dtype, B)
     while bounds[1] - bounds[0] > 1:
         if first[(bounds[0] + bounds[1]) // 2] <= index:
             bounds[0] = (bounds[0] + bounds[1]) // 2
@@ -276,15 +276,15 @@ def dealt_tasks(workers, n_tasks, first, B, stride, task_body, context, spread=F
     # 1 KiB or more a workspace call: per task, thousands of one-token sequences paid for them)
     for worker in T.parallel(workers):
         slot: T.int64 = _worker_slot(worker, workers, spread)
-        bounds = T.alloc_buffer((2,), "int64", scope="local")
+        bounds = T.alloc_buffer((2,), "int32", scope="local")  # a sequence index (int32: MLC-LLM's narrowing)
         scratch = T.meta_var(scratch_of() if scratch_of is not None else None)
         for step in range(T.max(n_tasks - slot + workers - 1, T.int64(0)) // workers):
             task_id: T.int64 = slot + step * workers
             find_sequence(bounds, first, B, task_id // stride)
             if scratch_of is None:
-                task_body(context, task_id, bounds[0])
+                task_body(context, task_id, T.Cast("int64", bounds[0]))
             else:
-                task_body(context, task_id, bounds[0], scratch)
+                task_body(context, task_id, T.Cast("int64", bounds[0]), scratch)
 
 
 def _tvm_key_tiles(a, BK: int):
@@ -362,19 +362,22 @@ def prefill_phases(spec: KernelSpec, tiles: CpuTiles, plain: RaggedTask, causal_
         # a (TvmArgs): the kernel's parameters
         B = T.meta_var(a.B)
         max_tiles = T.meta_var(bound(a, BK))
-        # counts: first key tile of each sequence (and the total), the most row tiles of a sequence
-        first_tile = T.alloc_buffer((B + 1,), "int64")
-        first_row_tile = T.alloc_buffer((B + 1,), "int64")
-        most_rows = T.alloc_buffer((1,), "int64")
-        first_tile[0] = T.int64(0)
-        first_row_tile[0] = T.int64(0)
-        most_rows[0] = T.int64(0)
+        # counts: first key tile of each sequence (and the total), the most row tiles of a sequence;
+        # int32 tiles (TVM's cache counts its tokens in int32, and MLC-LLM's pipeline narrows every
+        # kernel's indices to int32, refusing an int64 buffer)
+        first_tile = T.alloc_buffer((B + 1,), "int32")
+        first_row_tile = T.alloc_buffer((B + 1,), "int32")
+        most_rows = T.alloc_buffer((1,), "int32")
+        first_tile[0] = 0
+        first_row_tile[0] = 0
+        most_rows[0] = 0
         for b in range(B):
-            first_tile[b + 1] = first_tile[b] + a.kv_len(b) // BK  # whole tiles: the last is the tasks'
-            first_row_tile[b + 1] = first_row_tile[b] + (a.q_len(b) * group + BQ - 1) // BQ
-            most_rows[0] = T.max(most_rows[0], (a.q_len(b) * group + BQ - 1) // BQ)
-        assert first_tile[B] <= max_tiles, overflow
-        n_row_tiles: T.int64 = most_rows[0]
+            # whole tiles: the last is the tasks'
+            first_tile[b + 1] = first_tile[b] + T.Cast("int32", a.kv_len(b) // BK)
+            first_row_tile[b + 1] = first_row_tile[b] + T.Cast("int32", (a.q_len(b) * group + BQ - 1) // BQ)
+            most_rows[0] = T.max(most_rows[0], T.Cast("int32", (a.q_len(b) * group + BQ - 1) // BQ))
+        assert T.Cast("int64", first_tile[B]) <= max_tiles, overflow
+        n_row_tiles: T.int64 = T.Cast("int64", most_rows[0])
         k_tiles, v_tiles, nonfinite = T.meta_var((None, None, None) if stream else workspaces(max_tiles))
         if not stream:
             for pack in T.parallel(T.Cast("int64", B) * Hkv):
