@@ -85,6 +85,9 @@ def pipeline(target: Any, *, kernels: str = "decomposed", database: Any = None, 
     from .dispatch.records import log_roots  # (it reads the kernel rules: loaded on first build)
 
     roots = log_roots(database, shipped_logs)
+    if pack_params and target.kind.name != "llvm":  # (no transform_params would come of it)
+        raise ValueError(f"tvm_fuel.compile: pack_params lays weights out for the CPU matmuls (an llvm target), "
+                         f"got a {target.kind.name} target")
     if isinstance(base, str):
         base = default_pipeline(target, roots) if base == "default" else relax.get_pipeline(base)
     front = [RepairImportedProgram()] + ([PackLinearParams(target)] if pack_params else [])

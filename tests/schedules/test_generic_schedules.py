@@ -338,7 +338,8 @@ def test_weight_parameters_are_packed_once_at_load(case):
 
 def test_only_weight_parameters_are_packed():
     """PackLinearParams leaves alone: a function without ``num_input`` (no weights declared), the
-    inputs before it (x @ y.T of two inputs), and every non-llvm target."""
+    inputs before it (x @ y.T of two inputs), and every non-llvm target (``compile(pack_params=True)``
+    refuses one: there would be no transform_params to run)."""
     from tvm_fuel.transform.pack_linear_weights import PackLinearParams
 
     params = dict(x=(("n", 64), F32), w=((96, 64), F32))
@@ -350,6 +351,8 @@ def test_only_weight_parameters_are_packed():
     assert any("panels" in gv.name_hint for gv in PackLinearParams(HOST)(weights).get_global_vars())  # the control
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     assert tvm_ffi.structural_equal(PackLinearParams(cuda)(weights), weights)
+    with pytest.raises(ValueError, match="tvm_fuel.compile: pack_params .* got a cuda target"):
+        tvm_fuel.compile(weights, cuda, pack_params=True)
 
 
 def test_decode_rule_declines_what_is_not_a_decode_row():
