@@ -217,16 +217,12 @@ class PackedMatmul(Matmul):
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
         larger = super().apply(func, target, _tunable)
-        rows = _output_rows(func) if larger is not None else None
+        rows = _symbolic_rows(func) if larger is not None else None
         if rows is None:
             return larger
         tiles = self.tiles or MatmulTiles.for_target(target)
         decode = scheduled(self._schedule, func, replace(tiles, rows=1))
-        if decode is None:
-            return None
-        scheduled_decode, scheduled_larger = decode.mod["main"], larger.mod["main"]
-        return s_tir.Schedule(scheduled_decode.with_body(
-            tirx.IfThenElse(rows <= DECODE_ROWS, scheduled_decode.body, scheduled_larger.body)))
+        return None if decode is None else _branch_on_rows(rows, decode, larger)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: MatmulTiles):
@@ -295,27 +291,23 @@ class DecodeTiles:
 
 
 def _symbolic_rows(func: tirx.PrimFunc) -> tirx.PrimExpr | None:
-    """M of ``func``'s GEMM as ``normalize_gemm`` fuses it (batch dims times rows), where it is not a
-    constant; None where it is (or the GEMV form dlight normalizes M 1 to)."""
-    sch = s_tir.Schedule(func)
-    main = gemm_block(sch)
-    if main is None or get_index_map(sch.get(main)) is None:
-        return None
-    normalize_gemm(sch, main)
-    rows = sch.get(main).iter_vars[1].dom.extent
-    return None if static_extent(rows) is not None else rows
-
-
-def _output_rows(func: tirx.PrimFunc) -> tirx.PrimExpr | None:
-    """The rows of the GEMM's output C [..., N] (its leading dims' product: M as ``normalize_gemm``
-    fuses them), where that is not a constant; None where it is."""
+    """M of ``func``'s GEMM, the product of its output C [..., N]'s leading dims (batch dims times
+    rows, as ``normalize_gemm`` fuses them), where that is not a constant; None where it is."""
     sch = s_tir.Schedule(func)
     main = gemm_block(sch)
     if main is None:
         return None
     shape = sch.get(main).writes[0].source.shape[:-1]
-    rows = functools.reduce(lambda a, b: a * b, shape, tirx.const(1, "int64"))
-    return None if all(static_extent(d) is not None for d in shape) else rows
+    if all(static_extent(d) is not None for d in shape):
+        return None
+    return tvm.sym.Analyzer().simplify(functools.reduce(lambda a, b: a * b, shape))
+
+
+def _branch_on_rows(rows: tirx.PrimExpr, decode: s_tir.Schedule, larger: s_tir.Schedule) -> s_tir.Schedule:
+    """One function that runs ``decode``'s schedule where ``rows`` <= ``DECODE_ROWS`` and
+    ``larger``'s beyond (two schedules of the same function, decided at run time)."""
+    small, big = decode.mod["main"], larger.mod["main"]
+    return s_tir.Schedule(small.with_body(tirx.IfThenElse(rows <= DECODE_ROWS, small.body, big.body)))
 
 
 def _last_index_is(block: tirx.SBlock, buffer: tirx.Buffer, var: tirx.Var) -> bool:
@@ -349,11 +341,7 @@ class DecodeMatmul(dl.ScheduleRule):
         if rows is None:
             return decode
         larger = Matmul(self.matmul_tiles).apply(func, target, _tunable)
-        if larger is None:
-            return None
-        scheduled_decode, scheduled_larger = decode.mod["main"], larger.mod["main"]
-        return s_tir.Schedule(scheduled_decode.with_body(
-            tirx.IfThenElse(rows <= DECODE_ROWS, scheduled_decode.body, scheduled_larger.body)))
+        return None if larger is None else _branch_on_rows(rows, decode, larger)
 
     @staticmethod
     def _schedule(func: tirx.PrimFunc, tiles: DecodeTiles):
